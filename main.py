@@ -39,6 +39,7 @@ import flags  # noqa: E402
 import results  # noqa: E402
 
 FLAGS = flags.FLAGS
+absl_flags.adopt_module_key_flags(flags)  # --help lists this project's flags
 
 
 def fail(message):

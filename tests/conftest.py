@@ -1,0 +1,25 @@
+"""Shared test fixtures: the real MNIST once per session, and the CLI as a subprocess."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import main  # noqa: E402,F401  (imports TensorFlow quietly, before any test module does)
+import data  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mnist():
+    return data.load_mnist()
+
+
+def run_cli(*args, timeout=300, script="main.py", env=None):
+    """Runs `python main.py ARGS` from the repository root; returns the CompletedProcess."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
