@@ -37,7 +37,8 @@ class Config:
 class Run:
     """The graph of one run, built once; `train` drives the session loop over it."""
 
-    def __init__(self, config, seed):
+    def __init__(self, config, seed, optimizer=None):
+        """Builds the graph; `optimizer` defaults to Adam at config.learning_rate."""
         self.config = config
         self.graph = tf.Graph()
         with self.graph.as_default():
@@ -48,7 +49,7 @@ class Run:
             self.ops = model.build(config.model, self.images, self.labels, self.training,
                                    config.dropout)
             self.global_step = v1.train.get_or_create_global_step()
-            optimizer = v1.train.AdamOptimizer(config.learning_rate)
+            optimizer = optimizer or v1.train.AdamOptimizer(config.learning_rate)
 
             def micro_batch_loss(images, labels):
                 return model.build(config.model, images, labels, self.training,
