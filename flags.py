@@ -72,6 +72,65 @@ _define("enum", "model", "convnet",
 _define("integer", "threads", 0,
         "TensorFlow intra- and inter-op threads (0: TensorFlow's default).", lower_bound=0)
 
+# ---- the TF2 engine and tf.distribute
+_define("enum", "engine", "tf1",
+        "tf1: the post's graph and session loop; tf2: a Keras model, tf.data and a "
+        "tf.function GradientTape accumulator (tf2_trainer.py).", enum_values=["tf1", "tf2"])
+_define("enum", "lr-schedule", "constant",
+        "constant, or exponential: learning-rate * decay-rate^(updates / decay-steps); "
+        "it counts optimizer updates, not mini-batches.",
+        enum_values=["constant", "exponential"])
+_define("integer", "lr-decay-steps", 100,
+        "Updates per factor of --lr-decay-rate (exponential schedule).", lower_bound=1)
+_define("float", "lr-decay-rate", 0.96, "Factor per --lr-decay-steps updates.")
+_check("lr-decay-rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
+_define("enum", "strategy", "none",
+        "tf.distribute for the tf2 engine: none, mirrored (every visible device, or "
+        "--replicas of them), multi_worker (MultiWorkerMirroredStrategy, TF_CONFIG).",
+        enum_values=["none", "mirrored", "multi_worker"])
+_define("integer", "replicas", 0,
+        "Replicas for --strategy=mirrored: the first K GPUs, or without a GPU the CPU "
+        "split into K logical devices (0: every visible device). --batch-size stays the "
+        "global mini-batch, split over the replicas.", lower_bound=0)
+flags.register_multi_flags_validator(
+    ["engine", "strategy"], lambda v: v["strategy"] == "none" or v["engine"] == "tf2",
+    message="--strategy needs --engine=tf2 (the tf1 engine trains on one device)")
+flags.register_multi_flags_validator(
+    ["engine", "accumulate"], lambda v: v["engine"] == "tf1" or v["accumulate"] == "stack",
+    message="--accumulate picks a tf1 strategy; the tf2 engine accumulates in variables "
+            "(leave --accumulate out)")
+flags.register_multi_flags_validator(
+    ["strategy", "replicas"], lambda v: v["replicas"] == 0 or v["strategy"] == "mirrored",
+    message="--replicas needs --strategy=mirrored")
+
+# ---------------------------------------------------------------- reproduction and reporting
+_define("integer", "eval-every-updates", 0,
+        "Evaluate on the test set every this many optimizer updates instead (0: off), so "
+        "that every N gets the same cadence; needs --eval-every=0.", lower_bound=0)
+flags.register_multi_flags_validator(
+    ["eval-every", "eval-every-updates"],
+    lambda v: not (v["eval-every"] and v["eval-every-updates"]),
+    message="--eval-every-updates replaces the per-iteration cadence: pass --eval-every=0 "
+            "with it")
+_define("string", "logdir", None,
+        "Write TensorBoard event files (training loss per update, test accuracy per "
+        "evaluation) under DIR/<config>/seed<S>.")
+
+# ---------------------------------------------------------------- long runs: resume, bad numbers
+_define("string", "checkpoint-dir", None,
+        "Save checkpoints under DIR/rep-<r> (weights, optimizer, data position, the open "
+        "window) and resume from them when started again with the same flags.")
+_define("integer", "checkpoint-every", 100,
+        "Save a checkpoint every this many updates (and always on SIGINT/SIGTERM).",
+        lower_bound=1)
+_define("enum", "on-nonfinite", "skip",
+        "A NaN or Inf loss or gradient discards its whole window; skip: warn and go on; "
+        "abort: stop (with a checkpoint).", enum_values=["skip", "abort"])
+_define("integer", "max-bad-windows", 10,
+        "Stop after this many consecutive discarded windows.", lower_bound=1)
+_define("multi_integer", "inject-nonfinite", [],
+        "Testing aid: make the mini-batch of these iterations NaN.", lower_bound=1)
+
 
 def value(name):
     """A flag's value by its public (dashed) name."""
@@ -84,7 +143,13 @@ def train_config():
         average_gradients=value("average-gradients"), batch_size=value("batch-size"),
         iterations=value("iterations"), learning_rate=value("learning-rate"),
         dropout=value("dropout"), eval_every=value("eval-every"),
-        accumulate=value("accumulate"), model=value("model"), threads=value("threads"))
+        eval_every_updates=value("eval-every-updates"),
+        accumulate=value("accumulate"), model=value("model"), threads=value("threads"),
+        engine=value("engine"), lr_schedule=value("lr-schedule"),
+        lr_decay_steps=value("lr-decay-steps"), lr_decay_rate=value("lr-decay-rate"),
+        strategy=value("strategy"), replicas=value("replicas"),
+        on_nonfinite=value("on-nonfinite"), max_bad_windows=value("max-bad-windows"),
+        inject_nonfinite=tuple(value("inject-nonfinite")))
 
 
 def all_values():

@@ -3,7 +3,9 @@
     python main.py --average-gradients=5 --batch-size=20 --iterations=5000
 """
 
+import logging as std_logging
 import os
+import signal
 import sys
 
 
@@ -33,6 +35,7 @@ from absl import app  # noqa: E402
 from absl import flags as absl_flags  # noqa: E402
 from absl import logging  # noqa: E402
 
+import checkpoint  # noqa: E402
 import data  # noqa: E402
 import experiment  # noqa: E402
 import flags  # noqa: E402
@@ -42,10 +45,33 @@ FLAGS = flags.FLAGS
 absl_flags.adopt_module_key_flags(flags)  # --help lists this project's flags
 
 
-def fail(message):
+def fail(message, code=2):
     """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the training loop to stop after the current mini-batch.
+
+    The loop then saves its checkpoint and the process exits 128 + the signal's number.
+    A second signal ends the process at once.
+    """
+
+    def __init__(self):
+        self.received = None
+
+    def install(self):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received:
+            sys.exit(128 + signum)
+        self.received = signal.Signals(signum)
+
+    def __call__(self):
+        return self.received.name if self.received else None
 
 
 def parse_flags(argv):
@@ -59,18 +85,41 @@ def main(argv):
     if len(argv) > 1:
         fail(f"unexpected arguments: {' '.join(argv[1:])}")
     config = flags.train_config()
+    if config.engine == "tf2":
+        import tf2_trainer  # Keras and tf.distribute load only for this engine
+        try:
+            tf2_trainer.prepare(config)  # devices are fixed once TensorFlow's runtime starts
+        except tf2_trainer.ConfigError as e:
+            fail(str(e))
     results_path = flags.value("results")
     try:
         if results_path:
             results.check_writable(results_path)
+        if flags.value("logdir"):
+            results.check_directory(flags.value("logdir"), "--logdir")
+        checkpoint_dir = flags.value("checkpoint-dir")
+        if checkpoint_dir:
+            results.check_directory(checkpoint_dir, "--checkpoint-dir")
         datasets = data.load_mnist(flags.value("data-dir"))
     except (data.DataError, results.ResultsError) as e:
         fail(str(e))
 
+    stop = StopSignals()
+    stop.install()
     runs = []
     for rep in range(flags.value("reps")):
-        run = experiment.train_once(config, datasets, seed=flags.value("seed") + rep,
-                                    verbose=flags.value("verbose"))
+        seed = flags.value("seed") + rep
+        try:
+            run = experiment.train_once(
+                config, datasets, seed=seed, verbose=flags.value("verbose"),
+                logdir=results.event_dir(flags.value("logdir"), config, seed),
+                checkpoint_dir=checkpoint_dir and os.path.join(checkpoint_dir, f"rep-{rep}"),
+                checkpoint_every=flags.value("checkpoint-every"), should_stop=stop)
+        except checkpoint.CheckpointError as e:
+            fail(str(e))
+        except experiment.Stopped as e:
+            fail(f"run {rep + 1} of {flags.value('reps')}: {e}",
+                 code=128 + stop.received if stop.received else 3)
         runs.append(run)
         print(results.run_line(run), flush=True)
         if results_path:
@@ -81,6 +130,9 @@ def main(argv):
 
 def run():
     logging.set_verbosity(logging.WARNING)
+    logging.get_absl_handler().setFormatter(std_logging.Formatter("%(levelname)s: %(message)s"))
+    import tensorflow as tf
+    tf.config.experimental.enable_op_determinism()  # same flags, same bits (on CPU)
     app.run(main, flags_parser=parse_flags)
 
 

@@ -1,5 +1,6 @@
 """Results files and their statistics: atomic JSON, the post's summary line."""
 
+import collections
 import json
 import math
 import os
@@ -10,13 +11,14 @@ class ResultsError(OSError):
     """A results file cannot be written or read; the message names it."""
 
 
-def atomic_write_text(path, text):
-    """Writes `text` to `path` through a temp file and a rename: never half-written."""
+def atomic_write_bytes(path, payload):
+    """Writes `payload` to `path` through a temp file and a rename: never half-written."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for temp files, not results
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -24,6 +26,16 @@ def atomic_write_text(path, text):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_text(path, text):
+    atomic_write_bytes(path, text.encode())
 
 
 def atomic_write_json(path, obj):
@@ -48,6 +60,35 @@ def check_writable(path):
             from None
     os.close(fd)
     os.unlink(tmp)
+
+
+def check_directory(path, flag):
+    """Creates directory `path` if needed and checks it is writable, before any training.
+
+    Raises:
+      ResultsError: naming `flag` and the reason.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path, prefix=".tmp-probe-")
+    except OSError as e:
+        raise ResultsError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def run_label(config):
+    """A configuration's short name for files and TensorBoard runs: n5-b20-it5000.
+
+    Args:
+      config: anything with average_gradients, batch_size and iterations attributes.
+    """
+    return f"n{config.average_gradients}-b{config.batch_size}-it{config.iterations}"
+
+
+def event_dir(logdir, config, seed):
+    """Where one run's TensorBoard events go: LOGDIR/<config>/seed<S>; None without LOGDIR."""
+    return os.path.join(logdir, run_label(config), f"seed{seed}") if logdir else None
 
 
 def mean_std(values):
@@ -82,3 +123,119 @@ def results_document(config, runs):
     mean, std = mean_std([r["best_accuracy"] for r in runs])
     return {"config": dict(config), "runs": list(runs),
             "mean_accuracy": mean, "std_accuracy": std}
+
+
+# ---------------------------------------------------------------- inference (no scipy)
+# The table's confidence intervals and Welch t-tests need Student's t distribution; its
+# CDF is a regularized incomplete beta function, evaluated here by a continued fraction.
+
+BETA_EPSILON = 1e-15
+BETA_MAX_TERMS = 500
+
+Welch = collections.namedtuple("Welch", ["t", "df", "p"])
+
+
+def sample_variance(values):
+    """Unbiased variance (ddof=1), the one t statistics use; nan below two values."""
+    n = len(values)
+    if n < 2:
+        return math.nan
+    mean = sum(values) / n
+    return sum((v - mean) ** 2 for v in values) / (n - 1)
+
+
+def _beta_fraction(a, b, x):
+    """The continued fraction of I_x(a, b), by the modified Lentz method."""
+    tiny = 1e-300
+
+    def clamp(v):
+        return v if abs(v) > tiny else tiny
+
+    c, d = 1.0, 1.0 / clamp(1.0 - (a + b) * x / (a + 1.0))
+    fraction = d
+    for m in range(1, BETA_MAX_TERMS + 1):
+        for numerator in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                          -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 / clamp(1.0 + numerator * d)
+            c = clamp(1.0 + numerator / c)
+            fraction *= d * c
+        if abs(d * c - 1.0) < BETA_EPSILON:
+            return fraction
+    raise ArithmeticError(f"incomplete beta: no convergence for a={a}, b={b}, x={x}")
+
+
+def regularized_incomplete_beta(a, b, x):
+    """I_x(a, b) for a, b > 0 and 0 <= x <= 1."""
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"x must be in [0, 1], got {x}")
+    if x in (0.0, 1.0):
+        return x
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                 + a * math.log(x) + b * math.log1p(-x))
+    # The fraction converges fast only below the mean of the beta distribution.
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_fraction(b, a, 1.0 - x) / b
+
+
+def t_cdf(t, df):
+    """P(T <= t) for Student's t with `df` (> 0, not necessarily whole) degrees of freedom."""
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    tail = 0.5 * regularized_incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t > 0 else tail
+
+
+def t_quantile(probability, df):
+    """The t with t_cdf(t, df) == probability, by bisection (monotone, so it cannot miss)."""
+    if not 0.0 < probability < 1.0:
+        raise ValueError(f"probability must be in (0, 1), got {probability}")
+    if probability < 0.5:
+        return -t_quantile(1.0 - probability, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < probability:
+        low, high = high, high * 2.0
+    for _ in range(200):
+        middle = (low + high) / 2.0
+        if middle in (low, high):
+            break
+        low, high = (middle, high) if t_cdf(middle, df) < probability else (low, middle)
+    return (low + high) / 2.0
+
+
+def confidence_interval(values, level=0.95):
+    """Student-t interval for the mean of `values`: mean +/- t * s / sqrt(n), s with ddof=1.
+
+    Returns (low, high); (nan, nan) below two values.
+    """
+    n = len(values)
+    if n < 2:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    half = t_quantile((1.0 + level) / 2.0, n - 1) * math.sqrt(sample_variance(values) / n)
+    return mean - half, mean + half
+
+
+def welch_from_moments(mean1, var1, n1, mean2, var2, n2):
+    """Welch's unequal-variance t-test from summary statistics (variances with ddof=1).
+
+    Returns:
+      Welch(t, df, p): p is two-sided; all nan when either sample has fewer than two values.
+    """
+    if n1 < 2 or n2 < 2:
+        return Welch(math.nan, math.nan, math.nan)
+    se1, se2 = var1 / n1, var2 / n2
+    if se1 + se2 == 0:  # both samples constant: the means are equal or certainly not
+        same = mean1 == mean2
+        return Welch(0.0 if same else math.copysign(math.inf, mean1 - mean2),
+                     math.nan, 1.0 if same else 0.0)
+    t = (mean1 - mean2) / math.sqrt(se1 + se2)
+    df = (se1 + se2) ** 2 / (se1 ** 2 / (n1 - 1) + se2 ** 2 / (n2 - 1))
+    p = regularized_incomplete_beta(df / 2.0, 0.5, df / (df + t * t))
+    return Welch(t, df, p)
+
+
+def welch_t_test(a, b):
+    """Welch's t-test of two samples: does the mean of `a` differ from that of `b`?"""
+    return welch_from_moments(sum(a) / len(a) if a else math.nan, sample_variance(a), len(a),
+                              sum(b) / len(b) if b else math.nan, sample_variance(b), len(b))

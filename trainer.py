@@ -18,7 +18,11 @@ them feeds `average_gradients(window)` into the placeholders and runs `apply_op`
 The other strategies (`STRATEGIES`) apply exactly the same update and differ only in
 where the window lives: a numpy running sum (`running`), accumulator variables in the
 graph (`graph`), or one session call per update with an in-graph loop over the
-micro-batches (`fused`). All of them share `step(sess, feed_dict)` and `flush(sess)`.
+micro-batches (`fused`). All of them share `step(sess, feed_dict)`, `flush(sess)`, and
+`window_state()` / `restore_window(...)` for checkpoints.
+
+With `check_finite=True`, a window in which any loss or gradient is NaN or Inf is
+discarded whole instead of applied (counted in `skipped_windows`).
 """
 
 import numpy as np
@@ -49,6 +53,20 @@ def _gradients_and_variables(loss, optimizer, var_list):
     return pairs
 
 
+def _all_finite(tensors):
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
+
+
+def _guarded(finite, apply_fn):
+    """Runs the update built by `apply_fn` only where `finite` is True."""
+    return tf.cond(finite, lambda: tf.group(apply_fn()), tf.no_op)
+
+
+def _check_n(average_gradients):
+    if average_gradients < 1:
+        raise ValueError(f"average_gradients must be >= 1, got {average_gradients}")
+
+
 class GradientAverager:
     """The post's strategy (`stack`): N numpy gradient lists, stacked and averaged.
 
@@ -57,10 +75,13 @@ class GradientAverager:
       grad_placeholders: one placeholder per gradient (N > 1).
       apply_op: applies the gradients fed to the placeholders (N > 1).
       train_op: `optimizer.minimize(loss)` (N == 1).
+      finite: bool tensor, whether this mini-batch's loss and gradients are finite.
       updates: optimizer updates applied so far.
+      skipped_windows: windows discarded for a non-finite value (check_finite).
     """
 
-    def __init__(self, loss, optimizer, average_gradients, var_list=None, global_step=None):
+    def __init__(self, loss, optimizer, average_gradients, var_list=None, global_step=None,
+                 check_finite=False):
         """Builds the ops in the default graph.
 
         Args:
@@ -70,20 +91,31 @@ class GradientAverager:
           var_list: variables to train; default all trainable ones. Variables whose
             gradient is None are skipped.
           global_step: optional variable incremented once per update.
+          check_finite: discard windows holding a NaN or Inf loss or gradient.
         """
-        if average_gradients < 1:
-            raise ValueError(f"average_gradients must be >= 1, got {average_gradients}")
+        _check_n(average_gradients)
         self.average_gradients = average_gradients
         self.loss = loss
-        self.updates = 0
+        self.check_finite = check_finite
+        self.updates = self.skipped_windows = 0
         if average_gradients == 1:
-            self.train_op = optimizer.minimize(loss, var_list=var_list, global_step=global_step)
+            if check_finite:  # minimize's two halves, the apply guarded
+                pairs = _gradients_and_variables(loss, optimizer, var_list)
+                self.finite = _all_finite([loss] + [g for g, _ in pairs])
+                self.train_op = _guarded(self.finite, lambda: optimizer.apply_gradients(
+                    pairs, global_step=global_step))
+            else:
+                self.train_op = optimizer.minimize(loss, var_list=var_list,
+                                                   global_step=global_step)
+                self.finite = tf.constant(True)
+            self._start_window()
             return
         pairs = _gradients_and_variables(loss, optimizer, var_list)
         self.variables = [v for _, v in pairs]
         self.grad_op = [g for g, _ in pairs]
+        self.finite = _all_finite([loss] + self.grad_op) if check_finite else tf.constant(True)
         self._build_update(optimizer, pairs, global_step)
-        self._build_window()
+        self._start_window()
 
     def _build_update(self, optimizer, pairs, global_step):
         """The ops of one update: here placeholders for the mean and `apply_op`."""
@@ -94,26 +126,42 @@ class GradientAverager:
             zip(self.grad_placeholders, self.variables), global_step=global_step)
         self.minibatch_op = self.grad_op
 
-    # The window: what this strategy keeps between mini-batches of one update.
+    # ------------------------------------------------ the window, as this strategy keeps it
+
+    def _start_window(self):
+        self._bad = False
+        self._build_window()
+
     def _build_window(self):
         self._window = []
 
     def window_size(self):
         """Mini-batches collected towards the next update."""
-        return len(self._window)
+        return len(self._window) if self.average_gradients > 1 else 0
 
     def _collect(self, grads):
         self._window.append(grads)
 
-    def _window_mean(self):
-        return average_gradients(self._window)
-
     def _apply_window(self, sess):
-        mean = self._window_mean()
+        mean = average_gradients(self._window)
         sess.run(self.apply_op, feed_dict=dict(zip(self.grad_placeholders, mean)))
-        self._build_window()
 
-    # The shared interface.
+    def _discard_window(self, sess):
+        """Drops the window's contents (the caller starts a new one)."""
+
+    def _window_arrays(self):
+        return {f"grad|{k}|{i}": g for k, grads in enumerate(self._window)
+                for i, g in enumerate(grads)}
+
+    def _restore_window_arrays(self, arrays, graph):
+        for key in sorted(arrays, key=lambda k: tuple(int(p) for p in k.split("|")[1:])):
+            k, i = (int(p) for p in key.split("|")[1:])
+            if i == 0:
+                self._window.append([])
+            self._window[k].append(arrays[key])
+
+    # ------------------------------------------------ the shared interface
+
     def step(self, sess, feed_dict):
         """Runs one mini-batch; applies the update when the window holds N.
 
@@ -121,26 +169,53 @@ class GradientAverager:
           The training losses that became known in this call (one here).
         """
         if self.average_gradients == 1:
-            loss, _ = sess.run([self.loss, self.train_op], feed_dict=feed_dict)
-            self.updates += 1
+            loss, _, finite = sess.run([self.loss, self.train_op, self.finite], feed_dict)
+            if finite:
+                self.updates += 1
+            else:
+                self.skipped_windows += 1
             return [loss]
-        loss, grads = sess.run([self.loss, self.minibatch_op], feed_dict=feed_dict)
-        self._collect(grads)
+        loss, fetched, finite = sess.run([self.loss, self.minibatch_op, self.finite],
+                                         feed_dict)
+        self._collect(fetched)
+        self._bad = self._bad or not finite
         if self.window_size() == self.average_gradients:
             self.apply(sess)
         return [loss]
 
     def apply(self, sess):
-        """Applies the mean of the open window (full or partial) and empties it."""
-        self._apply_window(sess)
-        self.updates += 1
+        """Applies the mean of the open window (full or partial) and starts a new one.
+
+        A window that saw a non-finite value is discarded instead.
+
+        Returns:
+          The losses that became known in this call (the fused strategy's).
+        """
+        if self._bad:
+            self._discard_window(sess)
+            self.skipped_windows += 1
+        else:
+            self._apply_window(sess)
+            self.updates += 1
+        self._start_window()
+        return []
 
     def flush(self, sess):
         """Applies a trailing partial window, if any; returns how many mini-batches it held."""
-        held = 0 if self.average_gradients == 1 else self.window_size()
+        held = self.window_size()
         if held:
             self.apply(sess)
         return held
+
+    def window_state(self):
+        """The open window as named numpy arrays, for a checkpoint."""
+        return dict(self._window_arrays(), bad=np.array(self._bad))
+
+    def restore_window(self, state, graph):
+        """Reopens a window saved by `window_state` (in a graph built the same way)."""
+        self._start_window()
+        self._bad = bool(state["bad"])
+        self._restore_window_arrays({k: v for k, v in state.items() if k != "bad"}, graph)
 
 
 class RunningSumAverager(GradientAverager):
@@ -160,8 +235,18 @@ class RunningSumAverager(GradientAverager):
                 np.add(total, g, out=total)
         self._count += 1
 
-    def _window_mean(self):
-        return [total / np.asarray(self._count, total.dtype) for total in self._sum]
+    def _apply_window(self, sess):
+        mean = [total / np.asarray(self._count, total.dtype) for total in self._sum]
+        sess.run(self.apply_op, feed_dict=dict(zip(self.grad_placeholders, mean)))
+
+    def _window_arrays(self):
+        arrays = {f"sum|{i}": s for i, s in enumerate(self._sum or [])}
+        return dict(arrays, count=np.array(self._count))
+
+    def _restore_window_arrays(self, arrays, graph):
+        self._count = int(arrays.pop("count"))
+        if arrays:
+            self._sum = [arrays[f"sum|{i}"] for i in range(len(arrays))]
 
 
 class GraphAverager(GradientAverager):
@@ -183,6 +268,8 @@ class GraphAverager(GradientAverager):
         self.accumulate_op = tf.group(
             [a.assign_add(g) for a, g in zip(self.accumulators, self.grad_op)]
             + [self.count.assign_add(1)])
+        self.reset_op = tf.group([a.assign(tf.zeros_like(a)) for a in self.accumulators]
+                                 + [self.count.assign(0)])
         mean = [a / tf.cast(self.count, a.dtype) for a in self.accumulators]
         applied = optimizer.apply_gradients(zip(mean, self.variables), global_step=global_step)
         with tf.control_dependencies([applied]):
@@ -201,7 +288,15 @@ class GraphAverager(GradientAverager):
 
     def _apply_window(self, sess):
         sess.run(self.apply_op)
-        self._build_window()
+
+    def _discard_window(self, sess):
+        sess.run(self.reset_op)
+
+    def _window_arrays(self):
+        return {"count": np.array(self._count)}  # the sums are variables, in the Saver's file
+
+    def _restore_window_arrays(self, arrays, graph):
+        self._count = int(arrays["count"])
 
 
 class FusedAverager(GradientAverager):
@@ -214,7 +309,7 @@ class FusedAverager(GradientAverager):
     """
 
     def __init__(self, loss_fn, inputs, optimizer, average_gradients, var_list=None,
-                 global_step=None):
+                 global_step=None, check_finite=False):
         """Builds the ops in the default graph.
 
         Args:
@@ -222,12 +317,13 @@ class FusedAverager(GradientAverager):
             it must reuse the model's variables (e.g. get_variable with AUTO_REUSE).
           inputs: the per-micro-batch placeholders that `step`'s feed_dict fills;
             other keys of the feed_dict (e.g. a `training` flag) are passed through.
-          optimizer, average_gradients, var_list, global_step: as GradientAverager.
+          optimizer, average_gradients, var_list, global_step, check_finite: as for
+            GradientAverager.
         """
-        if average_gradients < 1:
-            raise ValueError(f"average_gradients must be >= 1, got {average_gradients}")
+        _check_n(average_gradients)
         self.average_gradients = average_gradients
-        self.updates = 0
+        self.check_finite = check_finite
+        self.updates = self.skipped_windows = 0
         self.inputs = list(inputs)
         self.variables = list(v1.trainable_variables() if var_list is None else var_list)
         self.window_inputs = [
@@ -255,11 +351,18 @@ class FusedAverager(GradientAverager):
             raise ValueError("no variable receives a gradient from the loss")
         self.variables = [v for _, v in pairs]
         self.losses = losses.stack()
-        self.apply_op = optimizer.apply_gradients(pairs, global_step=global_step)
-        self._build_window()
+        # A sum is finite only if every gradient in it was: checking the sums suffices.
+        self.finite = (_all_finite([self.losses] + [s for s, _ in pairs]) if check_finite
+                       else tf.constant(True))
+        if check_finite:
+            self.apply_op = _guarded(self.finite, lambda: optimizer.apply_gradients(
+                pairs, global_step=global_step))
+        else:
+            self.apply_op = optimizer.apply_gradients(pairs, global_step=global_step)
+        self._start_window()
 
-    def _collect(self, feed_dict):
-        self._window.append(feed_dict)
+    def window_size(self):
+        return len(self._window)
 
     def step(self, sess, feed_dict):
         """Keeps the micro-batch; at N runs the whole update in one call.
@@ -277,17 +380,31 @@ class FusedAverager(GradientAverager):
         for p, w in zip(self.inputs, self.window_inputs):
             del feed[p]
             feed[w] = np.stack([f[p] for f in self._window])
-        losses, _ = sess.run([self.losses, self.apply_op], feed_dict=feed)
-        self._build_window()
-        self.updates += 1
+        losses, _, finite = sess.run([self.losses, self.apply_op, self.finite], feed)
+        if finite:
+            self.updates += 1
+        else:
+            self.skipped_windows += 1
+        self._start_window()
         return list(losses)
+
+    def _window_arrays(self):
+        return {f"feed|{k}|{key.name}": np.asarray(value)
+                for k, feed in enumerate(self._window) for key, value in feed.items()}
+
+    def _restore_window_arrays(self, arrays, graph):
+        for name, value in arrays.items():
+            _, k, tensor_name = name.split("|", 2)
+            while len(self._window) <= int(k):
+                self._window.append({})
+            self._window[int(k)][graph.get_tensor_by_name(tensor_name)] = value
 
 
 STRATEGIES = ("stack", "running", "graph", "fused")
 
 
 def make_averager(strategy, loss, optimizer, average_gradients, var_list=None,
-                  global_step=None, loss_fn=None, inputs=None):
+                  global_step=None, loss_fn=None, inputs=None, check_finite=False):
     """Builds the named strategy; `fused` also needs `loss_fn` and `inputs`.
 
     With N == 1 every strategy is the post's `optimizer.minimize(loss)`.
@@ -296,9 +413,10 @@ def make_averager(strategy, loss, optimizer, average_gradients, var_list=None,
         if loss_fn is None or inputs is None:
             raise ValueError("the fused strategy needs loss_fn and inputs")
         return FusedAverager(loss_fn, inputs, optimizer, average_gradients, var_list,
-                             global_step)
+                             global_step, check_finite)
     classes = {"stack": GradientAverager, "running": RunningSumAverager,
                "graph": GraphAverager, "fused": GradientAverager}
     if strategy not in classes:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    return classes[strategy](loss, optimizer, average_gradients, var_list, global_step)
+    return classes[strategy](loss, optimizer, average_gradients, var_list, global_step,
+                             check_finite)
