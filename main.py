@@ -58,12 +58,19 @@ class StopSignals:
     A second signal ends the process at once.
     """
 
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
     def __init__(self):
         self.received = None
+        self._previous = {}
 
-    def install(self):
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._handle)
+    def __enter__(self):
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *unused):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
         if self.received:
@@ -104,8 +111,12 @@ def main(argv):
     except (data.DataError, results.ResultsError) as e:
         fail(str(e))
 
-    stop = StopSignals()
-    stop.install()
+    with StopSignals() as stop:
+        train_all(config, datasets, results_path, checkpoint_dir, stop)
+
+
+def train_all(config, datasets, results_path, checkpoint_dir, stop):
+    """The reps of one configuration; each finished run is written at once."""
     runs = []
     for rep in range(flags.value("reps")):
         seed = flags.value("seed") + rep

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from absl.testing import flagsaver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -23,3 +24,10 @@ def run_cli(*args, timeout=300, script="main.py", env=None):
     return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, **(env or {})))
+
+
+def run_main_in_process(*args):
+    """Parses ARGS with the real flag parser and calls main.main, restoring the flags."""
+    with flagsaver.flagsaver():
+        main.parse_flags(["main.py", "--reps=1", "--iterations=1", *args])
+        main.main(["main.py"])

@@ -11,7 +11,7 @@ from absl.testing import flagsaver
 
 import data
 import main
-from conftest import run_cli
+from conftest import run_cli, run_main_in_process
 from test_data import small_raw, write_idx_dir  # noqa: F401  (fixture and helper)
 
 RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
@@ -116,12 +116,6 @@ def test_bad_flag_values_give_one_line(capsys, arg, named):
     with flagsaver.flagsaver():
         err = expect_one_line_exit(capsys, main.parse_flags, ["main.py", arg])
     assert named in err
-
-
-def run_main_in_process(*args):
-    with flagsaver.flagsaver():
-        main.parse_flags(["main.py", "--reps=1", "--iterations=1", *args])
-        main.main(["main.py"])
 
 
 def corrupt(directory, stem, mutate):

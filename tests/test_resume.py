@@ -1,0 +1,223 @@
+"""Long runs: interruption and exact resume, refusal to mix configs, determinism, NaNs."""
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import checkpoint
+import experiment
+import trainer
+from conftest import ROOT, run_cli, run_main_in_process
+
+SMALL = dict(average_gradients=5, batch_size=10, iterations=60, eval_every=20)
+
+
+def config(**overrides):
+    return experiment.Config(**dict(SMALL, **overrides))
+
+
+def stop_at(iteration_to_stop, counter):
+    """A should_stop that asks to stop once, after the given mini-batch."""
+    def should_stop():
+        counter[0] += 1
+        return "SIGINT" if counter[0] == iteration_to_stop else None
+    return should_stop
+
+
+# ---------------------------------------------------------------- exact resume, in process
+
+@pytest.mark.parametrize("strategy", trainer.STRATEGIES)
+def test_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist, strategy):
+    cfg = config(accumulate=strategy)
+    uninterrupted = experiment.train_once(cfg, mnist, seed=4)
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(experiment.Stopped, match="3 mini-batches in the open window"):
+        experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory,
+                              should_stop=stop_at(23, [0]))  # 23 = 4 windows of 5, + 3
+    state = json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))
+    assert state["iteration"] == 23 and state["updates"] == 4 and not state["finished"]
+    resumed = experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
+    for key in ("best_accuracy", "best_iteration", "final_accuracy", "updates"):
+        assert resumed[key] == uninterrupted[key]
+    # a finished run is kept, not trained again
+    again = experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+    assert again == resumed
+    assert os.listdir(directory) == [checkpoint.STATE_FILE]
+
+
+def test_periodic_checkpoints_keep_only_the_latest_files(tmp_path, mnist):
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(experiment.Stopped):
+        experiment.train_once(config(average_gradients=2), mnist, seed=0,
+                              checkpoint_dir=directory, checkpoint_every=3,
+                              should_stop=stop_at(41, [0]))
+    names = sorted(os.listdir(directory))
+    assert names == ["model.ckpt-41.data-00000-of-00001", "model.ckpt-41.index",
+                     "state.json", "window-41.npz"]
+
+
+# ---------------------------------------------------------------- refusals
+
+@pytest.mark.parametrize("change,named", [
+    (dict(average_gradients=4), "--average-gradients=5"),
+    (dict(batch_size=20), "--batch-size=10"),
+    (dict(accumulate="graph"), "--accumulate=stack"),
+    (dict(model="mlp"), "--model=convnet"),
+])
+def test_refuses_a_checkpoint_of_another_configuration(tmp_path, mnist, change, named):
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(experiment.Stopped):
+        experiment.train_once(config(), mnist, seed=0, checkpoint_dir=directory,
+                              should_stop=stop_at(7, [0]))
+    with pytest.raises(checkpoint.CheckpointError, match=named):
+        experiment.train_once(config(**change), mnist, seed=0, checkpoint_dir=directory)
+    with pytest.raises(checkpoint.CheckpointError, match="--seed=0"):
+        experiment.train_once(config(), mnist, seed=1, checkpoint_dir=directory)
+
+
+def one_line_error(capsys, *args, code=2):
+    """Runs main in process; expects exit `code` and exactly one `error:` line."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_main_in_process(*args)
+    assert exit_info.value.code == code
+    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, capsys):
+    base = ["--average-gradients=5", "--batch-size=10", "--iterations=30",
+            f"--checkpoint-dir={tmp_path}", "--checkpoint-every=2", "--eval-every=0"]
+    state_path = tmp_path / "rep-0" / checkpoint.STATE_FILE
+    run_main_in_process(*base)
+    assert "Training finished" in capsys.readouterr().out
+    assert "--batch-size=10" in one_line_error(capsys, *base, "--batch-size=20")
+    state = json.loads(state_path.read_text())
+    state.update(finished=False, checkpoint="model.ckpt-12", window="window-12.npz")
+    state_path.write_text(json.dumps(state))
+    assert "which is missing" in one_line_error(capsys, *base)
+    state_path.write_text('{"identity": {"model": "convnet"')  # cut short
+    assert "unreadable checkpoint state" in one_line_error(capsys, *base)
+
+
+# ---------------------------------------------------------------- real signals
+
+def start(args):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "main.py"), *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_line(proc, needle, timeout=120):
+    """Reads stdout until a line holding `needle`; returns the lines read."""
+    lines, selector = [], selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if selector.select(timeout=1):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if needle in line:
+                return lines
+    proc.kill()
+    raise AssertionError(f"never saw {needle!r}; got {lines}")
+
+
+@pytest.mark.parametrize("signum,reps", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, signum, reps):
+    args = ["--average-gradients=7", "--batch-size=10", "--iterations=210", f"--reps={reps}",
+            "--eval-every=30", "--verbose"]
+    full = tmp_path / "full.json"
+    assert run_cli(*args, f"--results={full}").returncode == 0
+    part = tmp_path / "part.json"
+    resumable = args + [f"--checkpoint-dir={tmp_path / 'ckpt'}", f"--results={part}"]
+    proc = start(resumable)
+    seen = wait_for_line(proc, "Training finished") if reps > 1 else []
+    seen += wait_for_line(proc, "Iteration 60:")
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err
+    assert f"interrupted by {signal.Signals(signum).name}" in err and "Traceback" not in err
+    if reps > 1:  # the finished rep was written before the interruption
+        assert len(json.loads(part.read_text())["runs"]) == 1
+    resumed = run_cli(*resumable)
+    assert resumed.returncode == 0, resumed.stderr
+    expected = json.loads(full.read_text())["runs"]
+    got = json.loads(part.read_text())["runs"]
+    assert [r["weights_sha256"] for r in got] == [r["weights_sha256"] for r in expected]
+    assert [r["final_accuracy"] for r in got] == [r["final_accuracy"] for r in expected]
+
+
+# ---------------------------------------------------------------- determinism
+
+def test_same_flags_same_bits_twice(tmp_path):
+    args = ["--average-gradients=3", "--batch-size=16", "--iterations=45", "--reps=1",
+            "--eval-every=15"]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    for path in (first, second):
+        assert run_cli(*args, f"--results={path}").returncode == 0
+    a, b = (json.loads(p.read_text())["runs"][0] for p in (first, second))
+    assert a["weights_sha256"] == b["weights_sha256"]
+    assert (a["best_accuracy"], a["final_accuracy"]) == (b["best_accuracy"], b["final_accuracy"])
+
+
+def test_dropout_masks_follow_the_seed_not_the_process(mnist):
+    a = experiment.train_once(config(iterations=20), mnist, seed=2)
+    b = experiment.train_once(config(iterations=20), mnist, seed=2)
+    c = experiment.train_once(config(iterations=20), mnist, seed=3)
+    assert a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
+
+
+# ---------------------------------------------------------------- non-finite numbers
+
+@pytest.mark.parametrize("strategy", trainer.STRATEGIES)
+def test_a_nonfinite_window_is_discarded_whole(mnist, strategy):
+    poisoned = experiment.train_once(config(accumulate=strategy, inject_nonfinite=(12,)),
+                                     mnist, seed=0)
+    assert poisoned["skipped_windows"] == 1 and poisoned["updates"] == 11
+    assert np.isfinite(poisoned["final_accuracy"])
+    # the same as a run of the stack strategy: the discarded window changed nothing else
+    reference = experiment.train_once(config(inject_nonfinite=(14,)), mnist, seed=0)
+    assert poisoned["weights_sha256"] == reference["weights_sha256"]
+    clean = experiment.train_once(config(accumulate=strategy), mnist, seed=0)
+    assert clean["skipped_windows"] == 0 and clean["updates"] == 12
+
+
+def test_nonfinite_at_n_equals_one_is_not_applied(mnist):
+    run = experiment.train_once(config(average_gradients=1, iterations=15,
+                                       inject_nonfinite=(3,)), mnist, seed=0)
+    assert run["skipped_windows"] == 1 and run["updates"] == 14
+
+
+def test_abort_and_max_bad_windows_stop_with_a_checkpoint(tmp_path, mnist):
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(experiment.Stopped, match="iterations 11-15 and --on-nonfinite=abort"):
+        experiment.train_once(config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist,
+                              seed=0, checkpoint_dir=directory)
+    assert json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))["iteration"] == 15
+    with pytest.raises(experiment.Stopped, match="2 consecutive windows"):
+        experiment.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)), mnist,
+                              seed=0)
+    # windows in between reset the count
+    run = experiment.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 13)), mnist,
+                                seed=0)
+    assert run["skipped_windows"] == 2
+
+
+def test_cli_reports_skipped_windows_and_aborts_with_one_line(tmp_path, capsys):
+    results = tmp_path / "r.json"
+    base = ["--average-gradients=5", "--batch-size=10", "--iterations=30"]
+    run_main_in_process(*base, "--inject-nonfinite=7", f"--results={results}")
+    assert json.loads(results.read_text())["runs"][0]["skipped_windows"] == 1
+    error = one_line_error(capsys, *base, "--inject-nonfinite=7", "--on-nonfinite=abort",
+                           code=3)
+    assert "iterations 6-10 and --on-nonfinite=abort" in error
