@@ -98,7 +98,19 @@ BAD_FLAGS = [
     ("--accumulate=magic", "accumulate"),
     ("--model=resnet", "model"),
     ("--threads=-1", "threads"),
+    ("--checkpoint-every=0", "checkpoint-every"),
+    ("--on-nonfinite=ignore", "on-nonfinite"),
+    ("--max-bad-windows=0", "max-bad-windows"),
+    ("--inject-nonfinite=0", "inject-nonfinite"),
+    ("--lr-decay-rate=0", "lr-decay-rate"),
+    ("--engine=tf3", "engine"),
     ("--no-such-flag=1", "no-such-flag"),
+]
+
+BAD_COMBINATIONS = [
+    (["--eval-every=10", "--eval-every-updates=5"], "pass --eval-every=0"),
+    (["--strategy=mirrored"], "--strategy needs --engine=tf2"),
+    (["--engine=tf2", "--replicas=2"], "--replicas needs --strategy=mirrored"),
 ]
 
 
@@ -163,15 +175,17 @@ def test_package_file_with_wrong_hash_gives_one_line(tmp_path, capsys, monkeypat
     assert "does not match" in err
 
 
-@pytest.mark.parametrize("path,message", [
-    ("{tmp}", "is a directory"),
-    ("{tmp}/no/such/dir/r.json", "does not exist"),
-    ("/proc/results.json", "cannot write"),
+@pytest.mark.parametrize("flag,path,message", [
+    ("--results", "{tmp}", "is a directory"),
+    ("--results", "{tmp}/no/such/dir/r.json", "does not exist"),
+    ("--results", "/proc/results.json", "cannot write"),
+    ("--checkpoint-dir", "/proc/checkpoints", "cannot write"),
+    ("--logdir", "/proc/events", "cannot write"),
 ])
-def test_unwritable_results_path_gives_one_line_before_training(tmp_path, capsys, path,
-                                                               message):
+def test_unwritable_output_paths_give_one_line_before_training(tmp_path, capsys, flag, path,
+                                                              message):
     err = expect_one_line_exit(capsys, run_main_in_process,
-                               "--results=" + path.format(tmp=tmp_path))
+                               f"{flag}=" + path.format(tmp=tmp_path))
     assert message in err
     assert "Training finished" not in capsys.readouterr().out
 
