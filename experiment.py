@@ -272,7 +272,9 @@ def train_once(config, datasets, seed, verbose=False, log=print, logdir=None,
     """
     if config.engine == "tf2":  # Keras and tf.distribute load only for this engine
         import tf2_trainer
-        return tf2_trainer.train_once(config, datasets, seed, verbose=verbose, log=log)
+        return tf2_trainer.train_once(config, datasets, seed, verbose=verbose, log=log,
+                                      logdir=logdir, checkpoint_dir=checkpoint_dir,
+                                      should_stop=should_stop)
     saved = None
     if checkpoint_dir:
         ckpt = checkpoint.RunCheckpoint(checkpoint_dir, identity(config, seed))

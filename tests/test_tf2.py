@@ -1,0 +1,309 @@
+"""The TF2 engine: the GradientTape accumulator, fit_accumulated, LR schedules, tf.distribute.
+
+Logical devices and distribution strategies are process-global in TensorFlow, so every
+test that uses a strategy runs in a subprocess; in this process only the default one runs.
+"""
+
+import json
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from absl.testing import flagsaver
+from tensorflow.core.util import event_pb2
+
+import experiment
+import main
+import launch_workers
+import tf2_trainer
+from conftest import ROOT, run_cli
+
+RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
+                      r"Final accuracy: ([\d.]+)\.$", re.M)
+# Dropout off, a partial window (30 = 7 x 4 + 2) and a global batch of 121 that two
+# replicas split unequally (60 / 61): every weighting by sample counts is exercised.
+# The distributed tests split the CPU, even where a GPU is visible.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+DISTRIBUTED_ARGS = ("--engine=tf2", "--average-gradients=4", "--batch-size=121",
+                    "--iterations=30", "--dropout=0", "--reps=1", "--eval-every=0")
+
+
+def final_accuracies(output):
+    return [float(m.group(3)) for m in RUN_LINE.finditer(output)]
+
+
+def regression_mlp(seed=0):
+    """A model that is not the ConvNet: a small MLP regressor with an L2 regularizer."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((3,)),
+        keras.layers.Dense(8, activation="tanh", kernel_initializer=init(seed),
+                           kernel_regularizer=keras.regularizers.L2(0.01)),
+        keras.layers.Dense(1, kernel_initializer=init(seed + 1))])
+
+
+def squared_error(y, prediction):
+    return tf.square(y - prediction[:, 0])
+
+
+def synthetic_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 3)).astype(np.float32)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + 0.1 * rng.normal(size=n)).astype(np.float32)
+    return x, y
+
+
+def weights(model):
+    return [np.array(v) for v in model.get_weights()]
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_keras_convnet_matches_the_posts_architecture():
+    net = tf2_trainer.conv_net(dropout=0.5, seed=3)
+    assert net.count_params() == 44426
+    assert net(np.zeros((2, 28, 28, 1), np.float32)).shape == (2, 10)
+    kinds = [type(layer).__name__ for layer in net.layers]
+    assert kinds.count("Dropout") == 5 and kinds.count("Conv2D") == 2
+    assert all(not np.any(b) for b in net.get_weights()[1::2])  # zero biases
+    same = tf2_trainer.conv_net(dropout=0.0, seed=3)
+    other = tf2_trainer.conv_net(dropout=0.5, seed=4)
+    assert "Dropout" not in [type(layer).__name__ for layer in same.layers]
+    for a, b, c in zip(weights(net), weights(same), weights(other)):
+        np.testing.assert_array_equal(a, b)  # the seed alone sets the initial weights
+        assert a.shape == c.shape and (not np.any(a) or not np.array_equal(a, c))
+
+
+# ---------------------------------------------------------------- exactness, one device
+
+
+def test_unequal_micro_batches_apply_the_gradient_of_the_concatenated_batch():
+    x, y = synthetic_data(16)
+    slices = [(0, 1), (1, 5), (5, 16)]  # 1, 4 and 11 samples
+    model = regression_mlp()
+    start = weights(model)
+    with tf.GradientTape() as tape:  # the reference: one batch of all 16 samples
+        loss = tf.reduce_mean(squared_error(y, model(x, training=True))) + tf.add_n(model.losses)
+    reference = [np.array(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+    accumulator = tf2_trainer.GradientAccumulator(
+        model, keras.optimizers.SGD(learning_rate=1.0), squared_error)
+    for a, b in slices:
+        accumulator.accumulate(x[a:b], y[a:b])
+    accumulator.apply()
+    applied = [w0 - w1 for w0, w1 in zip(start, weights(model))]  # SGD at lr 1: the gradient
+    for got, want in zip(applied, reference):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+    # The plain mean of the three micro-batch means is a different gradient: the test
+    # above would see it.
+    model_naive = regression_mlp()
+    per_slice = []
+    for a, b in slices:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(squared_error(y[a:b], model_naive(x[a:b]))) + \
+                tf.add_n(model_naive.losses)
+        per_slice.append(tape.gradient(loss, model_naive.trainable_variables))
+    naive = [np.mean([np.array(g[i]) for g in per_slice], axis=0) for i in range(len(reference))]
+    assert max(np.abs(n - r).max() for n, r in zip(naive, reference)) > 1e-3
+    assert accumulator.window == 0 and all(not np.any(s.numpy()) for s in accumulator.sums)
+
+
+def test_fit_accumulated_equals_big_batches_including_a_short_last_window():
+    """40 samples in micro-batches of 4 at N=4: windows of 16, 16 and a partial 8."""
+    x, y = synthetic_data(40, seed=1)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    accumulated, direct = regression_mlp(seed=5), regression_mlp(seed=5)
+    summary = tf2_trainer.fit_accumulated(accumulated, dataset.batch(4),
+                                          keras.optimizers.Adam(0.05), squared_error,
+                                          average_gradients=4)
+    assert summary == tf2_trainer.FitSummary(micro_batches=10, updates=3, partial_window=2)
+    summary = tf2_trainer.fit_accumulated(direct, dataset.batch(16),  # 16, 16, 8
+                                          keras.optimizers.Adam(0.05), squared_error,
+                                          average_gradients=1)
+    assert summary == tf2_trainer.FitSummary(micro_batches=3, updates=3, partial_window=0)
+    moved = False
+    for a, b, w0 in zip(weights(accumulated), weights(direct), weights(regression_mlp(seed=5))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        moved |= not np.allclose(a, w0)
+    assert moved
+
+
+def test_a_mean_loss_is_refused():
+    model = regression_mlp()
+    x, y = synthetic_data(4)
+    accumulator = tf2_trainer.GradientAccumulator(
+        model, keras.optimizers.SGD(0.1), lambda t, p: tf.reduce_mean(squared_error(t, p)))
+    with pytest.raises(ValueError, match="one loss per sample"):
+        accumulator.accumulate(x, y)
+
+
+# ---------------------------------------------------------------- LR schedules
+
+
+def test_tf2_lr_schedule_counts_updates_not_micro_batches():
+    x, y = synthetic_data(64)
+    rates = {}
+    for n in (1, 8):
+        model = regression_mlp()
+        optimizer = keras.optimizers.Adam(tf2_trainer.learning_rate(0.1, "exponential", 2, 0.5))
+        accumulator = tf2_trainer.GradientAccumulator(model, optimizer, squared_error)
+        for i in range(3 * n):  # three updates
+            accumulator.accumulate(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+            if accumulator.window == n:
+                accumulator.apply()
+        assert int(optimizer.iterations.numpy()) == 3
+        rates[n] = float(optimizer.learning_rate.numpy())
+    assert rates[1] == rates[8] == pytest.approx(0.1 * 0.5 ** 1.5)
+
+
+def test_tf1_lr_schedule_counts_updates_not_mini_batches(mnist):
+    rates = {}
+    for n in (1, 8):
+        config = experiment.Config(average_gradients=n, batch_size=2, dropout=0.0,
+                                   lr_schedule="exponential", learning_rate=0.1,
+                                   lr_decay_steps=2, lr_decay_rate=0.5)
+        run = experiment.Run(config, seed=0)
+        with run.session() as sess:
+            sess.run(run.init_op)
+            for i in range(3 * n):  # three updates
+                run.averager.step(sess, {run.images: mnist.train.images[2 * i:2 * i + 2],
+                                         run.labels: mnist.train.labels[2 * i:2 * i + 2]})
+            assert int(sess.run(run.global_step)) == 3
+            rates[n] = float(sess.run(run.learning_rate))
+    assert rates[1] == rates[8] == pytest.approx(0.1 * 0.5 ** 1.5)
+
+
+# ---------------------------------------------------------------- the CLI engine
+
+
+def test_a_stop_request_ends_the_tf2_run_with_stopped(mnist):
+    config = experiment.Config(engine="tf2", batch_size=10, iterations=50, eval_every=0)
+    calls = []
+
+    def should_stop():
+        calls.append(1)
+        return "SIGTERM" if len(calls) == 3 else None
+
+    with pytest.raises(experiment.Stopped, match="SIGTERM; stopped at iteration 3"):
+        tf2_trainer.train_once(config, mnist, seed=0, should_stop=should_stop)
+
+
+def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path):
+    results = tmp_path / "tf2.json"
+    averaged = run_cli("--engine=tf2", "--average-gradients=12", "--batch-size=10",
+                       "--iterations=360", "--dropout=0", "--reps=1", "--eval-every=0",
+                       "--eval-every-updates=10", f"--results={results}",
+                       f"--logdir={tmp_path / 'events'}")
+    direct = run_cli("--engine=tf2", "--average-gradients=1", "--batch-size=120",
+                     "--iterations=30", "--dropout=0", "--reps=1", "--eval-every=0")
+    assert averaged.returncode == 0 and direct.returncode == 0, averaged.stderr + direct.stderr
+    assert final_accuracies(averaged.stdout) == final_accuracies(direct.stdout)
+    assert final_accuracies(direct.stdout)[0] > 50  # it learned
+    assert "mean accuracy (1 runs):" in averaged.stdout
+    doc = json.loads(results.read_text())
+    assert doc["config"]["engine"] == "tf2"
+    (run,) = doc["runs"]
+    assert set(run) == {"seed", "best_accuracy", "best_iteration", "final_accuracy",
+                        "updates", "skipped_windows", "train_seconds", "eval_seconds",
+                        "weights_sha256"}
+    assert run["updates"] == 30 and run["best_iteration"] in (120, 240, 360)
+    assert run["skipped_windows"] == 0 and len(run["weights_sha256"]) == 64
+    assert run["final_accuracy"] == final_accuracies(averaged.stdout)[0]
+    (events,) = (tmp_path / "events").rglob("events.out.tfevents.*")
+    steps = {}
+    for record in tf.data.TFRecordDataset(str(events)):
+        event = event_pb2.Event.FromString(record.numpy())
+        for value in event.summary.value:
+            steps.setdefault(value.tag, []).append(event.step)
+    assert steps["train/loss"] == list(range(1, 31))  # one per update
+    assert steps["test/accuracy"] == [10, 20, 30]  # every 10 updates, the last one final
+
+
+@pytest.fixture(scope="module")
+def single_process_accuracy():
+    proc = run_cli(*DISTRIBUTED_ARGS, env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stderr
+    assert "not a multiple of --average-gradients=4" in proc.stderr  # the partial window
+    (accuracy,) = final_accuracies(proc.stdout)
+    return accuracy
+
+
+def test_two_mirrored_replicas_end_like_one(single_process_accuracy):
+    proc = run_cli(*DISTRIBUTED_ARGS, "--strategy=mirrored", "--replicas=2", "--verbose",
+                   env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stderr
+    assert "Strategy mirrored: 2 replicas in sync" in proc.stdout
+    assert final_accuracies(proc.stdout) == [single_process_accuracy]
+
+
+def test_gradients_are_all_reduced_once_per_update_not_per_micro_batch(tmp_path):
+    """Counts the collective ops traced into the micro-step and the apply-step."""
+    script = """
+import json, sys
+sys.path.insert(0, %r)
+import main  # noqa: F401  (TensorFlow, quietly)
+import keras, tensorflow as tf
+import experiment, tf2_trainer
+strategy = tf2_trainer.prepare(experiment.Config(engine="tf2", strategy="mirrored", replicas=2))
+with strategy.scope():
+    net, optimizer = tf2_trainer.conv_net(0.0), keras.optimizers.Adam(1e-3)
+acc = tf2_trainer.GradientAccumulator(net, optimizer, tf2_trainer.sparse_cross_entropy, strategy)
+x, y = tf.zeros([6, 28, 28, 1]), tf.zeros([6], tf.int64)
+for _ in range(3):
+    acc.accumulate(x, y)
+acc.apply()
+print(json.dumps({"replicas": strategy.num_replicas_in_sync,
+    "micro": tf2_trainer.count_all_reduces(acc.micro_step.get_concrete_function(x, y)),
+    "apply": tf2_trainer.count_all_reduces(acc.apply_step.get_concrete_function()),
+    "updates": int(optimizer.iterations.numpy()), "variables": len(acc.variables)}))
+""" % ROOT
+    path = tmp_path / "count_all_reduces.py"
+    path.write_text(script)
+    proc = run_cli(script=str(path), timeout=180, env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stderr
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["replicas"] == 2 and counts["updates"] == 1
+    assert counts["micro"] == 0
+    assert 1 <= counts["apply"] <= counts["replicas"] * counts["variables"]
+
+
+def test_two_workers_train_together_and_end_like_one_process(single_process_accuracy):
+    codes, outputs = launch_workers.launch([*DISTRIBUTED_ARGS[1:], "--verbose"], workers=2,
+                                           timeout=240, env=CPU_ONLY)
+    assert codes == [0, 0], outputs
+    for output in outputs:
+        assert "Strategy multi_worker: 2 replicas in sync" in output
+        assert final_accuracies(output) == [single_process_accuracy]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy=mirrored"], "--strategy needs --engine=tf2"),
+    (["--engine=tf2", "--replicas=2"], "--replicas needs --strategy=mirrored"),
+    (["--engine=tf2", "--accumulate=fused"], "--accumulate picks a tf1 strategy"),
+    (["--lr-decay-rate=0"], "--lr-decay-rate must be in (0, 1]"),
+    (["--engine=tf2", "--checkpoint-dir=/tmp"], "--checkpoint-dir needs --engine=tf1"),
+    (["--engine=tf2", "--inject-nonfinite=3"], "--inject-nonfinite need --engine=tf1"),
+])
+def test_bad_tf2_flags_get_one_line(capsys, args, message):
+    with flagsaver.flagsaver():
+        with pytest.raises(SystemExit) as exit_info:
+            main.parse_flags(["main.py", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_malformed_tf_config_gets_one_line(capsys, monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", "{not json")
+    with flagsaver.flagsaver():
+        main.parse_flags(["main.py", "--engine=tf2", "--strategy=multi_worker", "--reps=1",
+                          "--iterations=1", "--eval-every=0"])
+        with pytest.raises(SystemExit) as exit_info:
+            main.main(["main.py"])  # refused before any strategy is made
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: TF_CONFIG") and len(err.strip().splitlines()) == 1
