@@ -164,3 +164,18 @@ def test_rejects_n_below_one_and_unknown_strategies():
             trainer.GradientAverager(loss, v1.train.GradientDescentOptimizer(1.0), 0)
         with pytest.raises(ValueError, match="unknown strategy"):
             trainer.make_averager("magic", loss, v1.train.GradientDescentOptimizer(1.0), 2)
+
+
+def test_every_strategy_ends_with_the_same_bits_with_dropout_on(mnist):
+    """Same samples, same stateless dropout masks, sums in the same order: same weights.
+
+    This is what lets `make reproduce` use the fastest strategy without changing a number.
+    """
+    digests = {}
+    for strategy in trainer.STRATEGIES:
+        config = experiment.Config(average_gradients=4, batch_size=10, iterations=42,
+                                   eval_every=0, dropout=0.5, accumulate=strategy)
+        digests[strategy] = experiment.train_once(config, mnist, seed=5)["weights_sha256"]
+    assert len(set(digests.values())) == 1, digests
+    other_seed = experiment.train_once(config, mnist, seed=6)["weights_sha256"]
+    assert other_seed != digests["stack"]
