@@ -24,5 +24,35 @@ run: install
 test: install
 	$(PY) -m pytest -q tests
 
+# The post's whole table: 4 configurations x REPS runs, into RESULTS_DIR/table.md.
+# Stopped, it keeps finished runs; the same command carries on. JOBS=0: one per core.
+# FAIR=1: every configuration evaluated every 100 updates (RESULTS_DIR/fair/).
+# SCALE=K divides every run's updates by K (quick tests only). VERBOSE=1: per-eval lines.
+REPS        ?= 10
+RESULTS_DIR ?= results
+JOBS        ?= 0
+FAIR        ?= 0
+SCALE       ?= 1
+VERBOSE     ?= 0
+ACCUMULATE  ?= fused
+.PHONY: reproduce
+reproduce: install
+	$(PY) reproduce.py --reps=$(REPS) --results-dir=$(RESULTS_DIR) --jobs=$(JOBS) \
+	  --fair=$(FAIR) --scale=$(SCALE) --verbose=$(VERBOSE) --accumulate=$(ACCUMULATE)
+
+# Two worker processes on 127.0.0.1 (free ports) train one model together with
+# MultiWorkerMirroredStrategy; worker 0 prints. Extra flags: ARGS="--dropout=0".
+WORKERS ?= 2
+.PHONY: distributed-demo
+distributed-demo: install
+	$(PY) launch_workers.py --workers=$(WORKERS) --timeout=600 -- --average-gradients=5 \
+	  --batch-size=20 --iterations=500 --reps=1 --verbose $(ARGS)
+
+# Speed and memory of every accumulation strategy against the direct batch and Keras's
+# built-in accumulation; writes BENCHMARKS.md (about 10 minutes; run it on a quiet machine).
+.PHONY: bench
+bench: install
+	$(PY) bench.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache __pycache__ tests/__pycache__
