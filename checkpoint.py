@@ -3,9 +3,11 @@
 A run's directory holds
   * `model.ckpt-<iteration>.*`: a tf.compat.v1.train.Saver checkpoint of every global
     variable (weights, Adam's slots and beta powers, the global step, and the `graph`
-    strategy's accumulators);
+    strategy's accumulators); the tf2 engine writes a tf.train.Checkpoint there instead
+    (weights, dropout's seed states, Adam's slots and iterations, the accumulators);
   * `window-<iteration>.npz`: the open accumulation window, in the form its strategy
-    keeps it (gradients, running sums, or the fused strategy's buffered inputs);
+    keeps it (gradients, running sums, or the fused strategy's buffered inputs; empty
+    for the tf2 engine, whose window is in its checkpointed variables);
   * `state.json`: counters, the data position, the best accuracy so far, and the
     identity of the configuration; it names the two files above and is written last,
     atomically, so it only ever points at files that are complete.
@@ -15,8 +17,10 @@ A finished run's `state.json` holds its result instead, so that reps are not red
 import io
 import json
 import os
+import zipfile
 
 import numpy as np
+import tensorflow as tf
 
 import results
 
@@ -76,7 +80,11 @@ class RunCheckpoint:
                                   f"({', '.join(missing)}); use another --checkpoint-dir")
 
     def save(self, sess, saver, iteration, state, window):
-        """Saves variables, window and state; returns the state written."""
+        """Saves variables, window and state; returns the state written.
+
+        `saver` is a tf1 Saver, or any object with its save(sess, prefix, global_step,
+        ...) -> path and restore(sess, path) calls (the tf2 engine's, with sess None).
+        """
         os.makedirs(self.directory, exist_ok=True)
         prefix = saver.save(sess, os.path.join(self.directory, CHECKPOINT_PREFIX),
                             global_step=iteration, write_meta_graph=False,
@@ -93,10 +101,19 @@ class RunCheckpoint:
         return full
 
     def restore(self, sess, saver, state):
-        """Restores the variables; returns the saved window's arrays."""
-        saver.restore(sess, os.path.join(self.directory, state["checkpoint"]))
-        with np.load(os.path.join(self.directory, state["window"])) as arrays:
-            return {key: arrays[key] for key in arrays.files}
+        """Restores the variables; returns the saved window's arrays.
+
+        Raises:
+          CheckpointError: a checkpoint or window file is truncated or corrupt.
+        """
+        try:
+            saver.restore(sess, os.path.join(self.directory, state["checkpoint"]))
+            with np.load(os.path.join(self.directory, state["window"])) as arrays:
+                return {key: arrays[key] for key in arrays.files}
+        except (tf.errors.OpError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint {self.directory} is corrupt ({reason}); "
+                                  "delete it to start this run again") from None
 
     def save_finished(self, result):
         os.makedirs(self.directory, exist_ok=True)

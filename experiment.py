@@ -116,6 +116,23 @@ class Stopped(Exception):
     """Training stopped before the end; the message says where and what was kept."""
 
 
+# Both engines' warning for a discarded window: (where, windows discarded so far).
+DISCARDED_WINDOW = "non-finite loss or gradient in %s: the window was discarded, not applied " \
+                   "(%d so far)"
+
+
+def bad_windows_verdict(config, consecutive_bad, last_bad):
+    """Why training must stop over non-finite windows, or None (both engines)."""
+    if not consecutive_bad:
+        return None
+    if config.on_nonfinite == "abort":
+        return f"non-finite loss or gradient in {last_bad} and --on-nonfinite=abort"
+    if consecutive_bad >= config.max_bad_windows:
+        return (f"{consecutive_bad} consecutive windows had a non-finite loss or "
+                f"gradient (--max-bad-windows={config.max_bad_windows})")
+    return None
+
+
 def identity(config, seed):
     """The settings a checkpoint must share with the run that resumes it."""
     return dict({key: getattr(config, key) for key in IDENTITY_FIELDS}, seed=seed)
@@ -209,8 +226,7 @@ class Training:
             self.skipped = averager.skipped_windows
             self.consecutive_bad += 1
             self.last_bad = f"iterations {self.window_start}-{self.iteration}"
-            logging.warning("non-finite loss or gradient in %s: the window was discarded, "
-                            "not applied (%d so far)", self.last_bad, self.skipped)
+            logging.warning(DISCARDED_WINDOW, self.last_bad, self.skipped)
         elif averager.updates > self.applied:
             self.applied = averager.updates
             self.consecutive_bad = 0
@@ -225,15 +241,7 @@ class Training:
 
     def bad_windows_verdict(self):
         """Why training must stop over non-finite windows, or None."""
-        config = self.config
-        if not self.consecutive_bad:
-            return None
-        if config.on_nonfinite == "abort":
-            return f"non-finite loss or gradient in {self.last_bad} and --on-nonfinite=abort"
-        if self.consecutive_bad >= config.max_bad_windows:
-            return (f"{self.consecutive_bad} consecutive windows had a non-finite loss or "
-                    f"gradient (--max-bad-windows={config.max_bad_windows})")
-        return None
+        return bad_windows_verdict(self.config, self.consecutive_bad, self.last_bad)
 
     def eval_due(self, closed):
         config = self.config
@@ -274,6 +282,7 @@ def train_once(config, datasets, seed, verbose=False, log=print, logdir=None,
         import tf2_trainer
         return tf2_trainer.train_once(config, datasets, seed, verbose=verbose, log=log,
                                       logdir=logdir, checkpoint_dir=checkpoint_dir,
+                                      checkpoint_every=checkpoint_every,
                                       should_stop=should_stop)
     saved = None
     if checkpoint_dir:

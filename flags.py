@@ -131,16 +131,12 @@ _define("integer", "max-bad-windows", 10,
 _define("multi_integer", "inject-nonfinite", [],
         "Testing aid: make the mini-batch of these iterations NaN.", lower_bound=1)
 
-# ---- the TF2 engine: what only the tf1 engine does (flags defined above)
+# ---- the TF2 engine: checkpoints on one machine only (flags defined above)
 flags.register_multi_flags_validator(
-    ["engine", "checkpoint-dir"], lambda v: v["engine"] == "tf1" or not v["checkpoint-dir"],
-    message="--checkpoint-dir needs --engine=tf1 (the tf2 engine does not checkpoint)")
-flags.register_multi_flags_validator(
-    ["engine", "on-nonfinite", "inject-nonfinite"],
-    lambda v: v["engine"] == "tf1" or (v["on-nonfinite"] == "skip"
-                                       and not v["inject-nonfinite"]),
-    message="--on-nonfinite=abort and --inject-nonfinite need --engine=tf1 (the tf2 "
-            "engine applies every window)")
+    ["strategy", "checkpoint-dir"],
+    lambda v: v["strategy"] != "multi_worker" or not v["checkpoint-dir"],
+    message="--checkpoint-dir does not work with --strategy=multi_worker (every worker "
+            "would write the same files); use --strategy=none or mirrored")
 
 
 def value(name):

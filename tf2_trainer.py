@@ -17,13 +17,16 @@ Two compiled functions do the work (`GradientAccumulator`):
     optimizer, then zeroes the accumulators.
 Dividing summed per-sample gradients by the sample count makes the applied gradient
 exactly that of the mean loss over every sample of the window, whatever the sizes of its
-micro-batches (a short last slice, a partial window).
+micro-batches (a short last slice, a partial window). A window in which any loss or
+gradient is NaN or Inf is discarded whole instead (a check-step votes first): the
+optimizer does not step, so its `iterations`, and any LR schedule, stay put.
 
 Under a `tf.distribute` strategy each micro-batch is the GLOBAL one: every replica takes
 its slice of it (replica r of K takes samples [n*r//K, n*(r+1)//K)), so the result does not
 depend on the replica count. The accumulators are replica-local (SyncOnRead): a micro-step
-communicates nothing; the apply-step all-reduces the summed gradients once per update
-(inside the Keras optimizer, which sums the replicas' contributions).
+communicates nothing; once per window a one-number vote (is anything non-finite?) is
+summed over the replicas, and the apply-step all-reduces the summed gradients (inside the
+Keras optimizer, which sums the replicas' contributions).
 
 `prepare` and `train_once` are the `--engine=tf2` side of `main.py`: the post's ConvNet as a
 Keras model, MNIST through tf.data in the core's sample order, the same output.
@@ -41,6 +44,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
+import checkpoint
 import data
 import experiment  # imports this module only inside train_once, so no import cycle
 import model as tf1_model
@@ -56,7 +60,9 @@ SCALAR_METADATA = summary_pb2.SummaryMetadata(
     plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
 ).SerializeToString()
 
-FitSummary = collections.namedtuple("FitSummary", ["micro_batches", "updates", "partial_window"])
+FitSummary = collections.namedtuple(
+    "FitSummary", ["micro_batches", "updates", "partial_window", "skipped_windows"],
+    defaults=(0,))
 
 
 class ConfigError(ValueError):
@@ -90,11 +96,15 @@ class GradientAccumulator:
     Attributes:
       micro_step: tf.function(x, y): adds one global micro-batch's summed gradients.
       apply_step: tf.function(): applies accumulators / samples, then zeroes them.
+      check_step: tf.function() -> bool: whether the open window holds a NaN or Inf loss
+        or gradient on any replica (the replicas' vote, summed).
+      discard_step: tf.function(): zeroes the accumulators without applying them.
       window: micro-batches accumulated since the last update (a Python count).
       updates: updates applied so far.
+      skipped_windows: windows discarded for a non-finite value (check_finite).
     """
 
-    def __init__(self, model, optimizer, loss_fn, strategy=None):
+    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True):
         """Creates the accumulators beside the model's variables.
 
         Args:
@@ -103,11 +113,14 @@ class GradientAccumulator:
           loss_fn: (y_true, y_pred) -> per-sample losses, shape [batch] (e.g. a Keras
             loss with reduction=None); the applied gradient is that of their mean.
           strategy: a tf.distribute.Strategy, or None for the default (one device).
+          check_finite: discard (not apply) a window holding a NaN or Inf loss or
+            gradient; costs one small reduction per window.
         """
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.strategy = strategy or tf.distribute.get_strategy()
+        self.check_finite = check_finite
         self.variables = list(model.trainable_variables)
         if not self.variables:
             raise ValueError("the model has no trainable variables")
@@ -120,6 +133,11 @@ class GradientAccumulator:
             # Every replica sees the whole global micro-batch, so each counts all samples.
             self.samples = _local_variable(0.0, tf.VariableAggregation.ONLY_FIRST_REPLICA,
                                            "window_samples")
+            # Micro-batches of the open window whose loss was not finite, on this replica
+            # (the gradient sums are checked when the window closes: a sum is finite only
+            # if every term was).
+            self.nonfinite = _local_variable(0.0, tf.VariableAggregation.SUM,
+                                             "window_nonfinite")
             # Monitoring only (never reset): the running loss sum and samples trained.
             self.loss_total = _local_variable(tf.constant(0.0, tf.float64),
                                               tf.VariableAggregation.SUM, "loss_total")
@@ -129,8 +147,20 @@ class GradientAccumulator:
         self._no_gradient = None  # which variables the loss does not reach (set when traced)
         self.micro_step = None  # compiled on the first batch, with its shapes
         self.apply_step = tf.function(self._apply_step)
+        self.check_step = tf.function(self._check_step)
+        self.discard_step = tf.function(self._discard_step)
         self.window = 0
         self.updates = 0  # apply() calls, as the optimizer's `iterations` counts them
+        self.skipped_windows = 0
+
+    @property
+    def state_variables(self):
+        """The accumulator's variables, each replica's copy apart: what a checkpoint of
+        the open window must hold (a replica-local variable saved whole would be its
+        cross-replica aggregate, and restored split evenly, not as it was)."""
+        return [local for v in self.sums + [self.samples, self.nonfinite, self.loss_total,
+                                            self.samples_total]
+                for local in self.strategy.experimental_local_results(v)]
 
     # The replica functions.
     def _replica_micro(self, x, y):
@@ -151,8 +181,24 @@ class GradientAccumulator:
             if g is not None:
                 total.assign_add(tf.convert_to_tensor(g))
         self.samples.assign_add(tf.cast(n_global, tf.float32))
-        self.loss_total.assign_add(tf.cast(loss_sum, tf.float64))
-        self.samples_total.assign_add(tf.cast(n_global, tf.float64))
+        finite = tf.math.is_finite(loss_sum)
+        self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))
+        # A NaN must not poison the running loss that the logs report.
+        self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
+        self.samples_total.assign_add(
+            tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
+
+    def _replica_nonfinite(self):
+        bad = self.nonfinite.read_value()
+        for total in self.sums:
+            bad += 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(total)), tf.float32)
+        return bad
+
+    def _replica_reset(self):
+        for total in self.sums:
+            total.assign(tf.zeros_like(total))
+        self.samples.assign(0.0)
+        self.nonfinite.assign(0.0)
 
     def _replica_apply(self):
         count = self.samples.read_value()
@@ -161,9 +207,7 @@ class GradientAccumulator:
                  for total, none in zip(self.sums, self._no_gradient)]
         self.optimizer.apply_gradients(
             [(g, v) for g, v in zip(grads, self.variables) if g is not None])
-        for total in self.sums:
-            total.assign(tf.zeros_like(total))
-        self.samples.assign(0.0)
+        self._replica_reset()
 
     # The compiled steps.
     def _compile_micro_step(self, x, y):
@@ -177,34 +221,71 @@ class GradientAccumulator:
         def micro_step(x, y):
             self.strategy.run(self._replica_micro, args=(x, y))
 
+        micro_step.get_concrete_function()  # traces it, so apply_step knows _no_gradient
         return micro_step
 
     def _apply_step(self):
         self.strategy.run(self._replica_apply)
 
-    def accumulate(self, x, y):
-        """Adds one global micro-batch (x, y) to the open window."""
+    def _check_step(self):
+        votes = self.strategy.run(self._replica_nonfinite)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, votes, axis=None) > 0
+
+    def _discard_step(self):
+        self.strategy.run(self._replica_reset)
+
+    def build(self, x, y):
+        """Compiles the micro-step for batches shaped like (x, y), without training.
+
+        `accumulate` does this on its first batch; call it first where an open window is
+        restored from a checkpoint and may be applied before any new micro-batch.
+        """
         if self.micro_step is None:
             self.micro_step = self._compile_micro_step(x, y)
+
+    def accumulate(self, x, y):
+        """Adds one global micro-batch (x, y) to the open window."""
+        self.build(x, y)
         self.micro_step(x, y)
         self.window += 1
 
     def apply(self):
-        """Applies the mean gradient of the open window (full or partial)."""
+        """Applies the mean gradient of the open window (full or partial).
+
+        With check_finite, a window holding a NaN or Inf loss or gradient is discarded
+        instead: nothing is applied, the optimizer does not step, the accumulators are
+        zeroed.
+
+        Returns:
+          True where the window was applied, False where it was discarded.
+        """
         if not self.window:
             raise ValueError("no micro-batch accumulated since the last update")
-        self.apply_step()
+        if self.micro_step is None:
+            raise ValueError("an open window restored from a checkpoint needs build(x, y) "
+                             "before it is applied")
+        applied = not (self.check_finite and bool(self.check_step()))
+        if applied:
+            self.apply_step()
+            self.updates += 1
+        else:
+            self.discard_step()
+            self.skipped_windows += 1
         self.window = 0
-        self.updates += 1
+        return applied
 
     def loss_totals(self):
-        """(sum of per-sample training losses, samples) so far, over all replicas."""
+        """(sum of per-sample training losses, samples) so far, over all replicas.
+
+        Micro-batches whose loss was not finite are left out of both.
+        """
         return float(self.loss_total.read_value()), float(self.samples_total.read_value())
 
     def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
         """One pass over `dataset`, applying the mean gradient every N micro-batches.
 
-        A trailing partial window is applied as the mean over its samples.
+        A trailing partial window is applied as the mean over its samples. A window with
+        a non-finite loss or gradient is discarded, with a warning (check_finite).
 
         Args:
           dataset: an iterable of (x, y) global micro-batches (e.g. a tf.data.Dataset).
@@ -215,29 +296,39 @@ class GradientAccumulator:
           warn_partial: log a warning when a partial window is applied.
 
         Returns:
-          FitSummary(micro_batches, updates, partial_window): partial_window is the
-          number of micro-batches in the trailing partial window (0 if none).
+          FitSummary(micro_batches, updates, partial_window, skipped_windows):
+          partial_window is the number of micro-batches in the trailing partial window
+          (0 if none).
         """
         if average_gradients < 1:
             raise ValueError(f"average_gradients must be >= 1, got {average_gradients}")
-        micro_batches = updates = 0
+        micro_batches = updates = skipped = 0
+
+        def close(size):
+            nonlocal updates, skipped
+            if self.apply():
+                updates += 1
+            else:
+                skipped += 1
+                logging.warning("non-finite loss or gradient in micro-batches %d-%d: the "
+                                "window was discarded, not applied",
+                                micro_batches - size + 1, micro_batches)
+
         for x, y in dataset:
             self.accumulate(x, y)
             micro_batches += 1
             if self.window == average_gradients:
-                self.apply()
-                updates += 1
+                close(self.window)
             if callback is not None:
                 callback(micro_batches)
         partial = self.window
         if partial:
-            self.apply()
-            updates += 1
+            close(partial)
             if warn_partial:
                 logging.warning("%d micro-batches is not a multiple of average_gradients=%d: "
                                 "the last %d were applied as one update of their mean",
                                 micro_batches, average_gradients, partial)
-        return FitSummary(micro_batches, updates, partial)
+        return FitSummary(micro_batches, updates, partial, skipped)
 
 
 def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strategy=None,
@@ -248,7 +339,7 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strat
     one batch of those samples would; see GradientAccumulator for the arguments.
 
     Returns:
-      FitSummary(micro_batches, updates, partial_window).
+      FitSummary(micro_batches, updates, partial_window, skipped_windows).
     """
     accumulator = GradientAccumulator(model, optimizer, loss_fn, strategy)
     return accumulator.fit(dataset, average_gradients, callback=callback)
@@ -348,14 +439,15 @@ def sparse_cross_entropy(labels, logits):
 # ---------------------------------------------------------------- tf.data
 
 
-def mnist_batches(split, batch_size, iterations, seed):
+def mnist_batches(split, batch_size, iterations, seed, position=0):
     """`iterations` mini-batches of `split` through tf.data, in data.SampleStream's order.
 
     The index batches come from the same SampleStream as the tf1 engine's, so both
     engines see the same samples in the same order; tf.data gathers the images.
+    `position` (samples already consumed) starts the stream where a resumed run stopped.
     """
     def index_batches():
-        stream = data.SampleStream(len(split.labels), seed)
+        stream = data.SampleStream(len(split.labels), seed, position)
         for _ in range(iterations):
             yield stream.next_indices(batch_size)
 
@@ -444,75 +536,137 @@ def _check_tf_config():
 
 
 def train_once(config, datasets, seed, verbose=False, log=print, logdir=None,
-               checkpoint_dir=None, checkpoint_every=None, should_stop=None):
+               checkpoint_dir=None, checkpoint_every=experiment.CHECKPOINT_EVERY,
+               should_stop=None):
     """The tf2 engine's run: as experiment.train_once, through GradientAccumulator.
 
     Evaluates every `config.eval_every` iterations (micro-batches), or every
-    `config.eval_every_updates` updates, and once at the end.
+    `config.eval_every_updates` updates, and once at the end. Windows with a non-finite
+    loss or gradient are discarded as `config.on_nonfinite` and `max_bad_windows` say.
 
     Args:
       logdir: TensorBoard events as the tf1 engine writes them (`train/loss` per update,
         `test/accuracy` per evaluation, against updates applied).
-      checkpoint_dir: must be None: this engine does not checkpoint (nor reads
-        checkpoint_every).
-      should_stop: called after every mini-batch; a non-empty return stops the run.
+      checkpoint_dir: this run's checkpoint directory (checkpoint.RunCheckpoint's files,
+        the variables in a tf.train.Checkpoint): saved every `checkpoint_every` updates,
+        when stopped, and when finished; resumed from when present. Not with
+        multi_worker (every worker would write the same files).
+      should_stop: called after every mini-batch; a non-empty return (e.g. "SIGTERM")
+        saves a checkpoint and raises Stopped.
 
     Returns:
-      the dict of experiment.train_once (skipped_windows is always 0: this engine
-      applies every window).
+      the dict of experiment.train_once.
 
     Raises:
-      experiment.Stopped: by `should_stop`.
+      experiment.Stopped: by `should_stop` or by non-finite windows.
+      checkpoint.CheckpointError: the checkpoint is unusable or of another configuration.
+      ConfigError: a checkpoint directory with --strategy=multi_worker.
     """
-    if checkpoint_dir:
-        raise ConfigError("the tf2 engine does not checkpoint; use --engine=tf1")
+    if checkpoint_dir and config.strategy == "multi_worker":
+        raise ConfigError("--checkpoint-dir does not work with --strategy=multi_worker")
     strategy = prepare(config)
+    saved = None
+    if checkpoint_dir:
+        # The replica count shapes the saved window (one copy per replica), so it counts.
+        ckpt = checkpoint.RunCheckpoint(checkpoint_dir, dict(
+            experiment.identity(config, seed), strategy=config.strategy,
+            replicas=strategy.num_replicas_in_sync))
+        saved = ckpt.load()
+        if saved and saved["finished"]:
+            return saved["result"]
     with strategy.scope():
         net = MODELS[config.model](config.dropout, seed)
         optimizer = keras.optimizers.Adam(learning_rate(
             config.learning_rate, config.lr_schedule, config.lr_decay_steps,
             config.lr_decay_rate))
     accumulator = GradientAccumulator(net, optimizer, sparse_cross_entropy, strategy)
+    accumulator.build(datasets.train.images[:1], datasets.train.labels[:1])
+    # Everything a resumed run needs: the weights with dropout's seed-generator states
+    # (net.variables holds both), Adam's slots and iterations, the open window.
+    variables = _CheckpointFiles(model=list(net.variables), optimizer=list(optimizer.variables),
+                                 window=accumulator.state_variables)
     if verbose:
         replicas = strategy.num_replicas_in_sync
         log(f"Strategy {config.strategy}: {replicas} replica{'s' * (replicas != 1)} in sync")
     writer = tf.summary.create_file_writer(logdir) if logdir else None
-    loop = _Loop(config, datasets, net, accumulator, writer, verbose, log)
-    batches = mnist_batches(datasets.train, config.batch_size, config.iterations, seed)
+    run = _Training(config, datasets, net, accumulator, writer, verbose, log)
+    if saved:
+        ckpt.restore(None, variables, saved)
+        run.restore(saved)
 
-    def after_micro_batch(iteration):
-        loop.iteration = iteration
-        closed = accumulator.window == 0
-        if closed:
-            loop.record_update()
-        if loop.eval_due(closed):
-            loop.evaluate()
+    def save():
+        if checkpoint_dir:
+            ckpt.save(None, variables, run.iteration, run.state(), window={})
+
+    def stop(reason):
+        save()
+        where = (f"checkpoint in {checkpoint_dir}; run the same command to resume"
+                 if checkpoint_dir else "no --checkpoint-dir, so this run is lost")
+        raise experiment.Stopped(f"{reason}; stopped at iteration {run.iteration} "
+                                 f"({accumulator.window} mini-batches in the open window); "
+                                 f"{where}")
+
+    batches = iter(mnist_batches(datasets.train, config.batch_size,
+                                 config.iterations - run.iteration, seed,
+                                 position=run.iteration * config.batch_size))
+    while run.iteration < config.iterations:
+        start = time.perf_counter()
+        x, y = next(batches)
+        closed = run.step(x, y)
+        run.train_seconds += time.perf_counter() - start
+        verdict = run.bad_windows_verdict() if closed else None
+        if verdict:
+            stop(verdict)
+        if run.eval_due(closed):
+            run.evaluate()
+        if closed and accumulator.updates and accumulator.updates % checkpoint_every == 0:
+            save()
         reason = should_stop() if should_stop else None
         if reason:
-            raise experiment.Stopped(
-                f"interrupted by {reason}; stopped at iteration {iteration} "
-                f"({accumulator.window} mini-batches in the open window); the tf2 engine "
-                f"keeps no checkpoint, so this run is lost")
+            stop(f"interrupted by {reason}")
 
-    start = time.perf_counter()
-    summary = accumulator.fit(batches, config.average_gradients, callback=after_micro_batch,
-                              warn_partial=False)
-    train_seconds = time.perf_counter() - start - loop.eval_seconds
-    if summary.partial_window:
-        loop.record_update()
+    held = accumulator.window
+    if held:
+        start = time.perf_counter()
+        run.close_window(accumulator.apply())
+        run.train_seconds += time.perf_counter() - start
         logging.warning("--iterations=%d is not a multiple of --average-gradients=%d: "
                         "the last %d mini-batches were applied as one update of their "
-                        "mean", config.iterations, config.average_gradients,
-                        summary.partial_window)
-    loop.iteration = config.iterations
-    final_accuracy = loop.evaluate()
+                        "mean", config.iterations, config.average_gradients, held)
+        verdict = run.bad_windows_verdict()
+        if verdict:
+            stop(verdict)
+    final_accuracy = run.evaluate()
     if writer:
         writer.close()
-    return {"seed": seed, "best_accuracy": loop.best_accuracy,
-            "best_iteration": loop.best_iteration, "final_accuracy": final_accuracy,
-            "updates": int(optimizer.iterations.numpy()), "skipped_windows": 0,
-            "train_seconds": train_seconds, "eval_seconds": loop.eval_seconds,
-            "weights_sha256": weights_digest(net)}
+    result = {"seed": seed, "best_accuracy": run.best_accuracy,
+              "best_iteration": run.best_iteration, "final_accuracy": final_accuracy,
+              "updates": int(optimizer.iterations.numpy()),
+              "skipped_windows": accumulator.skipped_windows,
+              "train_seconds": run.train_seconds, "eval_seconds": run.eval_seconds,
+              "weights_sha256": weights_digest(net)}
+    if checkpoint_dir:
+        ckpt.save_finished(result)
+    return result
+
+
+class _CheckpointFiles:
+    """A tf.train.Checkpoint behind the two calls RunCheckpoint makes of a tf1 Saver."""
+
+    def __init__(self, **objects):
+        self.checkpoint = tf.train.Checkpoint(**objects)
+
+    def save(self, unused_sess, prefix, global_step, **unused_saver_options):
+        return self.checkpoint.write(f"{prefix}-{global_step}")
+
+    def restore(self, unused_sess, prefix):
+        try:
+            self.checkpoint.read(prefix).assert_consumed()
+        # What TensorFlow raises for a truncated, corrupt or foreign checkpoint.
+        except (tf.errors.OpError, AssertionError, ValueError, IndexError, OSError) as e:
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise checkpoint.CheckpointError(f"{prefix}: unusable checkpoint ({message})") \
+                from None
 
 
 def weights_digest(net):
@@ -523,15 +677,18 @@ def weights_digest(net):
     return digest.hexdigest()
 
 
-class _Loop:
-    """Evaluation, logging and events of one tf2 run, on the tf1 engine's cadence."""
+class _Training:
+    """One tf2 run's loop state, evaluation and logging, on the tf1 engine's cadence."""
 
     def __init__(self, config, datasets, net, accumulator, writer, verbose, log):
         self.config, self.test, self.accumulator = config, datasets.test, accumulator
         self.writer, self.verbose, self.log = writer, verbose, log
         self.iteration = 0
         self.best_accuracy, self.best_iteration = -1.0, 0
-        self.eval_seconds = 0.0
+        self.train_seconds = self.eval_seconds = 0.0
+        self.consecutive_bad = 0
+        self.last_bad = None
+        self.window_start = 1  # first iteration of the open window
         self.eval_totals = self.update_totals = (0.0, 0.0)  # loss totals at the last mark
         self.test_images = tf.constant(self.test.images)
         self.test_labels = tf.constant(self.test.labels)
@@ -542,6 +699,67 @@ class _Loop:
             return tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64))
 
         self.num_correct = num_correct
+
+    # ------------------------------------------------ checkpoint state
+
+    def state(self):
+        accumulator = self.accumulator
+        # The data position is the samples consumed; tf.data's prefetch runs ahead of it.
+        return {"iteration": self.iteration,
+                "position": self.iteration * self.config.batch_size,
+                "updates": accumulator.updates, "skipped_windows": accumulator.skipped_windows,
+                "open_window": accumulator.window, "consecutive_bad": self.consecutive_bad,
+                "last_bad": self.last_bad, "window_start": self.window_start,
+                "best_accuracy": self.best_accuracy, "best_iteration": self.best_iteration,
+                "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
+                "eval_totals": list(self.eval_totals),
+                "update_totals": list(self.update_totals)}
+
+    def restore(self, state):
+        accumulator = self.accumulator
+        accumulator.updates, accumulator.skipped_windows = (state["updates"],
+                                                            state["skipped_windows"])
+        accumulator.window = state["open_window"]
+        self.iteration = state["iteration"]
+        self.consecutive_bad, self.last_bad = state["consecutive_bad"], state["last_bad"]
+        self.window_start = state["window_start"]
+        self.best_accuracy, self.best_iteration = state["best_accuracy"], state["best_iteration"]
+        self.train_seconds, self.eval_seconds = state["train_seconds"], state["eval_seconds"]
+        self.eval_totals = tuple(state["eval_totals"])
+        self.update_totals = tuple(state["update_totals"])
+
+    # ------------------------------------------------ the loop
+
+    def step(self, x, y):
+        """Trains one mini-batch; returns True where it closed a window."""
+        self.iteration += 1
+        if self.iteration in self.config.inject_nonfinite:
+            x = np.array(x)
+            x[0] = np.nan
+        self.accumulator.accumulate(x, y)
+        if self.accumulator.window < self.config.average_gradients:
+            return False
+        self.close_window(self.accumulator.apply())
+        return True
+
+    def close_window(self, applied):
+        """Accounts for a window just applied (True) or discarded (False)."""
+        if applied:
+            self.consecutive_bad = 0
+            self.record_update()
+        else:
+            self.consecutive_bad += 1
+            self.last_bad = f"iterations {self.window_start}-{self.iteration}"
+            logging.warning(experiment.DISCARDED_WINDOW, self.last_bad,
+                            self.accumulator.skipped_windows)
+            if self.writer:  # the next update's loss leaves this window out
+                self.update_totals = self.accumulator.loss_totals()
+        self.window_start = self.iteration + 1
+
+    def bad_windows_verdict(self):
+        """Why training must stop over non-finite windows, or None."""
+        return experiment.bad_windows_verdict(self.config, self.consecutive_bad,
+                                              self.last_bad)
 
     def _mean_loss_since(self, mark):
         totals = self.accumulator.loss_totals()

@@ -108,6 +108,19 @@ def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, ca
     assert "unreadable checkpoint state" in one_line_error(capsys, *base)
 
 
+@pytest.mark.parametrize("victim", ["model.ckpt-20.data-00000-of-00001", "window-20.npz"])
+def test_truncated_checkpoint_files_give_one_line(tmp_path, capsys, mnist, victim):
+    directory = tmp_path / "rep-0"
+    with pytest.raises(experiment.Stopped):
+        experiment.train_once(config(), mnist, seed=0, checkpoint_dir=str(directory),
+                              should_stop=stop_at(20, [0]))
+    path = directory / victim
+    path.write_bytes(path.read_bytes()[:100])
+    error = one_line_error(capsys, "--average-gradients=5", "--batch-size=10",
+                           "--iterations=60", "--eval-every=20", f"--checkpoint-dir={tmp_path}")
+    assert "is corrupt" in error
+
+
 # ---------------------------------------------------------------- real signals
 
 def start(args):

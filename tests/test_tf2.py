@@ -5,7 +5,9 @@ test that uses a strategy runs in a subprocess; in this process only the default
 """
 
 import json
+import os
 import re
+import shutil
 
 import keras
 import numpy as np
@@ -14,11 +16,12 @@ import tensorflow as tf
 from absl.testing import flagsaver
 from tensorflow.core.util import event_pb2
 
+import checkpoint
 import experiment
 import main
 import launch_workers
 import tf2_trainer
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_main_in_process
 
 RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
                       r"Final accuracy: ([\d.]+)\.$", re.M)
@@ -141,6 +144,44 @@ def test_a_mean_loss_is_refused():
         accumulator.accumulate(x, y)
 
 
+def infinite_loss_of_large_targets(y, prediction):
+    """Squared error, plus an Inf loss (but no gradient) for targets above 100."""
+    return squared_error(y, prediction) + tf.stop_gradient(
+        tf.where(y > 100, tf.constant(np.inf, tf.float32), 0.0))
+
+
+@pytest.mark.parametrize("poison", ["nan_input", "inf_loss_finite_gradient"])
+def test_a_nonfinite_window_is_discarded_and_the_optimizer_does_not_step(poison):
+    x, y = synthetic_data(12)
+    bad_x, bad_y = x.copy(), y.copy()
+    if poison == "nan_input":
+        bad_x[5] = np.nan
+    else:
+        bad_y[5] = 1000.0
+    model, optimizer = regression_mlp(), keras.optimizers.Adam(0.1)
+    accumulator = tf2_trainer.GradientAccumulator(model, optimizer,
+                                                  infinite_loss_of_large_targets)
+    start = weights(model)
+    accumulator.accumulate(x[:4], y[:4])
+    accumulator.accumulate(bad_x[4:8], bad_y[4:8])
+    assert accumulator.apply() is False
+    assert accumulator.skipped_windows == 1 and accumulator.updates == 0
+    assert int(optimizer.iterations.numpy()) == 0  # LR schedules and update counts stay right
+    for before, after in zip(start, weights(model)):
+        np.testing.assert_array_equal(before, after)
+    assert all(not np.any(s.numpy()) for s in accumulator.sums)
+    # The next window is applied as if the discarded one had never been.
+    accumulator.accumulate(x[8:], y[8:])
+    assert accumulator.apply() is True
+    fresh = regression_mlp()
+    fresh_accumulator = tf2_trainer.GradientAccumulator(fresh, keras.optimizers.Adam(0.1),
+                                                        squared_error)
+    fresh_accumulator.accumulate(x[8:], y[8:])
+    fresh_accumulator.apply()
+    for got, want in zip(weights(model), weights(fresh)):
+        np.testing.assert_array_equal(got, want)
+
+
 # ---------------------------------------------------------------- LR schedules
 
 
@@ -180,16 +221,88 @@ def test_tf1_lr_schedule_counts_updates_not_mini_batches(mnist):
 # ---------------------------------------------------------------- the CLI engine
 
 
-def test_a_stop_request_ends_the_tf2_run_with_stopped(mnist):
-    config = experiment.Config(engine="tf2", batch_size=10, iterations=50, eval_every=0)
+def tf2_config(**overrides):
+    """A short tf2 run, dropout on: 12 windows of 5 mini-batches of 10."""
+    return experiment.Config(**dict(dict(engine="tf2", average_gradients=5, batch_size=10,
+                                         iterations=60, eval_every=20), **overrides))
+
+
+def stop_after(iteration, reason):
+    """A should_stop that asks to stop once, after the given mini-batch."""
     calls = []
 
     def should_stop():
         calls.append(1)
-        return "SIGTERM" if len(calls) == 3 else None
+        return reason if len(calls) == iteration else None
 
-    with pytest.raises(experiment.Stopped, match="SIGTERM; stopped at iteration 3"):
-        tf2_trainer.train_once(config, mnist, seed=0, should_stop=should_stop)
+    return should_stop
+
+
+def test_tf2_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist):
+    cfg = tf2_config()  # dropout on: the resumed run must draw the masks it would have
+    uninterrupted = experiment.train_once(cfg, mnist, seed=4)
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(experiment.Stopped, match=r"interrupted by SIGTERM; stopped at "
+                       r"iteration 23 \(3 mini-batches in the open window\); checkpoint in"):
+        experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory,
+                              checkpoint_every=2, should_stop=stop_after(23, "SIGTERM"))
+    state = json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))
+    assert (state["iteration"], state["updates"], state["open_window"]) == (23, 4, 3)
+    assert sorted(os.listdir(directory)) == [  # the periodic saves at updates 2 and 4 gone
+        "model.ckpt-23.data-00000-of-00001", "model.ckpt-23.index", "state.json",
+        "window-23.npz"]
+    with pytest.raises(checkpoint.CheckpointError, match="made with --batch-size=10"):
+        experiment.train_once(tf2_config(batch_size=20), mnist, seed=4,
+                              checkpoint_dir=directory)
+    with pytest.raises(checkpoint.CheckpointError, match="made with --engine=tf2"):
+        experiment.train_once(tf2_config(engine="tf1"), mnist, seed=4,
+                              checkpoint_dir=directory)
+    corrupt = str(tmp_path / "corrupt")
+    shutil.copytree(directory, corrupt)
+    with open(os.path.join(corrupt, "model.ckpt-23.data-00000-of-00001"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(checkpoint.CheckpointError, match="model.ckpt-23: unusable checkpoint"):
+        experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=corrupt)
+    resumed = experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
+    for key in ("best_accuracy", "best_iteration", "final_accuracy", "updates"):
+        assert resumed[key] == uninterrupted[key]
+    # a finished run is kept, not trained again
+    assert experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory) == resumed
+    assert os.listdir(directory) == [checkpoint.STATE_FILE]
+
+
+def test_tf2_nonfinite_windows_are_discarded_whole(mnist):
+    # Windows 1-5 and 11-15 are bad, not in a row: the run goes on.
+    poisoned = experiment.train_once(tf2_config(inject_nonfinite=(2, 12), max_bad_windows=2),
+                                     mnist, seed=0)
+    assert poisoned["skipped_windows"] == 2 and poisoned["updates"] == 10
+    assert poisoned["final_accuracy"] > 12  # it learned: NaN weights would give ~9.8%
+    # The bad samples elsewhere in the same windows: nothing of those windows was applied.
+    reference = experiment.train_once(tf2_config(inject_nonfinite=(4, 14)), mnist, seed=0)
+    assert poisoned["weights_sha256"] == reference["weights_sha256"]
+
+
+def test_tf2_abort_and_max_bad_windows_stop_with_a_checkpoint(tmp_path, mnist):
+    directory = str(tmp_path / "ckpt")
+    with pytest.raises(experiment.Stopped, match="iterations 11-15 and --on-nonfinite=abort; "
+                                                 "stopped at iteration 15"):
+        experiment.train_once(tf2_config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist,
+                              seed=0, checkpoint_dir=directory)
+    state = json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))
+    assert (state["iteration"], state["updates"], state["skipped_windows"]) == (15, 2, 1)
+    with pytest.raises(experiment.Stopped, match="2 consecutive windows"):
+        experiment.train_once(tf2_config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)),
+                              mnist, seed=0)
+
+
+def test_tf2_cli_aborts_on_a_nonfinite_window_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_main_in_process("--engine=tf2", "--average-gradients=5", "--batch-size=10",
+                            "--iterations=30", "--inject-nonfinite=7", "--on-nonfinite=abort")
+    assert exit_info.value.code == 3
+    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
+    assert len(errors) == 1 and "iterations 6-10 and --on-nonfinite=abort" in errors[0]
 
 
 def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path):
@@ -241,7 +354,7 @@ def test_two_mirrored_replicas_end_like_one(single_process_accuracy):
 
 
 def test_gradients_are_all_reduced_once_per_update_not_per_micro_batch(tmp_path):
-    """Counts the collective ops traced into the micro-step and the apply-step."""
+    """Counts the collective ops traced into each step; a NaN on one replica discards for all."""
     script = """
 import json, sys
 sys.path.insert(0, %r)
@@ -256,9 +369,15 @@ x, y = tf.zeros([6, 28, 28, 1]), tf.zeros([6], tf.int64)
 for _ in range(3):
     acc.accumulate(x, y)
 acc.apply()
+before = tf2_trainer.weights_digest(net)
+poisoned = tf.tensor_scatter_nd_update(x, [[5]], tf.fill([1, 28, 28, 1], float("nan")))
+acc.accumulate(x, y)
+acc.accumulate(poisoned, y)  # sample 5: in replica 1's slice only
 print(json.dumps({"replicas": strategy.num_replicas_in_sync,
     "micro": tf2_trainer.count_all_reduces(acc.micro_step.get_concrete_function(x, y)),
     "apply": tf2_trainer.count_all_reduces(acc.apply_step.get_concrete_function()),
+    "check": tf2_trainer.count_all_reduces(acc.check_step.get_concrete_function()),
+    "discarded": not acc.apply(), "unchanged": tf2_trainer.weights_digest(net) == before,
     "updates": int(optimizer.iterations.numpy()), "variables": len(acc.variables)}))
 """ % ROOT
     path = tmp_path / "count_all_reduces.py"
@@ -269,6 +388,10 @@ print(json.dumps({"replicas": strategy.num_replicas_in_sync,
     assert counts["replicas"] == 2 and counts["updates"] == 1
     assert counts["micro"] == 0
     assert 1 <= counts["apply"] <= counts["replicas"] * counts["variables"]
+    # The non-finite vote: one scalar per window (summed locally here, by AddN; across
+    # workers it is one collective).
+    assert counts["check"] <= 1
+    assert counts["discarded"] and counts["unchanged"] and counts["updates"] == 1
 
 
 def test_two_workers_train_together_and_end_like_one_process(single_process_accuracy):
@@ -285,8 +408,8 @@ def test_two_workers_train_together_and_end_like_one_process(single_process_accu
     (["--engine=tf2", "--replicas=2"], "--replicas needs --strategy=mirrored"),
     (["--engine=tf2", "--accumulate=fused"], "--accumulate picks a tf1 strategy"),
     (["--lr-decay-rate=0"], "--lr-decay-rate must be in (0, 1]"),
-    (["--engine=tf2", "--checkpoint-dir=/tmp"], "--checkpoint-dir needs --engine=tf1"),
-    (["--engine=tf2", "--inject-nonfinite=3"], "--inject-nonfinite need --engine=tf1"),
+    (["--engine=tf2", "--strategy=multi_worker", "--checkpoint-dir=/tmp"],
+     "--checkpoint-dir does not work with --strategy=multi_worker"),
 ])
 def test_bad_tf2_flags_get_one_line(capsys, args, message):
     with flagsaver.flagsaver():
