@@ -125,7 +125,8 @@ BESTS = {1: [94.9, 95.0, 95.1], 5: [95.5, 95.6, 95.7], 10: [95.0, 95.1, 95.2],
 
 def planted_table(tmp_path, fair=False):
     out_dir = str(tmp_path / "fair") if fair else str(tmp_path)
-    specs = reproduce.plan(out_dir, reps=3, seed=0, scale=1, fair=fair, accumulate="stack")
+    specs = reproduce.plan(out_dir, reps=3, seed=0, scale=1, fair=fair,
+                           accumulate=reproduce.DEFAULT_ACCUMULATE)
     for spec in specs:
         best = BESTS[spec.setting.average_gradients][spec.rep]
         plant(spec, best, best - 0.1)
@@ -189,7 +190,7 @@ def test_fair_table_has_its_own_directory_and_cadence(tmp_path):
 
 def test_runs_made_with_other_settings_are_refused(tmp_path):
     specs = reproduce.plan(str(tmp_path), reps=1, seed=0, scale=1, fair=False,
-                           accumulate="stack")
+                           accumulate=reproduce.DEFAULT_ACCUMULATE)
     plant(specs[0], 95.0, 95.0, **{"learning-rate": 0.01})
     with pytest.raises(reproduce.ReproduceError, match="--learning-rate=0.01, not 0.001"):
         reproduce.reproduce(str(tmp_path), reps=1, log=lambda line: None)
