@@ -110,6 +110,8 @@ class RunCheckpoint:
             saver.restore(sess, os.path.join(self.directory, state["checkpoint"]))
             with np.load(os.path.join(self.directory, state["window"])) as arrays:
                 return {key: arrays[key] for key in arrays.files}
+        except CheckpointError:
+            raise
         except (tf.errors.OpError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"checkpoint {self.directory} is corrupt ({reason}); "

@@ -220,24 +220,26 @@ class Training:
         return self.close_window()
 
     def close_window(self):
-        """Accounts for a window the averager just applied or discarded."""
+        """Accounts for a window the averager just closed: "applied", "discarded" or None."""
         averager, writer = self.run.averager, self.writer
         if averager.skipped_windows > self.skipped:
             self.skipped = averager.skipped_windows
             self.consecutive_bad += 1
             self.last_bad = f"iterations {self.window_start}-{self.iteration}"
             logging.warning(DISCARDED_WINDOW, self.last_bad, self.skipped)
+            outcome = "discarded"
         elif averager.updates > self.applied:
             self.applied = averager.updates
             self.consecutive_bad = 0
             if writer and self.update_losses:
                 writer.add_summary(_scalars({"train/loss": np.mean(self.update_losses)}),
                                    self.applied)
+            outcome = "applied"
         else:
-            return False
+            return None
         self.update_losses.clear()
         self.window_start = self.iteration + 1
-        return True
+        return outcome
 
     def bad_windows_verdict(self):
         """Why training must stop over non-finite windows, or None."""
@@ -249,7 +251,7 @@ class Training:
             return False  # the final evaluation follows the flush
         if config.eval_every and self.iteration % config.eval_every == 0:
             return True
-        return bool(config.eval_every_updates and closed and self.applied
+        return bool(config.eval_every_updates and closed == "applied"
                     and self.applied % config.eval_every_updates == 0)
 
 
@@ -318,7 +320,7 @@ def train_once(config, datasets, seed, verbose=False, log=print, logdir=None,
                 stop(verdict)
             if training.eval_due(closed):
                 training.evaluate()
-            if closed and training.applied and training.applied % checkpoint_every == 0:
+            if closed == "applied" and training.applied % checkpoint_every == 0:
                 save()
             reason = should_stop() if should_stop else None
             if reason:
@@ -327,8 +329,7 @@ def train_once(config, datasets, seed, verbose=False, log=print, logdir=None,
         start = time.perf_counter()
         held = run.averager.flush(sess)
         training.train_seconds += time.perf_counter() - start
-        training.close_window()
-        if held:
+        if held and training.close_window() == "applied":
             logging.warning("--iterations=%d is not a multiple of --average-gradients=%d: "
                             "the last %d mini-batches were applied as one update of their "
                             "mean", config.iterations, config.average_gradients, held)

@@ -15,6 +15,7 @@ import model
 import trainer
 
 FLAGS = flags.FLAGS
+MAX_SEED = 2**31 - 1  # run r uses seed + r; TensorFlow's graph seed must fit
 
 
 def _define(kind, name, default, help_text, **kwargs):
@@ -52,7 +53,10 @@ _define("integer", "eval-every", 100,
         "Evaluate on the test set every this many iterations (0: only at the end).",
         lower_bound=0)
 _define("integer", "seed", 0, "Seed of run 0 (weights, sample order, dropout).",
-        lower_bound=0)
+        lower_bound=0, upper_bound=MAX_SEED)
+flags.register_multi_flags_validator(
+    ["seed", "reps"], lambda v: v["seed"] + v["reps"] - 1 <= MAX_SEED,
+    message=f"--seed + --reps - 1 must be at most {MAX_SEED}")
 
 # ---------------------------------------------------------------- data and output
 _define("string", "data-dir", None,

@@ -305,14 +305,17 @@ class GradientAccumulator:
         micro_batches = updates = skipped = 0
 
         def close(size):
+            """Applies or discards the window; returns whether it was applied."""
             nonlocal updates, skipped
-            if self.apply():
+            applied = self.apply()
+            if applied:
                 updates += 1
             else:
                 skipped += 1
                 logging.warning("non-finite loss or gradient in micro-batches %d-%d: the "
                                 "window was discarded, not applied",
                                 micro_batches - size + 1, micro_batches)
+            return applied
 
         for x, y in dataset:
             self.accumulate(x, y)
@@ -323,8 +326,8 @@ class GradientAccumulator:
                 callback(micro_batches)
         partial = self.window
         if partial:
-            close(partial)
-            if warn_partial:
+            applied = close(partial)
+            if warn_partial and applied:
                 logging.warning("%d micro-batches is not a multiple of average_gradients=%d: "
                                 "the last %d were applied as one update of their mean",
                                 micro_batches, average_gradients, partial)
@@ -628,9 +631,11 @@ def train_once(config, datasets, seed, verbose=False, log=print, logdir=None,
     held = accumulator.window
     if held:
         start = time.perf_counter()
-        run.close_window(accumulator.apply())
+        applied = accumulator.apply()
+        run.close_window(applied)
         run.train_seconds += time.perf_counter() - start
-        logging.warning("--iterations=%d is not a multiple of --average-gradients=%d: "
+        if applied:
+            logging.warning("--iterations=%d is not a multiple of --average-gradients=%d: "
                         "the last %d mini-batches were applied as one update of their "
                         "mean", config.iterations, config.average_gradients, held)
         verdict = run.bad_windows_verdict()

@@ -61,6 +61,21 @@ def test_n_by_b_ends_exactly_like_one_batch_of_n_times_b():
     assert final_accuracies(other.stdout) != final_accuracies(direct.stdout)
 
 
+def test_every_strategy_ends_exactly_like_one_batch_through_main(capsys):
+    """Property 7 for the other strategies, through main in process (fast)."""
+    common = ["--iterations=360", "--dropout=0", "--eval-every=0", "--batch-size=10",
+              "--average-gradients=12"]
+    finals = {}
+    for strategy in ("running", "graph", "fused"):
+        run_main_in_process(*common, f"--accumulate={strategy}")
+        finals[strategy] = final_accuracies(capsys.readouterr().out)
+    run_main_in_process("--iterations=30", "--dropout=0", "--eval-every=0",
+                        "--batch-size=120", "--average-gradients=1")
+    direct = final_accuracies(capsys.readouterr().out)
+    assert len(direct) == 1
+    assert all(final == direct for final in finals.values()), (finals, direct)
+
+
 def test_a_short_real_run_learns(tmp_path):
     proc = run_cli("--average-gradients=2", "--batch-size=50", "--iterations=800", "--reps=1",
                    "--verbose", "--eval-every=400")
@@ -95,6 +110,7 @@ BAD_FLAGS = [
     ("--dropout=-0.1", "dropout"),
     ("--eval-every=-1", "eval-every"),
     ("--seed=-1", "seed"),
+    ("--seed=99999999999999999999", "seed"),
     ("--accumulate=magic", "accumulate"),
     ("--model=resnet", "model"),
     ("--threads=-1", "threads"),
@@ -108,6 +124,7 @@ BAD_FLAGS = [
 ]
 
 BAD_COMBINATIONS = [
+    (["--seed=2147483647", "--reps=2"], "--seed + --reps - 1"),
     (["--eval-every=10", "--eval-every-updates=5"], "pass --eval-every=0"),
     (["--strategy=mirrored"], "--strategy needs --engine=tf2"),
     (["--engine=tf2", "--replicas=2"], "--replicas needs --strategy=mirrored"),

@@ -110,7 +110,8 @@ def test_model_choice_builds_and_trains_a_step(mnist, model_name, parameters):
         assert training.step()  # N=1: the step closes its window
         after = sess.run(variables)
         logits = sess.run(run.ops.logits, {run.images: mnist.test.images[:3]})
-    assert run.averager.updates == 1 and np.isfinite(training.update_losses or [0]).all()
+    assert run.averager.updates == 1
+    assert len(training.recent_losses) == 1  # non-finite losses are left out of it
     assert logits.shape == (3, 10)
     assert all(not np.array_equal(b, a) for b, a in zip(before, after))
 
