@@ -138,12 +138,17 @@ def identity(config, seed):
     return dict({key: getattr(config, key) for key in IDENTITY_FIELDS}, seed=seed)
 
 
-def weights_digest(sess, graph):
-    """sha256 of every trainable variable's bytes: equal digests, equal weights."""
+def digest_arrays(values):
+    """sha256 of the arrays' bytes, in order: equal digests, equal weights (both engines)."""
     digest = hashlib.sha256()
-    for value in sess.run(graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)):
+    for value in values:
         digest.update(np.ascontiguousarray(value).tobytes())
     return digest.hexdigest()
+
+
+def weights_digest(sess, graph):
+    """digest_arrays of every trainable variable of a TF1 graph."""
+    return digest_arrays(sess.run(graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
 
 
 class Training:

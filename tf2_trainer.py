@@ -33,7 +33,6 @@ Keras model, MNIST through tf.data in the core's sample order, the same output.
 """
 
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -49,7 +48,7 @@ import data
 import experiment  # imports this module only inside train_once, so no import cycle
 import model as tf1_model
 
-EVAL_BATCH = 10000
+EVAL_BATCH = experiment.EVAL_BATCH
 # Ops that communicate between replicas; a test counts them in the compiled steps.
 ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
                   "CollectiveGather", "CollectiveGatherV2", "NcclAllReduce")
@@ -675,11 +674,8 @@ class _CheckpointFiles:
 
 
 def weights_digest(net):
-    """sha256 of every trainable variable's bytes: equal digests, equal weights."""
-    digest = hashlib.sha256()
-    for variable in net.trainable_variables:
-        digest.update(np.ascontiguousarray(variable.numpy()).tobytes())
-    return digest.hexdigest()
+    """experiment.digest_arrays of a Keras model's trainable variables."""
+    return experiment.digest_arrays(v.numpy() for v in net.trainable_variables)
 
 
 class _Training:
