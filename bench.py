@@ -148,9 +148,10 @@ class TF2Contender:
 
     def __init__(self, label, n, b, datasets):
         import keras
+        import tf2_accumulator
         import tf2_trainer
         self.label, self.n = label, n
-        self.accumulator = tf2_trainer.GradientAccumulator(
+        self.accumulator = tf2_accumulator.GradientAccumulator(
             tf2_trainer.conv_net(0.5, SEED), keras.optimizers.Adam(1e-3),
             tf2_trainer.sparse_cross_entropy)
         self.batches = iter(tf2_trainer.mnist_batches(datasets.train, b, 10 ** 9, SEED))

@@ -20,6 +20,7 @@ import checkpoint
 import experiment
 import main
 import launch_workers
+import tf2_accumulator
 import tf2_trainer
 from conftest import ROOT, run_cli, run_main_in_process
 
@@ -92,7 +93,7 @@ def test_unequal_micro_batches_apply_the_gradient_of_the_concatenated_batch():
         loss = tf.reduce_mean(squared_error(y, model(x, training=True))) + tf.add_n(model.losses)
     reference = [np.array(g) for g in tape.gradient(loss, model.trainable_variables)]
 
-    accumulator = tf2_trainer.GradientAccumulator(
+    accumulator = tf2_accumulator.GradientAccumulator(
         model, keras.optimizers.SGD(learning_rate=1.0), squared_error)
     for a, b in slices:
         accumulator.accumulate(x[a:b], y[a:b])
@@ -120,14 +121,14 @@ def test_fit_accumulated_equals_big_batches_including_a_short_last_window():
     x, y = synthetic_data(40, seed=1)
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     accumulated, direct = regression_mlp(seed=5), regression_mlp(seed=5)
-    summary = tf2_trainer.fit_accumulated(accumulated, dataset.batch(4),
+    summary = tf2_accumulator.fit_accumulated(accumulated, dataset.batch(4),
                                           keras.optimizers.Adam(0.05), squared_error,
                                           average_gradients=4)
-    assert summary == tf2_trainer.FitSummary(micro_batches=10, updates=3, partial_window=2)
-    summary = tf2_trainer.fit_accumulated(direct, dataset.batch(16),  # 16, 16, 8
+    assert summary == tf2_accumulator.FitSummary(micro_batches=10, updates=3, partial_window=2)
+    summary = tf2_accumulator.fit_accumulated(direct, dataset.batch(16),  # 16, 16, 8
                                           keras.optimizers.Adam(0.05), squared_error,
                                           average_gradients=1)
-    assert summary == tf2_trainer.FitSummary(micro_batches=3, updates=3, partial_window=0)
+    assert summary == tf2_accumulator.FitSummary(micro_batches=3, updates=3, partial_window=0)
     moved = False
     for a, b, w0 in zip(weights(accumulated), weights(direct), weights(regression_mlp(seed=5))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -138,7 +139,7 @@ def test_fit_accumulated_equals_big_batches_including_a_short_last_window():
 def test_a_mean_loss_is_refused():
     model = regression_mlp()
     x, y = synthetic_data(4)
-    accumulator = tf2_trainer.GradientAccumulator(
+    accumulator = tf2_accumulator.GradientAccumulator(
         model, keras.optimizers.SGD(0.1), lambda t, p: tf.reduce_mean(squared_error(t, p)))
     with pytest.raises(ValueError, match="one loss per sample"):
         accumulator.accumulate(x, y)
@@ -159,7 +160,7 @@ def test_a_nonfinite_window_is_discarded_and_the_optimizer_does_not_step(poison)
     else:
         bad_y[5] = 1000.0
     model, optimizer = regression_mlp(), keras.optimizers.Adam(0.1)
-    accumulator = tf2_trainer.GradientAccumulator(model, optimizer,
+    accumulator = tf2_accumulator.GradientAccumulator(model, optimizer,
                                                   infinite_loss_of_large_targets)
     start = weights(model)
     accumulator.accumulate(x[:4], y[:4])
@@ -174,7 +175,7 @@ def test_a_nonfinite_window_is_discarded_and_the_optimizer_does_not_step(poison)
     accumulator.accumulate(x[8:], y[8:])
     assert accumulator.apply() is True
     fresh = regression_mlp()
-    fresh_accumulator = tf2_trainer.GradientAccumulator(fresh, keras.optimizers.Adam(0.1),
+    fresh_accumulator = tf2_accumulator.GradientAccumulator(fresh, keras.optimizers.Adam(0.1),
                                                         squared_error)
     fresh_accumulator.accumulate(x[8:], y[8:])
     fresh_accumulator.apply()
@@ -191,7 +192,7 @@ def test_tf2_lr_schedule_counts_updates_not_micro_batches():
     for n in (1, 8):
         model = regression_mlp()
         optimizer = keras.optimizers.Adam(tf2_trainer.learning_rate(0.1, "exponential", 2, 0.5))
-        accumulator = tf2_trainer.GradientAccumulator(model, optimizer, squared_error)
+        accumulator = tf2_accumulator.GradientAccumulator(model, optimizer, squared_error)
         for i in range(3 * n):  # three updates
             accumulator.accumulate(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
             if accumulator.window == n:
@@ -360,11 +361,11 @@ import json, sys
 sys.path.insert(0, %r)
 import main  # noqa: F401  (TensorFlow, quietly)
 import keras, tensorflow as tf
-import experiment, tf2_trainer
+import experiment, tf2_accumulator, tf2_trainer
 strategy = tf2_trainer.prepare(experiment.Config(engine="tf2", strategy="mirrored", replicas=2))
 with strategy.scope():
     net, optimizer = tf2_trainer.conv_net(0.0), keras.optimizers.Adam(1e-3)
-acc = tf2_trainer.GradientAccumulator(net, optimizer, tf2_trainer.sparse_cross_entropy, strategy)
+acc = tf2_accumulator.GradientAccumulator(net, optimizer, tf2_trainer.sparse_cross_entropy, strategy)
 x, y = tf.zeros([6, 28, 28, 1]), tf.zeros([6], tf.int64)
 for _ in range(3):
     acc.accumulate(x, y)
@@ -374,9 +375,9 @@ poisoned = tf.tensor_scatter_nd_update(x, [[5]], tf.fill([1, 28, 28, 1], float("
 acc.accumulate(x, y)
 acc.accumulate(poisoned, y)  # sample 5: in replica 1's slice only
 print(json.dumps({"replicas": strategy.num_replicas_in_sync,
-    "micro": tf2_trainer.count_all_reduces(acc.micro_step.get_concrete_function(x, y)),
-    "apply": tf2_trainer.count_all_reduces(acc.apply_step.get_concrete_function()),
-    "check": tf2_trainer.count_all_reduces(acc.check_step.get_concrete_function()),
+    "micro": tf2_accumulator.count_all_reduces(acc.micro_step.get_concrete_function(x, y)),
+    "apply": tf2_accumulator.count_all_reduces(acc.apply_step.get_concrete_function()),
+    "check": tf2_accumulator.count_all_reduces(acc.check_step.get_concrete_function()),
     "discarded": not acc.apply(), "unchanged": tf2_trainer.weights_digest(net) == before,
     "updates": int(optimizer.iterations.numpy()), "variables": len(acc.variables)}))
 """ % ROOT

@@ -1,0 +1,335 @@
+"""Gradient accumulation in TF2: a GradientTape loop for your own Keras model, tf.distribute.
+
+The same update as the TF1 mechanism in `trainer.py`, written the TF2 way, for your own
+Keras model and dataset:
+
+    with strategy.scope():                       # optional: tf.distribute
+        model = make_model()
+        optimizer = keras.optimizers.Adam(1e-3)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=8)
+
+Two compiled functions do the work (`GradientAccumulator`):
+  * the micro-step computes, under a `tf.GradientTape`, the gradient of the SUM of the
+    per-sample losses of one micro-batch and adds it into accumulator variables, with the
+    number of samples into a counter;
+  * the apply-step divides the sums by the count and applies that mean with the
+    optimizer, then zeroes the accumulators.
+Dividing summed per-sample gradients by the sample count makes the applied gradient
+exactly that of the mean loss over every sample of the window, whatever the sizes of its
+micro-batches (a short last slice, a partial window). A window in which any loss or
+gradient is NaN or Inf is discarded whole instead (a check-step votes first): the
+optimizer does not step, so its `iterations`, and any LR schedule, stay put.
+
+Under a `tf.distribute` strategy each micro-batch is the GLOBAL one: every replica takes
+its slice of it (replica r of K takes samples [n*r//K, n*(r+1)//K)), so the result does not
+depend on the replica count. The accumulators are replica-local (SyncOnRead): a micro-step
+communicates nothing; once per window a one-number vote (is anything non-finite?) is
+summed over the replicas, and the apply-step all-reduces the summed gradients (inside the
+Keras optimizer, which sums the replicas' contributions).
+
+The `--engine=tf2` side of `main.py` (tf2_trainer.py) trains the post's ConvNet with it.
+"""
+
+import collections
+import logging
+
+import tensorflow as tf
+
+# Ops that communicate between replicas; a test counts them in the compiled steps.
+ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
+                  "CollectiveGather", "CollectiveGatherV2", "NcclAllReduce")
+
+
+FitSummary = collections.namedtuple(
+    "FitSummary", ["micro_batches", "updates", "partial_window", "skipped_windows"],
+    defaults=(0,))
+
+
+
+# ---------------------------------------------------------------- the accumulator
+
+
+def _replica_slice(batch):
+    """This replica's share of a global micro-batch: samples [n*r//K, n*(r+1)//K)."""
+    ctx = tf.distribute.get_replica_context()
+    first = tf.nest.flatten(batch)[0]
+    n = tf.shape(first, out_type=tf.int64)[0]
+    r = tf.cast(ctx.replica_id_in_sync_group, tf.int64)
+    k = ctx.num_replicas_in_sync
+    start, stop = n * r // k, n * (r + 1) // k
+    return tf.nest.map_structure(lambda t: t[start:stop], batch), n, stop - start
+
+
+def _local_variable(initial_value, aggregation, name):
+    """A replica-local variable: updates stay on the replica; a cross-replica read aggregates."""
+    return tf.Variable(initial_value, trainable=False, name=name,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=aggregation)
+
+
+class GradientAccumulator:
+    """Sums micro-batch gradients in variables; applies their sample-weighted mean.
+
+    Attributes:
+      micro_step: tf.function(x, y): adds one global micro-batch's summed gradients.
+      apply_step: tf.function(): applies accumulators / samples, then zeroes them.
+      check_step: tf.function() -> bool: whether the open window holds a NaN or Inf loss
+        or gradient on any replica (the replicas' vote, summed).
+      discard_step: tf.function(): zeroes the accumulators without applying them.
+      window: micro-batches accumulated since the last update (a Python count).
+      updates: updates applied so far.
+      skipped_windows: windows discarded for a non-finite value (check_finite).
+    """
+
+    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True):
+        """Creates the accumulators beside the model's variables.
+
+        Args:
+          model: a Keras model; created under `strategy.scope()` if a strategy is used.
+          optimizer: a Keras optimizer, created under the same scope.
+          loss_fn: (y_true, y_pred) -> per-sample losses, shape [batch] (e.g. a Keras
+            loss with reduction=None); the applied gradient is that of their mean.
+          strategy: a tf.distribute.Strategy, or None for the default (one device).
+          check_finite: discard (not apply) a window holding a NaN or Inf loss or
+            gradient; costs one small reduction per window.
+        """
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.strategy = strategy or tf.distribute.get_strategy()
+        self.check_finite = check_finite
+        self.variables = list(model.trainable_variables)
+        if not self.variables:
+            raise ValueError("the model has no trainable variables")
+        with self.strategy.scope():
+            if not optimizer.built:
+                optimizer.build(self.variables)
+            self.sums = [_local_variable(tf.zeros(v.shape, v.dtype), tf.VariableAggregation.SUM,
+                                         f"accumulator_{i}")
+                         for i, v in enumerate(self.variables)]
+            # Every replica sees the whole global micro-batch, so each counts all samples.
+            self.samples = _local_variable(0.0, tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                                           "window_samples")
+            # Micro-batches of the open window whose loss was not finite, on this replica
+            # (the gradient sums are checked when the window closes: a sum is finite only
+            # if every term was).
+            self.nonfinite = _local_variable(0.0, tf.VariableAggregation.SUM,
+                                             "window_nonfinite")
+            # Monitoring only (never reset): the running loss sum and samples trained.
+            self.loss_total = _local_variable(tf.constant(0.0, tf.float64),
+                                              tf.VariableAggregation.SUM, "loss_total")
+            self.samples_total = _local_variable(
+                tf.constant(0.0, tf.float64), tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                "samples_total")
+        self._no_gradient = None  # which variables the loss does not reach (set when traced)
+        self.micro_step = None  # compiled on the first batch, with its shapes
+        self.apply_step = tf.function(self._apply_step)
+        self.check_step = tf.function(self._check_step)
+        self.discard_step = tf.function(self._discard_step)
+        self.window = 0
+        self.updates = 0  # apply() calls, as the optimizer's `iterations` counts them
+        self.skipped_windows = 0
+
+    @property
+    def state_variables(self):
+        """The accumulator's variables, each replica's copy apart: what a checkpoint of
+        the open window must hold (a replica-local variable saved whole would be its
+        cross-replica aggregate, and restored split evenly, not as it was)."""
+        return [local for v in self.sums + [self.samples, self.nonfinite, self.loss_total,
+                                            self.samples_total]
+                for local in self.strategy.experimental_local_results(v)]
+
+    # The replica functions.
+    def _replica_micro(self, x, y):
+        (x, y), n_global, n_local = _replica_slice((x, y))
+        with tf.GradientTape() as tape:
+            losses = self.loss_fn(y, self.model(x, training=True))
+            if losses.shape.rank == 0:
+                raise ValueError("loss_fn must return one loss per sample, not their mean "
+                                 "(use a Keras loss with reduction=None)")
+            loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
+            if self.model.losses:  # regularizers count once per sample, so once per mean
+                loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(self.model.losses)
+        grads = tape.gradient(loss_sum, self.variables)
+        self._no_gradient = [g is None for g in grads]
+        if all(self._no_gradient):
+            raise ValueError("no variable receives a gradient from the loss")
+        for total, g in zip(self.sums, grads):
+            if g is not None:
+                total.assign_add(tf.convert_to_tensor(g))
+        self.samples.assign_add(tf.cast(n_global, tf.float32))
+        finite = tf.math.is_finite(loss_sum)
+        self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))
+        # A NaN must not poison the running loss that the logs report.
+        self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
+        self.samples_total.assign_add(
+            tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
+
+    def _replica_nonfinite(self):
+        bad = self.nonfinite.read_value()
+        for total in self.sums:
+            bad += 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(total)), tf.float32)
+        return bad
+
+    def _replica_reset(self):
+        for total in self.sums:
+            total.assign(tf.zeros_like(total))
+        self.samples.assign(0.0)
+        self.nonfinite.assign(0.0)
+
+    def _replica_apply(self):
+        count = self.samples.read_value()
+        # This replica's share of the mean; the optimizer all-reduces (sums) the shares.
+        grads = [None if none else total.read_value() / tf.cast(count, total.dtype)
+                 for total, none in zip(self.sums, self._no_gradient)]
+        self.optimizer.apply_gradients(
+            [(g, v) for g, v in zip(grads, self.variables) if g is not None])
+        self._replica_reset()
+
+    # The compiled steps.
+    def _compile_micro_step(self, x, y):
+        def spec(t):
+            t = tf.convert_to_tensor(t)
+            return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
+
+        signature = tf.nest.map_structure(spec, (x, y))
+
+        @tf.function(input_signature=signature)
+        def micro_step(x, y):
+            self.strategy.run(self._replica_micro, args=(x, y))
+
+        micro_step.get_concrete_function()  # traces it, so apply_step knows _no_gradient
+        return micro_step
+
+    def _apply_step(self):
+        self.strategy.run(self._replica_apply)
+
+    def _check_step(self):
+        votes = self.strategy.run(self._replica_nonfinite)
+        return self.strategy.reduce(tf.distribute.ReduceOp.SUM, votes, axis=None) > 0
+
+    def _discard_step(self):
+        self.strategy.run(self._replica_reset)
+
+    def build(self, x, y):
+        """Compiles the micro-step for batches shaped like (x, y), without training.
+
+        `accumulate` does this on its first batch; call it first where an open window is
+        restored from a checkpoint and may be applied before any new micro-batch.
+        """
+        if self.micro_step is None:
+            self.micro_step = self._compile_micro_step(x, y)
+
+    def accumulate(self, x, y):
+        """Adds one global micro-batch (x, y) to the open window."""
+        self.build(x, y)
+        self.micro_step(x, y)
+        self.window += 1
+
+    def apply(self):
+        """Applies the mean gradient of the open window (full or partial).
+
+        With check_finite, a window holding a NaN or Inf loss or gradient is discarded
+        instead: nothing is applied, the optimizer does not step, the accumulators are
+        zeroed.
+
+        Returns:
+          True where the window was applied, False where it was discarded.
+        """
+        if not self.window:
+            raise ValueError("no micro-batch accumulated since the last update")
+        if self.micro_step is None:
+            raise ValueError("an open window restored from a checkpoint needs build(x, y) "
+                             "before it is applied")
+        applied = not (self.check_finite and bool(self.check_step()))
+        if applied:
+            self.apply_step()
+            self.updates += 1
+        else:
+            self.discard_step()
+            self.skipped_windows += 1
+        self.window = 0
+        return applied
+
+    def loss_totals(self):
+        """(sum of per-sample training losses, samples) so far, over all replicas.
+
+        Micro-batches whose loss was not finite are left out of both.
+        """
+        return float(self.loss_total.read_value()), float(self.samples_total.read_value())
+
+    def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
+        """One pass over `dataset`, applying the mean gradient every N micro-batches.
+
+        A trailing partial window is applied as the mean over its samples. A window with
+        a non-finite loss or gradient is discarded, with a warning (check_finite).
+
+        Args:
+          dataset: an iterable of (x, y) global micro-batches (e.g. a tf.data.Dataset).
+            Under a multi-worker strategy every worker must yield the same batches.
+          average_gradients: N, micro-batches per update.
+          callback: called as callback(micro_batch) after each micro-batch (1-based),
+            after the update it completed, if any.
+          warn_partial: log a warning when a partial window is applied.
+
+        Returns:
+          FitSummary(micro_batches, updates, partial_window, skipped_windows):
+          partial_window is the number of micro-batches in the trailing partial window
+          (0 if none).
+        """
+        if average_gradients < 1:
+            raise ValueError(f"average_gradients must be >= 1, got {average_gradients}")
+        micro_batches = updates = skipped = 0
+
+        def close(size):
+            """Applies or discards the window; returns whether it was applied."""
+            nonlocal updates, skipped
+            applied = self.apply()
+            if applied:
+                updates += 1
+            else:
+                skipped += 1
+                logging.warning("non-finite loss or gradient in micro-batches %d-%d: the "
+                                "window was discarded, not applied",
+                                micro_batches - size + 1, micro_batches)
+            return applied
+
+        for x, y in dataset:
+            self.accumulate(x, y)
+            micro_batches += 1
+            if self.window == average_gradients:
+                close(self.window)
+            if callback is not None:
+                callback(micro_batches)
+        partial = self.window
+        if partial:
+            applied = close(partial)
+            if warn_partial and applied:
+                logging.warning("%d micro-batches is not a multiple of average_gradients=%d: "
+                                "the last %d were applied as one update of their mean",
+                                micro_batches, average_gradients, partial)
+        return FitSummary(micro_batches, updates, partial, skipped)
+
+
+def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strategy=None,
+                    callback=None):
+    """Trains a Keras model on `dataset`, one update per `average_gradients` micro-batches.
+
+    Each update applies the gradient of the mean loss over all samples of its window, as
+    one batch of those samples would; see GradientAccumulator for the arguments.
+
+    Returns:
+      FitSummary(micro_batches, updates, partial_window, skipped_windows).
+    """
+    accumulator = GradientAccumulator(model, optimizer, loss_fn, strategy)
+    return accumulator.fit(dataset, average_gradients, callback=callback)
+
+
+def count_all_reduces(concrete_function):
+    """Number of cross-replica reduction ops in a traced function and its library."""
+    graph_def = concrete_function.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return sum(node.op in ALL_REDUCE_OPS for node in nodes)
