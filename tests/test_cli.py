@@ -10,6 +10,7 @@ import pytest
 from absl.testing import flagsaver
 
 import data
+import cli
 import main
 from conftest import run_cli, run_main_in_process
 from test_data import small_raw, write_idx_dir  # noqa: F401  (fixture and helper)
@@ -143,7 +144,7 @@ def expect_one_line_exit(capsys, fn, *args):
 @pytest.mark.parametrize("arg,named", BAD_FLAGS)
 def test_bad_flag_values_give_one_line(capsys, arg, named):
     with flagsaver.flagsaver():
-        err = expect_one_line_exit(capsys, main.parse_flags, ["main.py", arg])
+        err = expect_one_line_exit(capsys, cli.parse_flags, ["main.py", arg])
     assert named in err
 
 

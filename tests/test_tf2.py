@@ -18,6 +18,7 @@ from tensorflow.core.util import event_pb2
 
 import checkpoint
 import experiment
+import cli
 import main
 import launch_workers
 import tf2_accumulator
@@ -415,7 +416,7 @@ def test_two_workers_train_together_and_end_like_one_process(single_process_accu
 def test_bad_tf2_flags_get_one_line(capsys, args, message):
     with flagsaver.flagsaver():
         with pytest.raises(SystemExit) as exit_info:
-            main.parse_flags(["main.py", *args])
+            cli.parse_flags(["main.py", *args])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
@@ -424,8 +425,8 @@ def test_bad_tf2_flags_get_one_line(capsys, args, message):
 def test_malformed_tf_config_gets_one_line(capsys, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", "{not json")
     with flagsaver.flagsaver():
-        main.parse_flags(["main.py", "--engine=tf2", "--strategy=multi_worker", "--reps=1",
-                          "--iterations=1", "--eval-every=0"])
+        cli.parse_flags(["main.py", "--engine=tf2", "--strategy=multi_worker", "--reps=1",
+                         "--iterations=1", "--eval-every=0"])
         with pytest.raises(SystemExit) as exit_info:
             main.main(["main.py"])  # refused before any strategy is made
     assert exit_info.value.code == 2
