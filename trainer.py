@@ -28,6 +28,8 @@ discarded whole instead of applied (counted in `skipped_windows`).
 import numpy as np
 import tensorflow as tf
 
+from averaging_optimizer import AveragingOptimizer  # noqa: F401  (trainer.AveragingOptimizer)
+
 v1 = tf.compat.v1
 
 # Micro-batches the fused loop runs at once. With 1, small kernels leave a core idle;
