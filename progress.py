@@ -1,0 +1,192 @@
+"""Live progress on a terminal: a bar per training run, and an overall bar for the tools.
+
+A bar is drawn only when its stream (stderr by default) is a terminal. Otherwise nothing is
+created and nothing is written, not even a carriage return, so logs and pipes stay byte for
+byte as they were. Lines printed while a bar is shown must go through `write` (or a log
+function made by `wrap`): the bar is cleared first and redrawn after, so the terminal is not
+garbled, and the line itself is written unchanged by the caller's own log function.
+
+The callers never see tqdm: the run loop drives a `RunProgress`, the tools a `Bar`.
+"""
+
+import os
+import sys
+import threading
+
+import tqdm
+
+# Seconds between redraws caused by progress: cheap even at one call per mini-batch.
+MININTERVAL = 0.5
+# A bar is also redrawn this often while nothing advances, so that its elapsed time and ETA
+# keep moving through a long evaluation or a long run of a tool.
+REFRESH_SECONDS = 1.0
+# The size of a terminal that reports none (0 x 0: the pseudo-terminal of `script -qc` run
+# without a terminal of its own), where tqdm would trim the bar to nothing and hide it.
+FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24
+# Without tqdm's rate and unit: used when the caller supplies its own estimate of the time left.
+FORMAT_WITH_REMAINING = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " \
+                        "[{elapsed}<{remaining}{postfix}]"
+
+
+def terminal_size(stream):
+    """(columns, rows) of the terminal `stream` writes to, with fallbacks for unknown ones."""
+    try:
+        columns, rows = os.get_terminal_size(stream.fileno())
+    except (AttributeError, ValueError, OSError):
+        columns, rows = 0, 0
+    # tqdm leaves the last column free: writing there wraps the line on some terminals.
+    return (columns - 1 if columns > 0 else FALLBACK_COLUMNS,
+            rows if rows > 0 else FALLBACK_ROWS)
+
+
+def is_terminal(stream):
+    """Whether `stream` is a terminal; a closed or file-less stream is not."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+class _Tqdm(tqdm.tqdm):
+    """tqdm whose ETA can come from the caller (`remaining`: a function giving seconds)."""
+
+    monitor_interval = 0  # no monitor thread: our own ticker redraws
+
+    def __init__(self, *args, remaining=None, **kwargs):
+        self.remaining = remaining  # before tqdm's first draw, which reads it
+        super().__init__(*args, **kwargs)
+
+    @property
+    def format_dict(self):
+        values = super().format_dict
+        if self.remaining is not None and self.total:
+            # tqdm derives the time left as (total - n) / rate: give it the rate that makes
+            # that the caller's estimate (and 0 once everything is done).
+            values["rate"] = max(self.total - self.n, 1e-9) / max(self.remaining(), 1e-9)
+        return values
+
+
+class _Progress:
+    """One bar on `stream`, or nothing at all when `stream` is not a terminal."""
+
+    def __init__(self, total, description, stream=None, enabled=None, unit="it", initial=0,
+                 remaining=None):
+        stream = sys.stderr if stream is None else stream
+        self.enabled = is_terminal(stream) if enabled is None else enabled
+        self._stream = stream
+        self._bar = None
+        if not self.enabled:
+            return
+        # A fixed size: tqdm's own probe takes a 0 x 0 terminal for one of -1 x -1.
+        columns, rows = terminal_size(stream)
+        self._bar = _Tqdm(total=total, desc=description, file=stream, unit=unit,
+                          initial=initial, mininterval=MININTERVAL, smoothing=0,
+                          ncols=columns, nrows=rows, leave=True,
+                          bar_format=FORMAT_WITH_REMAINING if remaining else None,
+                          remaining=remaining)
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
+        self._ticker.start()
+
+    def _tick(self):
+        while not self._stop.wait(REFRESH_SECONDS):
+            self._bar.refresh()
+
+    def write(self, line, log=print):
+        """Writes `line` with `log` (print by default) with the bar cleared around it."""
+        if self._bar is None:
+            log(line)
+            return
+        with tqdm.tqdm.external_write_mode(file=self._stream):
+            log(line)
+            sys.stdout.flush()  # the line must reach the terminal before the bar is redrawn
+
+    def wrap(self, log=print):
+        """A log function like `log` that clears the bar around each line; `log` itself,
+        unchanged, when there is no bar."""
+        if self._bar is None:
+            return log
+        return lambda line: self.write(line, log)
+
+    def close(self):
+        """Draws the bar a last time and leaves it on its line; idempotent."""
+        if self._bar is None:
+            return
+        self._stop.set()
+        self._ticker.join()
+        self._bar.close()
+        self._bar = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class RunProgress(_Progress):
+    """The bar of one training run: `run r/R`, iteration / total, updates applied, the last
+    evaluated accuracy, elapsed time and ETA (from the run's average iteration rate)."""
+
+    def __init__(self, total, run_index, runs, stream=None, enabled=None, initial=0):
+        """
+        Args:
+          total: the run's iterations (mini-batches).
+          run_index: this run's number, counted from 1.
+          runs: how many runs there are in all.
+          stream: where the bar goes (default: sys.stderr at the time of the call).
+          enabled: draw the bar; default: whether `stream` is a terminal.
+          initial: the iteration a resumed run starts from (its ETA counts only new ones).
+        """
+        super().__init__(total, f"run {run_index}/{runs}", stream, enabled, initial=initial)
+        self._updates, self._accuracy = None, None
+
+    def advance(self, iteration, updates):
+        """The run has done `iteration` mini-batches and applied `updates` updates."""
+        if self._bar is None:
+            return
+        if updates != self._updates:
+            self._updates = updates
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+        self._bar.update(iteration - self._bar.n)
+
+    def evaluated(self, accuracy):
+        """The test accuracy (percent) of the evaluation just made."""
+        if self._bar is None:
+            return
+        self._accuracy = accuracy
+        self._bar.set_postfix_str(self._postfix(), refresh=False)
+
+    def _postfix(self):
+        accuracy = "-" if self._accuracy is None else f"{self._accuracy:.2f}%"
+        return f"updates={self._updates or 0}, accuracy={accuracy}"
+
+
+class Bar(_Progress):
+    """An overall bar of a tool: items done / total with elapsed time and ETA."""
+
+    def __init__(self, total, description, stream=None, enabled=None, unit="it",
+                 remaining=None):
+        """
+        Args:
+          total: how many items (runs, measurements) there are to do.
+          description: what is being done, shown before the bar.
+          stream: where the bar goes (default: sys.stderr at the time of the call).
+          enabled: draw the bar; default: whether `stream` is a terminal.
+          unit: the items' name in the rate (items/s), when tqdm estimates the ETA.
+          remaining: optional function giving the seconds left, for items of unequal length
+            (tqdm's ETA assumes equal ones); the bar then shows no rate. It is called from
+            the bar's refresh thread too, so it must be safe to call from another thread.
+        """
+        super().__init__(total, description, stream, enabled, unit=unit, remaining=remaining)
+
+    def update(self, n=1):
+        """`n` more items are done."""
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def note(self, text):
+        """A short status shown after the counts (e.g. the item now running)."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)

@@ -1,0 +1,164 @@
+"""progress.py: bars on terminals only, with the numbers a user watches; nothing otherwise."""
+
+import io
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+
+import pytest
+
+import progress
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ELAPSED_AND_ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d")
+# A short "training run" in a child process, printing the post's kind of lines through the
+# bar; its stderr is whatever the test gives it.
+CHILD = """
+import progress
+with progress.RunProgress(300, 1, 1) as bar:
+    log = bar.wrap(print)
+    for iteration in range(1, 301):
+        bar.advance(iteration, iteration // 5)
+        if iteration % 100 == 0:
+            bar.evaluated(90.0 + iteration / 100)
+            log(f"Iteration {iteration}: accuracy {90.0 + iteration / 100}")
+print("Training finished.")
+"""
+
+
+class TerminalStream(io.StringIO):
+    """A stream that says it is a terminal, to see what the bar writes."""
+
+    def isatty(self):
+        return True
+
+
+def read_all(fd):
+    """Everything written so far to the pseudo-terminal whose master end is `fd`."""
+    chunks = []
+    while select.select([fd], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the other end is closed: nothing more to read
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode()
+
+
+def test_run_bar_on_a_pseudo_terminal_shows_run_counts_accuracy_elapsed_and_eta():
+    master, slave = pty.openpty()  # reports a 0 x 0 size, as under `script -qc`
+    try:
+        with os.fdopen(slave, "w", closefd=False) as stream:
+            with progress.RunProgress(200, 2, 3, stream=stream) as bar:
+                assert bar.enabled
+                for iteration in range(1, 201):
+                    bar.advance(iteration, iteration // 5)
+                bar.evaluated(95.25)
+        text = read_all(master)
+    finally:
+        os.close(master)
+        os.close(slave)
+    last = text.replace("\r\n", "\n").split("\r")[-1]  # the bar as it was last drawn
+    assert "run 2/3" in last
+    assert "200/200" in last and "100%" in last
+    assert "updates=40" in last and "accuracy=95.25%" in last
+    assert ELAPSED_AND_ETA.search(last), last
+
+
+def test_accuracy_shows_a_dash_before_the_first_evaluation():
+    stream = TerminalStream()
+    with progress.RunProgress(10, 1, 1, stream=stream) as bar:
+        bar.advance(3, 3)
+    assert "3/10" in stream.getvalue() and "updates=3, accuracy=-" in stream.getvalue()
+
+
+def test_nothing_is_written_when_the_stream_is_not_a_terminal():
+    stream, lines = io.StringIO(), []
+    with progress.RunProgress(100, 1, 2, stream=stream) as bar:
+        assert not bar.enabled
+        log = bar.wrap(lines.append)
+        assert log == lines.append  # the caller's own function, untouched
+        for iteration in range(1, 101):
+            bar.advance(iteration, iteration)
+        bar.evaluated(95.0)
+        log("Iteration 100")
+        bar.write("Training finished.", lines.append)
+    with progress.Bar(4, "reproduce", stream=stream, remaining=lambda: 10.0) as overall:
+        overall.update(4)
+        overall.note("done")
+    assert stream.getvalue() == ""
+    assert lines == ["Iteration 100", "Training finished."]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_enabled_overrides_the_terminal_check(enabled):
+    stream = io.StringIO() if enabled else TerminalStream()
+    with progress.Bar(3, "bench", stream=stream, enabled=enabled) as bar:
+        bar.update(3)
+    assert ("3/3" in stream.getvalue()) == enabled
+
+
+def test_lines_are_written_with_the_bar_cleared_and_the_bar_redrawn_after():
+    stream, seen = TerminalStream(), []
+
+    def log(line):
+        seen.append((line, stream.getvalue()))
+
+    with progress.RunProgress(50, 1, 1, stream=stream) as bar:
+        bar.advance(20, 4)
+        bar.wrap(log)("Iteration 20: accuracy 91.5")
+        after = len(stream.getvalue())
+    (line, before), = seen
+    assert line == "Iteration 20: accuracy 91.5"
+    cleared = before.split("\r")[-2]  # tqdm clears by overwriting the bar with spaces
+    assert before.endswith("\r") and cleared.strip() == "" and cleared
+    assert "20/50" in stream.getvalue()[len(before):after]  # drawn again after the line
+
+
+def test_overall_bar_uses_the_callers_estimate_of_the_time_left():
+    stream = TerminalStream()
+    with progress.Bar(5, "reproduce", stream=stream, remaining=lambda: 125.0) as bar:
+        first = stream.getvalue()
+        bar.update(2)
+        bar.note("N=20 seed 3")
+    assert "reproduce" in first and "0/5" in first and "<02:05]" in first
+    last = stream.getvalue().split("\r")[-1]
+    assert "2/5" in last and "<02:05, N=20 seed 3]" in last
+
+
+def test_overall_bar_without_an_estimate_uses_its_rate():
+    stream = TerminalStream()
+    with progress.Bar(3, "bench", stream=stream, unit="measurement") as bar:
+        bar.update(3)
+    last = stream.getvalue().split("\r")[-1]
+    assert "bench" in last and "3/3" in last and "measurement/s" in last
+    assert ELAPSED_AND_ETA.search(last), last
+
+
+def _child(stderr):
+    return subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=stderr, timeout=60, check=True).stdout
+
+
+def test_stdout_is_byte_identical_with_and_without_a_terminal_on_stderr():
+    piped = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, capture_output=True,
+                           timeout=60, check=True)
+    assert piped.stderr == b""
+    assert b"\r" not in piped.stdout
+    master, slave = pty.openpty()
+    try:
+        with_terminal = _child(slave)
+        bar = read_all(master)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert with_terminal == piped.stdout
+    assert piped.stdout.decode().splitlines() == [
+        "Iteration 100: accuracy 91.0", "Iteration 200: accuracy 92.0",
+        "Iteration 300: accuracy 93.0", "Training finished."]
+    assert "run 1/1" in bar and "300/300" in bar and "accuracy=93.00%" in bar
