@@ -3,12 +3,14 @@
 A bar is drawn only when its stream (stderr by default) is a terminal. Otherwise nothing is
 created and nothing is written, not even a carriage return, so logs and pipes stay byte for
 byte as they were. Lines printed while a bar is shown must go through `write` (or a log
-function made by `wrap`): the bar is cleared first and redrawn after, so the terminal is not
-garbled, and the line itself is written unchanged by the caller's own log function.
+function made by `wrap`, or any output inside `paused()`): the bar is cleared first and
+redrawn after, so the terminal is not garbled, and the line itself is written unchanged by
+the caller's own log function.
 
 The callers never see tqdm: the run loop drives a `RunProgress`, the tools a `Bar`.
 """
 
+import contextlib
 import os
 import sys
 import threading
@@ -92,14 +94,23 @@ class _Progress:
         while not self._stop.wait(REFRESH_SECONDS):
             self._bar.refresh()
 
-    def write(self, line, log=print):
-        """Writes `line` with `log` (print by default) with the bar cleared around it."""
+    @contextlib.contextmanager
+    def paused(self):
+        """A block whose output (prints, logging.warning) finds the bar cleared; the bar is
+        redrawn after it."""
         if self._bar is None:
-            log(line)
+            yield
             return
         with tqdm.tqdm.external_write_mode(file=self._stream):
+            yield
+            # What the block wrote must reach the terminal before the bar is redrawn.
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+    def write(self, line, log=print):
+        """Writes `line` with `log` (print by default) with the bar cleared around it."""
+        with self.paused():
             log(line)
-            sys.stdout.flush()  # the line must reach the terminal before the bar is redrawn
 
     def wrap(self, log=print):
         """A log function like `log` that clears the bar around each line; `log` itself,

@@ -162,3 +162,18 @@ def test_stdout_is_byte_identical_with_and_without_a_terminal_on_stderr():
         "Iteration 100: accuracy 91.0", "Iteration 200: accuracy 92.0",
         "Iteration 300: accuracy 93.0", "Training finished."]
     assert "run 1/1" in bar and "300/300" in bar and "accuracy=93.00%" in bar
+
+
+def test_output_inside_paused_finds_the_bar_cleared():
+    stream, seen = TerminalStream(), []
+    with progress.Bar(4, "bench", stream=stream) as bar:
+        bar.update(1)
+        with bar.paused():
+            seen.append(stream.getvalue())
+        redrawn = stream.getvalue()[len(seen[0]):]
+    assert seen[0].endswith("\r") and seen[0].split("\r")[-2].strip() == ""
+    assert "1/4" in redrawn
+    piped = io.StringIO()
+    with progress.Bar(4, "bench", stream=piped) as quiet, quiet.paused():
+        print("a line", file=piped)
+    assert piped.getvalue() == "a line\n"
