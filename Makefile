@@ -37,7 +37,7 @@ VERBOSE     ?= 0
 ACCUMULATE  ?= fused
 .PHONY: reproduce
 reproduce: install
-	$(PY) reproduce.py --reps=$(REPS) --results-dir=$(RESULTS_DIR) --jobs=$(JOBS) \
+	$(PY) -m tools.reproduce --reps=$(REPS) --results-dir=$(RESULTS_DIR) --jobs=$(JOBS) \
 	  --fair=$(FAIR) --scale=$(SCALE) --verbose=$(VERBOSE) --accumulate=$(ACCUMULATE)
 
 # Two worker processes on 127.0.0.1 (free ports) train one model together with
@@ -45,14 +45,14 @@ reproduce: install
 WORKERS ?= 2
 .PHONY: distributed-demo
 distributed-demo: install
-	$(PY) launch_workers.py --workers=$(WORKERS) --timeout=600 -- --average-gradients=5 \
+	$(PY) -m tools.launch_workers --workers=$(WORKERS) --timeout=600 -- --average-gradients=5 \
 	  --batch-size=20 --iterations=500 --reps=1 --verbose $(ARGS)
 
 # Speed and memory of every accumulation strategy against the direct batch and Keras's
 # built-in accumulation; writes BENCHMARKS.md (7 to 10 minutes; run it on a quiet machine).
 .PHONY: bench
 bench: install
-	$(PY) bench.py $(ARGS)
+	$(PY) -m tools.bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache __pycache__ tests/__pycache__
+	rm -rf $(VENV) .pytest_cache __pycache__ tests/__pycache__ tools/__pycache__

@@ -20,9 +20,11 @@ def mnist():
     return data.load_mnist()
 
 
-def run_cli(*args, timeout=300, script="main.py", env=None):
-    """Runs `python main.py ARGS` from the repository root; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
+def run_cli(*args, timeout=300, script="main.py", module=None, env=None):
+    """Runs `python main.py ARGS` (or `python -m MODULE ARGS`, a tool) from the repository
+    root; returns the CompletedProcess."""
+    program = ["-m", module] if module else [os.path.join(ROOT, script)]
+    return subprocess.run([sys.executable, *program, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, **(env or {})))
 

@@ -1,10 +1,12 @@
-"""bench.py: the quick benchmark runs end to end; targets are judged and explained."""
+"""tools/bench*.py: the quick benchmark runs end to end; targets are judged and explained."""
 
 import os
 import statistics
 
-import bench
 from conftest import ROOT, run_cli
+from tools import bench_contenders
+from tools import bench_report
+from tools import bench_targets
 
 STATUSES = {"met", "missed", "within noise", "not measured"}
 
@@ -28,9 +30,9 @@ def _row(n, b, fused_ratio, stack_ratios, stack=2.0):
                          "stack": _profile(20.0, 9.0, 30), "running": _profile(20.0, 9.0, 30),
                          "graph": _profile(20.0, 9.0, 30), "keras": _profile(30.0, 9.0, 30)},
             "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
-            "vs_direct": {k: bench.paired_ratio(times, k, "direct") for k in times},
-            "vs_stack": {k: bench.paired_ratio(times, k, "stack") for k in times},
-            "keras_vs_fused": bench.keras_vs_fused(times)[1]}
+            "vs_direct": {k: bench_contenders.paired_ratio(times, k, "direct") for k in times},
+            "vs_stack": {k: bench_contenders.paired_ratio(times, k, "stack") for k in times},
+            "keras_vs_fused": bench_contenders.keras_vs_fused(times)[1]}
 
 
 def test_targets_are_judged_from_the_ratios_and_missed_ones_explained():
@@ -38,7 +40,7 @@ def test_targets_are_judged_from_the_ratios_and_missed_ones_explained():
              _row(20, 5, 1.80, {"running": [0.98, 1.02, 1.05], "graph": [1.1, 1.2, 1.3]})]
     eigen = {"kernels": [{"n": 20, "b": 5, "direct_ms": 11.0, "fused_ms": 12.1, "ratio": 1.1,
                           "onednn_ops": False}]}
-    targets = {t["target"]: t for t in bench.evaluate_targets(speed, None, None, eigen)}
+    targets = {t["target"]: t for t in bench_targets.evaluate_targets(speed, None, None, eigen)}
     assert targets["fused <= 1.15x direct at N=5/B=20"]["status"] == "met"
     missed = targets["fused <= 1.5x direct at N=20/B=5"]
     assert missed["status"] == "missed" and missed["measured"] == "1.80x"
@@ -58,8 +60,8 @@ def test_targets_are_judged_from_the_ratios_and_missed_ones_explained():
 def test_noise_floor_comes_from_the_identical_graphs_at_n_1():
     same = _row(1, 100, 1.0, {"running": [1.1, 1.12, 1.2], "graph": [1.0] * 3}, stack=1.0)
     slower = _row(20, 5, 1.8, {"running": [1.02, 1.05, 1.08], "graph": [1.15, 1.2, 1.3]})
-    assert abs(bench.noise_floor([same, slower]) - 0.12) < 1e-9  # running's 1.12x at N=1
-    targets = {t["target"]: t for t in bench.evaluate_targets([same, slower], None, None)}
+    assert abs(bench_targets.noise_floor([same, slower]) - 0.12) < 1e-9  # running's 1.12x at N=1
+    targets = {t["target"]: t for t in bench_targets.evaluate_targets([same, slower], None, None)}
     assert targets["running never slower than stack (N > 1)"]["status"] == "within noise"
     assert "identical graphs differed by up to 12%" in \
         targets["running never slower than stack (N > 1)"]["why"]
@@ -82,15 +84,15 @@ def test_memory_targets_use_peak_rss_and_host_memory_its_growth_per_micro_batch(
                       ("stack", 8): {"peak_mb": 1100 + 12 * grad},
                       ("running", 2): {"peak_mb": 1226}, ("running", 4): {"peak_mb": 1229},
                       ("running", 8): {"peak_mb": 1220}}}
-    targets = {t["target"]: t for t in bench.evaluate_targets([], mem, host)}
+    targets = {t["target"]: t for t in bench_targets.evaluate_targets([], mem, host)}
     small = targets["accumulated peak <= 1.25x that of B=128 alone"]
     assert small["status"] == "met" and small["measured"] == "worst 1.15x (fused)"
     direct = targets["accumulated peak <= 0.25 of the direct batch's"]
     assert direct["status"] == "missed" and "540 MB of it right after importing" in direct["why"]
     running = targets["host memory of running flat in N"]
     assert running["status"] == "met" and running["measured"].startswith("-1.2 MB per added")
-    assert abs(bench.host_slope(host, "stack") / grad - 2.0) < 1e-6
-    text = "\n".join(bench.host_markdown(host))
+    assert abs(bench_targets.host_slope(host, "stack") / grad - 2.0) < 1e-6
+    text = "\n".join(bench_report.host_markdown(host))
     assert "stack +152.8 MB (+2.000 gradients)" in text
 
 
@@ -98,13 +100,13 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     committed = os.path.join(ROOT, "BENCHMARKS.md")
     before = open(committed).read() if os.path.exists(committed) else None
     out = tmp_path / "quick.md"
-    proc = run_cli("--quick", f"--output={out}", script="bench.py", timeout=400)
+    proc = run_cli("--quick", f"--output={out}", module="tools.bench", timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for heading in ("## Targets", "## Speed", "## Profile", "## The same on Eigen kernels",
                     "## Peak memory at 1024 samples", "## Host memory", "## Method"):
         assert heading in text, heading
-    assert f"`python bench.py --quick --output={out}`" in text and "TensorFlow 2." in text
+    assert f"`python -m tools.bench --quick --output={out}`" in text and "TensorFlow 2." in text
     rows = [line.split(" | ") for line in text.splitlines()
             if line.startswith("| ") and line.rstrip().endswith(tuple(STATUSES) + ("|",))]
     statuses = [r[-1].strip(" |") for r in rows if r[-1].strip(" |") in STATUSES]
@@ -121,7 +123,7 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
     for args, message in [
             ([f"--output={tmp_path}/missing/b.md", "--quick"], "does not exist"),
             (["--probe=not json"], "--probe: not JSON")]:
-        proc = run_cli(*args, script="bench.py", timeout=120)
+        proc = run_cli(*args, module="tools.bench", timeout=120)
         assert proc.returncode != 0, args
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], (args, proc.stderr[-500:])

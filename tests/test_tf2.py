@@ -20,10 +20,10 @@ import checkpoint
 import experiment
 import cli
 import main
-import launch_workers
 import tf2_accumulator
 import tf2_trainer
 from conftest import ROOT, run_cli, run_main_in_process
+from tools import launch_workers
 
 RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
                       r"Final accuracy: ([\d.]+)\.$", re.M)

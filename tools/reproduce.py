@@ -1,6 +1,6 @@
 """The post's whole table from one command, side by side with the post's numbers.
 
-    python reproduce.py --reps=10 --results-dir=results        # what `make reproduce` runs
+    python -m tools.reproduce --reps=10 --results-dir=results   # what `make reproduce` runs
 
 Every run is its own `main.py --reps=1 --seed=S --results=FILE` process, so the table
 comes from the real command line. Runs go to JOBS processes at a time, with TensorFlow's
@@ -8,7 +8,7 @@ thread pools split between them. Each finished run is a file of its own, written
 atomically by main.py and keyed by configuration and seed: a stopped reproduction keeps
 its finished runs, and the same command carries on from there. At the end it writes one
 results JSON per configuration and `table.md` (the table, then a verdict generated from
-the numbers) and prints them.
+the numbers: tools/reproduce_table.py) and prints them.
 
 This driver never imports TensorFlow; its flags are defined only when it runs as a
 script, so tests can import it beside main.py's flags.
@@ -16,13 +16,9 @@ script, so tests can import it beside main.py's flags.
 
 import collections
 import concurrent.futures
-import datetime
 import glob
-import importlib.metadata
 import json
-import math
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -32,31 +28,21 @@ import time
 from absl import app
 from absl import flags as absl_flags
 
+import cli
 import results
+import stats
+from tools import common
+from tools import reproduce_table
+from tools.reproduce_table import EVAL_EVERY, FAIR_EVAL_EVERY_UPDATES, POST_TABLE
 
 # The strategy every run uses: fused is the fastest and ends with the same weights, bit for
 # bit, as the post's stack (tests/test_trainer.py checks it); ACCUMULATE=stack for the post's.
 DEFAULT_ACCUMULATE = "fused"
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
-MAIN = os.path.join(ROOT, "main.py")
-
-# The post's table: (N, B, iterations) -> its mean and population std of the per-run best.
-POST_TABLE = collections.OrderedDict([
-    ((1, 100, 1000), (95.0, 0.172)),
-    ((5, 20, 5000), (94.9, 0.325)),
-    ((10, 10, 10000), (95.1, 0.36)),
-    ((20, 5, 20000), (95.2, 0.303)),
-])
-POST_RUNS = 10
 # Everything else that shapes a run, pinned to the post's values so that the table does
 # not drift if main.py's defaults ever change; a stored run must match all of it.
 POST_FLAGS = {"learning-rate": 1e-3, "lr-schedule": "constant", "dropout": 0.5,
               "model": "convnet", "engine": "tf1"}
-EVAL_EVERY = 100                # the post's cadence: every 100 iterations
-FAIR_EVAL_EVERY_UPDATES = 100   # FAIR=1: every 100 updates, whatever N
-LEVEL = 0.95
-ALPHA = 0.05
 # Rough single-thread seconds of one run on a 2-core machine, for the first ETA only:
 # process start-up, per mini-batch, per evaluation of the 10,000 test images.
 PRIOR_START, PRIOR_ITERATION, PRIOR_EVALUATION = 6.0, 0.004, 0.15
@@ -187,12 +173,12 @@ class Progress:
         """A run's seconds: the mean measured for its configuration, else the prior scaled
         by how the configurations measured so far compared with their priors."""
         if self.seconds[spec.label]:
-            return _mean(self.seconds[spec.label])
+            return stats.mean(self.seconds[spec.label])
         measured = [s for s in {s.label: s for s in self.todo}.values()
                     if self.seconds[s.label]]
         if not measured:
             return self.prior(spec)
-        ratio = (sum(_mean(self.seconds[s.label]) for s in measured)
+        ratio = (sum(stats.mean(self.seconds[s.label]) for s in measured)
                  / sum(self.prior(s) for s in measured))
         return self.prior(spec) * ratio
 
@@ -219,10 +205,6 @@ class Progress:
                      f"best {results.fmt_accuracy(run['best_accuracy'])} "
                      f"final {results.fmt_accuracy(run['final_accuracy'])}, "
                      f"{seconds:.0f} s; ETA {fmt_duration(self.eta())}")
-
-
-def _mean(values):
-    return sum(values) / len(values)
 
 
 def fmt_duration(seconds):
@@ -255,7 +237,7 @@ class Runner:
         flags = [f"--{name}={value}" for name, value in spec.flags.items()]
         flags += [f"--threads={self.threads}", f"--results={spec.path}",
                   f"--logdir={self.tb_dir}"]
-        return [sys.executable, MAIN] + flags + (["--verbose"] if self.verbose else [])
+        return [sys.executable, common.MAIN] + flags + (["--verbose"] if self.verbose else [])
 
     def run_one(self, spec):
         """Runs one main.py process; returns its run, or None if stopped before it began."""
@@ -267,7 +249,7 @@ class Runner:
             for path in glob.glob(os.path.join(event_dir, "events.out.tfevents.*")):
                 os.unlink(path)
             start = time.perf_counter()
-            process = subprocess.Popen(self.command(spec), cwd=ROOT, text=True,
+            process = subprocess.Popen(self.command(spec), cwd=common.ROOT, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.processes.add(process)
         self.progress.launched(spec)
@@ -322,205 +304,11 @@ class Runner:
                 raise
 
 
-# ---------------------------------------------------------------- the table
-
-
-Row = collections.namedtuple("Row", [
-    "setting", "post", "n", "best", "best_ci", "final", "p_best", "p_final", "post_p",
-    "updates", "evaluations", "seconds", "gap"])
-
-
-def summarize(setting, runs, reference_runs, post, evaluation_count):
-    """The numbers of one row of the table.
-
-    Args:
-      setting: the configuration (N, B, iterations).
-      runs: its runs (dicts as main.py writes them).
-      reference_runs: the N=1 row's runs, the baseline of the Welch tests.
-      post: (mean, population std) of the post's 10 runs, or None.
-      evaluation_count: test-set evaluations per run.
-    """
-    best = [r["best_accuracy"] for r in runs]
-    final = [r["final_accuracy"] for r in runs]
-    post_p = math.nan
-    if post is not None:
-        post_mean, post_std = post  # the post reports the population std (ddof=0)
-        post_p = results.welch_from_moments(
-            _mean(best), results.sample_variance(best), len(best), post_mean,
-            post_std ** 2 * POST_RUNS / (POST_RUNS - 1), POST_RUNS).p
-    return Row(
-        setting=setting, post=post, n=len(runs),
-        best=results.mean_std(best), best_ci=results.confidence_interval(best, LEVEL),
-        final=results.mean_std(final),
-        p_best=results.welch_t_test(best, [r["best_accuracy"] for r in reference_runs]).p,
-        p_final=results.welch_t_test(final, [r["final_accuracy"] for r in reference_runs]).p,
-        post_p=post_p, updates=sorted({r["updates"] for r in runs}),
-        evaluations=evaluation_count,
-        seconds=_mean([r["train_seconds"] + r["eval_seconds"] for r in runs]),
-        gap=_mean([b - f for b, f in zip(best, final)]))
-
-
-def fmt_mean_std(mean_std, digits=2):
-    mean, std = mean_std
-    return f"{mean:.{digits}f} ± {std:.{digits + 1}f}"
-
-
-def fmt_p(p):
-    """A p-value as tables print it: 0.41, 0.012, < 0.001; n/a without a test."""
-    if math.isnan(p):
-        return "n/a"
-    return "< 0.001" if p < 0.001 else f"{p:.2g}"
-
-
-def fmt_interval(interval):
-    low, high = interval
-    return "n/a" if math.isnan(low) else f"[{low:.2f}, {high:.2f}]"
-
-
-TABLE_HEADER = ("| N | B | iterations | updates | evaluations | post: best | ours: best "
-                "| 95% CI of ours | p vs N=1 | ours: final | p vs N=1 (final) | s/run |")
-
-
-def table_lines(rows):
-    """The markdown table, one row per configuration, N first."""
-    lines = [TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
-    for row in rows:
-        s = row.setting
-        reference = s.average_gradients == rows[0].setting.average_gradients
-        post = f"{row.post[0]:.1f} ± {row.post[1]:g}" if row.post else "n/a"
-        lines.append(" | ".join([
-            f"| {s.average_gradients}", str(s.batch_size), str(s.iterations),
-            "/".join(str(u) for u in row.updates), str(row.evaluations), post,
-            fmt_mean_std(row.best), fmt_interval(row.best_ci),
-            "(reference)" if reference else fmt_p(row.p_best), fmt_mean_std(row.final),
-            "(reference)" if reference else fmt_p(row.p_final), f"{row.seconds:.0f} |"]))
-    return lines
-
-
-def _listing(rows):
-    return ", ".join(f"N={r.setting.average_gradients}" for r in rows)
-
-
-def verdict_lines(rows, fair, scale):
-    """A short verdict generated from the numbers: the post, N=1, the protocol's bias."""
-    lines = ["**Verdict** (generated from the numbers above)", ""]
-    if scale > 1:
-        lines.append(f"- SCALE={scale}: every run applied 1/{scale} of the post's updates. "
-                     "This is a smoke test of the pipeline; its numbers say nothing about "
-                     "the post.")
-    if min(r.n for r in rows) < 2:
-        lines.append("- Fewer than 2 runs per configuration: no spread, so no confidence "
-                     "interval and no test. Use REPS=10 (the default) for a verdict.")
-        return lines
-
-    compared = [r for r in rows if r.post]
-    if compared:
-        lines.append("- Against the post: " + _post_verdict(compared, fair))
-    others = rows[1:]
-    for name, field in (("best", "best"), ("final", "final")):
-        p_values = [getattr(r, "p_" + field) for r in others]
-        differ = [r for r, p in zip(others, p_values) if p < ALPHA]
-        if not differ:
-            lines.append(f"- Averaging against one large batch ({name} accuracy): no N "
-                         f"differs from N=1 at the 5% level (Welch p = "
-                         + ", ".join(fmt_p(p) for p in p_values) + ").")
-            continue
-        lines.append(
-            f"- Averaging against one large batch ({name} accuracy): "
-            + "; ".join(f"N={r.setting.average_gradients} differs from N=1 "
-                        f"(p = {fmt_p(getattr(r, 'p_' + field))}, "
-                        f"{getattr(r, field)[0] - getattr(rows[0], field)[0]:+.2f} points)"
-                        for r in differ)
-            + ("; the others do not" if len(differ) < len(others) else "")
-            + " (5% level).")
-    lines.append(f"  With {rows[0].n} runs per configuration, p > 0.05 means that no "
-                 "difference was detected, not that none exists.")
-
-    gaps = ", ".join(f"N={r.setting.average_gradients} {r.gap:+.2f}" for r in rows)
-    counts = ", ".join(f"N={r.setting.average_gradients} {r.evaluations}" for r in rows)
-    if fair:
-        lines.append(f"- The protocol: every configuration was evaluated on the same cadence "
-                     f"(evaluations per run: {counts}), so no N gets more chances. The best "
-                     f"is still picked on the test set itself, so it is optimistic (best "
-                     f"minus final, on average: {gaps} points).")
-    else:
-        lines.append(f"- What the post's protocol favours: the best accuracy is picked on "
-                     f"the test set itself, so it is optimistic (best minus final, on "
-                     f"average: {gaps} points), and it favours configurations evaluated "
-                     f"more often (evaluations per run: {counts}). The final accuracy has "
-                     f"neither bias; `make reproduce FAIR=1` evaluates every N every "
-                     f"{FAIR_EVAL_EVERY_UPDATES} updates.")
-    return lines
-
-
-def _post_verdict(rows, fair):
-    """Do our rows match the post's: its mean inside our CI, and Welch on its summary."""
-    inside, outside = [], []
-    for r in rows:
-        (inside if r.best_ci[0] <= r.post[0] <= r.best_ci[1] else outside).append(r)
-    if not outside:
-        text = ("every configuration matches: the post's mean lies inside our 95% "
-                f"confidence interval for {_listing(inside)}.")
-    else:
-        details = "; ".join(
-            f"N={r.setting.average_gradients}: ours {r.best[0]:.2f} "
-            f"({'above' if r.best[0] > r.post[0] else 'below'} the post's {r.post[0]:.1f})"
-            for r in outside)
-        text = (f"{len(inside)} of {len(rows)} configurations match (the post's mean lies "
-                "inside our 95% confidence interval"
-                + (f" for {_listing(inside)}" if inside else "") + f"); {details}.")
-    differ = [r for r in rows if r.post_p < ALPHA]
-    text += (" Welch's test against the post's own mean and std (10 runs; it allows for "
-             "the post's noise as well as ours) finds "
-             + (f"a difference at the 5% level for {_listing(differ)}."
-                if differ else "no difference at the 5% level for any N."))
-    if fair:
-        text += " (The post evaluated every 100 iterations, not on this table's cadence.)"
-    return text
-
-
-def machine():
-    """The machine in a few words, for the record."""
-    cpu = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        tf_version = importlib.metadata.version("tensorflow")
-    except importlib.metadata.PackageNotFoundError:
-        tf_version = "?"
-    return (f"{os.cpu_count()} CPU cores ({cpu}), {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, TensorFlow {tf_version}")
-
-
-def table_document(rows, fair, scale, command, timing):
-    """table.md: what made it, the table, what the columns mean, the verdict."""
-    protocol = (f"every configuration evaluated every {FAIR_EVAL_EVERY_UPDATES} updates"
-                if fair else f"the post's protocol, evaluated every {EVAL_EVERY} iterations")
-    lines = [f"# The post's table, reproduced ({protocol})", "",
-             f"Made by `{command}` on {datetime.date.today().isoformat()}, {machine()}.",
-             timing, ""]
-    lines += table_lines(rows)
-    lines += ["",
-              "Accuracies in percent on the 10,000 test images, mean ± population std over "
-              "the runs (the post's convention). *best*: the best of a run's evaluations, "
-              "as the post reported; *final*: the accuracy after the last update. "
-              "*95% CI*: Student-t interval for our mean best (sample std). *p vs N=1*: "
-              "two-sided Welch t-test of this row's runs against the N=1 row's. *s/run*: "
-              "mean seconds of training plus evaluation per run (process start-up aside).",
-              ""]
-    lines += verdict_lines(rows, fair, scale)
-    return "\n".join(lines) + "\n"
-
-
 # ---------------------------------------------------------------- the whole reproduction
 
 
 def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=False,
-              accumulate=DEFAULT_ACCUMULATE, verbose=False, command="python reproduce.py",
+              accumulate=DEFAULT_ACCUMULATE, verbose=False, command="python -m tools.reproduce",
               log=say):
     """Runs whatever the table still lacks, then writes and returns table.md's text.
 
@@ -566,15 +354,15 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         config.update(reps=reps, seed=seed, results=path)
         results.atomic_write_json(path, results.results_document(config, runs))
         flags = group[0].flags
-        rows.append(summarize(setting, runs, reference, POST_TABLE[post_key] if scale == 1
-                              else None, evaluations(setting, flags["eval-every"],
-                                                     flags["eval-every-updates"])))
+        rows.append(reproduce_table.summarize(
+            setting, runs, reference, POST_TABLE[post_key] if scale == 1 else None,
+            evaluations(setting, flags["eval-every"], flags["eval-every-updates"])))
     timing = (f"This invocation ran {len(todo)} of the {len(specs)} runs in "
               f"{fmt_duration(wall)} of wall time, {jobs} process{'es' if jobs > 1 else ''} "
               f"at a time with {threads} thread{'s' if threads > 1 else ''} each"
               + (f"; the other {len(specs) - len(todo)} were done by an earlier invocation."
                  if len(todo) < len(specs) else "."))
-    text = table_document(rows, fair, scale, command, timing)
+    text = reproduce_table.table_document(rows, fair, scale, command, timing)
     results.atomic_write_text(os.path.join(out_dir, "table.md"), text)
     return text
 
@@ -584,49 +372,40 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
 
 def define_flags():
     """The driver's flags (dashed, with underscore aliases, as main.py's)."""
-    def define(kind, name, default, help_text, **kwargs):
-        alias = name.replace("-", "_")
-        getattr(absl_flags, "DEFINE_" + kind)(
-            name, default, help_text + (f" (also --{alias})" if alias != name else ""),
-            **kwargs)
-        if alias != name:
-            absl_flags.DEFINE_alias(alias, name)
-
-    define("integer", "reps", 10, "Runs per configuration; run r uses seed + r.", lower_bound=1)
-    define("string", "results-dir", "results",
-           "Where runs, per-configuration results, table.md and TensorBoard events go.")
-    define("integer", "jobs", 0, "main.py processes at a time (0: one per CPU core).",
-           lower_bound=0)
-    define("integer", "threads", 0,
-           "TensorFlow threads per process (0: the CPU cores divided among the jobs).",
-           lower_bound=0)
-    define("bool", "fair", False,
-           f"Evaluate every configuration every {FAIR_EVAL_EVERY_UPDATES} updates, not the "
-           f"post's every {EVAL_EVERY} iterations; writes under RESULTS_DIR/fair.")
-    define("integer", "scale", 1,
-           "Divide every configuration's updates by this (at least one), for quick tests.",
-           lower_bound=1)
-    define("integer", "seed", 0, "Seed of the first run of every configuration.",
-           lower_bound=0)
-    define("string", "accumulate", DEFAULT_ACCUMULATE,
-           "main.py's --accumulate for every run; fused is the fastest and gives the same "
-           "weights, bit for bit, as the post's stack.")
-    define("bool", "verbose", False, "Pass --verbose on: every run's evaluation lines.")
+    cli.define("integer", "reps", 10, "Runs per configuration; run r uses seed + r.",
+               lower_bound=1)
+    cli.define("string", "results-dir", "results",
+               "Where runs, per-configuration results, table.md and TensorBoard events go.")
+    cli.define("integer", "jobs", 0, "main.py processes at a time (0: one per CPU core).",
+               lower_bound=0)
+    cli.define("integer", "threads", 0,
+               "TensorFlow threads per process (0: the CPU cores divided among the jobs).",
+               lower_bound=0)
+    cli.define("bool", "fair", False,
+               f"Evaluate every configuration every {FAIR_EVAL_EVERY_UPDATES} updates, not "
+               f"the post's every {EVAL_EVERY} iterations; writes under RESULTS_DIR/fair.")
+    cli.define("integer", "scale", 1,
+               "Divide every configuration's updates by this (at least one), for quick tests.",
+               lower_bound=1)
+    cli.define("integer", "seed", 0, "Seed of the first run of every configuration.",
+               lower_bound=0)
+    cli.define("string", "accumulate", DEFAULT_ACCUMULATE,
+               "main.py's --accumulate for every run; fused is the fastest and gives the "
+               "same weights, bit for bit, as the post's stack.")
+    cli.define("bool", "verbose", False, "Pass --verbose on: every run's evaluation lines.")
 
 
 def main(argv):
     if len(argv) > 1:
-        print(f"error: unexpected arguments: {' '.join(argv[1:])}", file=sys.stderr)
-        return 2
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     FLAGS = absl_flags.FLAGS
-    command = shlex.join(["python", os.path.basename(sys.argv[0])] + sys.argv[1:])
+    command = shlex.join(["python", "-m", "tools.reproduce"] + sys.argv[1:])
     try:
         text = reproduce(FLAGS.results_dir, reps=FLAGS.reps, seed=FLAGS.seed, jobs=FLAGS.jobs,
                          threads=FLAGS.threads, scale=FLAGS.scale, fair=FLAGS.fair,
                          accumulate=FLAGS.accumulate, verbose=FLAGS.verbose, command=command)
     except ReproduceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        cli.fail(str(e), code=1)
     except KeyboardInterrupt:
         print("interrupted: finished runs are kept; the same command carries on from them",
               file=sys.stderr)
@@ -636,17 +415,9 @@ def main(argv):
     return 0
 
 
-def parse_flags(argv):
-    try:
-        return absl_flags.FLAGS(argv)
-    except absl_flags.Error as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-
-
 def run():
     define_flags()
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=cli.parse_flags)
 
 
 if __name__ == "__main__":

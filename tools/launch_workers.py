@@ -1,6 +1,6 @@
 """Runs main.py as the workers of one MultiWorkerMirroredStrategy job on this machine.
 
-    python launch_workers.py --workers=2 -- --average-gradients=5 --batch-size=20 ...
+    python -m tools.launch_workers --workers=2 -- --average-gradients=5 --batch-size=20 ...
 
 Each worker is `main.py --engine=tf2 --strategy=multi_worker ARGS` with its own TF_CONFIG
 on 127.0.0.1 (free ports picked here). They train together: every worker reads the same
@@ -19,7 +19,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+from tools import common
+
 HOST = "127.0.0.1"
 # Outputs one file or directory would receive from every worker: worker 0 writes them.
 CHIEF_ONLY_FLAGS = ("--results", "--logdir")
@@ -65,9 +66,8 @@ def launch(args, workers=2, timeout=300, python=sys.executable, env=None):
         log = tempfile.TemporaryFile(mode="w+")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [python, os.path.join(ROOT, "main.py"), "--engine=tf2",
-             "--strategy=multi_worker", *worker_args],
-            cwd=ROOT, env=worker_env, stdout=log, stderr=subprocess.STDOUT, text=True))
+            [python, common.MAIN, "--engine=tf2", "--strategy=multi_worker", *worker_args],
+            cwd=common.ROOT, env=worker_env, stdout=log, stderr=subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):

@@ -1,0 +1,156 @@
+"""The contenders of the speed section, and how they take turns against the clock.
+
+Every contender trains the post's ConvNet on real MNIST through `train(updates)`: the TF1
+graphs as `main.py` trains them, Keras 3's built-in accumulation, the tf2 engine. Keras
+loads only inside the Keras and tf2 contenders, so that a memory probe, which imports this
+module, measures TensorFlow alone.
+"""
+
+import collections
+import statistics
+import time
+
+import tensorflow as tf
+
+import data
+import experiment
+import trainer
+
+SEED = 0
+
+
+class SessionContender:
+    """One TF1 graph training through experiment.Training, as `main.py` trains it."""
+
+    def __init__(self, label, config, datasets):
+        self.label, self.config = label, config
+        self.run = experiment.Run(config, SEED)
+        self.sess = self.run.session()
+        self.sess.run(self.run.init_op)
+        self.training = experiment.Training(config, datasets, SEED, self.sess, self.run)
+
+    def train(self, updates):
+        for _ in range(updates * self.config.average_gradients):
+            self.training.step()
+
+    def close(self):
+        self.sess.close()
+
+
+class KerasContender:
+    """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on B samples.
+
+    mode "fit": model.fit over a tf.data pipeline of B-sized batches, `steps_per_execution`
+    micro-batches per compiled call (Keras's own way to cut per-step overhead);
+    mode "train_on_batch": one call per micro-batch. No XLA: under op determinism (on in
+    main.py and here) Keras turns jit_compile off.
+    """
+
+    def __init__(self, label, n, b, datasets, mode="fit", steps_per_execution=1):
+        import keras
+        import tf2_trainer  # Keras loads only where a Keras contender runs
+        keras.utils.set_random_seed(SEED)
+        self.label, self.n, self.b, self.mode = label, n, b, mode
+        self.model = tf2_trainer.conv_net(0.5, SEED)  # the tf2 engine's ConvNet
+        accumulation_steps = n if n > 1 else None
+        self.model.compile(
+            optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation_steps),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=False, steps_per_execution=steps_per_execution)
+        self.train_split = datasets.train
+        self.stream = data.SampleStream(len(datasets.train.labels), SEED)
+        self.dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
+                        .repeat().batch(b, drop_remainder=True).prefetch(2))
+
+    def train(self, updates):
+        if self.mode == "fit":
+            self.model.fit(self.dataset, steps_per_epoch=updates * self.n, epochs=1, verbose=0,
+                           shuffle=False)
+            return
+        for _ in range(updates * self.n):
+            self.model.train_on_batch(*self.stream.next_batch(self.train_split, self.b))
+
+    def close(self):
+        pass
+
+
+class TF2Contender:
+    """The tf2 engine (tf2_trainer.py): the Keras ConvNet, tf.function micro- and apply-steps."""
+
+    def __init__(self, label, n, b, datasets):
+        import keras
+        import tf2_accumulator
+        import tf2_trainer
+        self.label, self.n = label, n
+        self.accumulator = tf2_accumulator.GradientAccumulator(
+            tf2_trainer.conv_net(0.5, SEED), keras.optimizers.Adam(1e-3),
+            tf2_trainer.sparse_cross_entropy)
+        self.batches = iter(tf2_trainer.mnist_batches(datasets.train, b, 10 ** 9, SEED))
+
+    def train(self, updates):
+        for _ in range(updates * self.n):
+            self.accumulator.accumulate(*next(self.batches))
+            if self.accumulator.window == self.n:
+                self.accumulator.apply()
+
+    def close(self):
+        pass
+
+
+def tf1_contenders(n, b, datasets):
+    """The direct batch N*B (the post's minimize) and every strategy at N x B."""
+    contenders = [SessionContender("direct", experiment.Config(
+        average_gradients=1, batch_size=n * b), datasets)]
+    for strategy in trainer.STRATEGIES:
+        contenders.append(SessionContender(strategy, experiment.Config(
+            average_gradients=n, batch_size=b, accumulate=strategy), datasets))
+    return contenders
+
+
+def keras_modes(n, updates):
+    """Ways to train with Keras's accumulation: the setup section compares the plain ones
+    with one call per update; the speed section times the two that are fastest."""
+    return {"train_on_batch": dict(mode="train_on_batch"),
+            "fit, steps_per_execution=1": dict(mode="fit", steps_per_execution=1),
+            "fit, steps_per_execution=N": dict(mode="fit", steps_per_execution=n),
+            "fit, steps_per_execution=N*U": dict(mode="fit", steps_per_execution=n * updates)}
+
+
+# The Keras contenders of the speed section, by label; a target takes the faster one.
+KERAS_CONTENDERS = {"keras": "fit, steps_per_execution=N",
+                    "keras_long": "fit, steps_per_execution=N*U"}
+
+
+# ---------------------------------------------------------------- timing
+
+
+def interleaved(contenders, updates, repeats):
+    """Seconds per update of each contender, `repeats` rounds, turns rotating per round.
+
+    Returns:
+      {label: [seconds per update, one per round]}.
+    """
+    for c in contenders:
+        c.train(updates)  # warm-up: graph optimisation, allocator, oneDNN primitives
+    times = collections.defaultdict(list)
+    for r in range(repeats):
+        shift = r % len(contenders)
+        for c in contenders[shift:] + contenders[:shift]:
+            start = time.perf_counter()
+            c.train(updates)
+            times[c.label].append((time.perf_counter() - start) / updates)
+    return dict(times)
+
+
+def paired_ratio(times, label, base):
+    """Median and quartiles of the per-round ratio label / base."""
+    ratios = sorted(a / b for a, b in zip(times[label], times[base]))
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 \
+        else [ratios[0]] * 3
+    return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
+
+
+def keras_vs_fused(times):
+    """The faster Keras contender's label, and fused's speed-up over it."""
+    best = min(KERAS_CONTENDERS, key=lambda k: statistics.median(times[k]))
+    return best, paired_ratio(times, best, "fused")
