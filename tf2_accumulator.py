@@ -34,6 +34,7 @@ The `--engine=tf2` side of `main.py` (tf2_trainer.py) trains the post's ConvNet 
 import collections
 import logging
 
+import numpy as np
 import tensorflow as tf
 
 # Ops that communicate between replicas; a test counts them in the compiled steps.
@@ -47,7 +48,40 @@ FitSummary = collections.namedtuple(
 
 
 
+# Micro-batches the one-call window keeps in flight (the tf1 `fused` strategy's
+# FUSED_PARALLEL_ITERATIONS): one's backward pass overlaps the next one's forward pass,
+# for the activations of one more micro-batch.
+WINDOW_PARALLEL_ITERATIONS = 2
+
+
 # ---------------------------------------------------------------- the accumulator
+
+
+def stack_window(micro_batches):
+    """N global micro-batches as one stacked window: (xs, ys, sizes) numpy arrays.
+
+    Args:
+      micro_batches: a sequence of (x, y); x and y may be nested structures of arrays.
+
+    Returns:
+      (xs, ys, sizes): each array stacked on a new leading axis, [N, B, ...], with B the
+      largest micro-batch; shorter micro-batches are padded with zeros, which the window
+      step leaves out by `sizes` (int32 [N], each micro-batch's samples).
+    """
+    if not micro_batches:
+        raise ValueError("a window needs at least one micro-batch")
+    micro_batches = [tf.nest.map_structure(np.asarray, tuple(batch)) for batch in micro_batches]
+    sizes = np.array([len(tf.nest.flatten(batch)[0]) for batch in micro_batches], np.int32)
+    width = sizes.max()
+
+    def stack(*arrays):
+        out = np.zeros((len(arrays), width) + arrays[0].shape[1:], arrays[0].dtype)
+        for row, array in zip(out, arrays):
+            row[:len(array)] = array
+        return out
+
+    xs, ys = tf.nest.map_structure(stack, *micro_batches)
+    return xs, ys, sizes
 
 
 def _replica_slice(batch):
@@ -124,6 +158,7 @@ class GradientAccumulator:
                 "samples_total")
         self._no_gradient = None  # which variables the loss does not reach (set when traced)
         self.micro_step = None  # compiled on the first batch, with its shapes
+        self.window_step = None  # compiled on the first stacked window
         self.apply_step = tf.function(self._apply_step)
         self.check_step = tf.function(self._check_step)
         self.discard_step = tf.function(self._discard_step)
@@ -141,23 +176,59 @@ class GradientAccumulator:
                 for local in self.strategy.experimental_local_results(v)]
 
     # The replica functions.
-    def _replica_micro(self, x, y):
-        (x, y), n_global, n_local = _replica_slice((x, y))
-        with tf.GradientTape() as tape:
-            losses = self.loss_fn(y, self.model(x, training=True))
-            if losses.shape.rank == 0:
-                raise ValueError("loss_fn must return one loss per sample, not their mean "
-                                 "(use a Keras loss with reduction=None)")
-            loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
-            if self.model.losses:  # regularizers count once per sample, so once per mean
-                loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(self.model.losses)
-        grads = tape.gradient(loss_sum, self.variables)
+    def _loss_sum(self, y, outputs, regularization, n_local):
+        losses = self.loss_fn(y, outputs)
+        if losses.shape.rank == 0:
+            raise ValueError("loss_fn must return one loss per sample, not their mean "
+                             "(use a Keras loss with reduction=None)")
+        loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
+        if regularization:  # regularizers count once per sample, so once per mean
+            loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(regularization)
+        return loss_sum
+
+    def _checked(self, grads):
+        """The gradients as tensors (None where the loss does not reach the variable)."""
         self._no_gradient = [g is None for g in grads]
         if all(self._no_gradient):
             raise ValueError("no variable receives a gradient from the loss")
+        return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+    def _micro_gradients(self, x, y):
+        """This replica's loss sum and its gradients for its slice of one micro-batch.
+
+        Returns:
+          (loss_sum, n_global, grads).
+        """
+        (x, y), n_global, n_local = _replica_slice((x, y))
+        with tf.GradientTape() as tape:
+            loss_sum = self._loss_sum(y, self.model(x, training=True), self.model.losses,
+                                      n_local)
+        return loss_sum, n_global, self._checked(tape.gradient(loss_sum, self.variables))
+
+    def _stateless_gradients(self, trainable, non_trainable, x, y):
+        """As _micro_gradients, with the model's state passed in and out as values.
+
+        Args:
+          trainable, non_trainable: the values of the model's trainable and
+            non-trainable variables (the latter include dropout's seed states).
+
+        Returns:
+          (loss_sum, n_global, grads, non_trainable after the call).
+        """
+        (x, y), n_global, n_local = _replica_slice((x, y))
+        with tf.GradientTape() as tape:
+            tape.watch(trainable)
+            outputs, non_trainable, regularization = self.model.stateless_call(
+                trainable, non_trainable, x, training=True, return_losses=True)
+            loss_sum = self._loss_sum(y, outputs, regularization, n_local)
+        grads = self._checked(tape.gradient(loss_sum, trainable))
+        return loss_sum, n_global, grads, non_trainable
+
+    def _replica_micro(self, x, y):
+        loss_sum, n_global, grads = self._micro_gradients(x, y)
         for total, g in zip(self.sums, grads):
             if g is not None:
-                total.assign_add(tf.convert_to_tensor(g))
+                total.assign_add(g)
         self.samples.assign_add(tf.cast(n_global, tf.float32))
         finite = tf.math.is_finite(loss_sum)
         self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))
@@ -177,6 +248,58 @@ class GradientAccumulator:
             total.assign(tf.zeros_like(total))
         self.samples.assign(0.0)
         self.nonfinite.assign(0.0)
+
+    def _replica_window(self, xs, ys, sizes):
+        """One whole window on this replica: micro-batch i is xs[i, :sizes[i]] (global).
+
+        A loop over the micro-batches, WINDOW_PARALLEL_ITERATIONS in flight. Its body
+        touches no variable: the model runs on the weights' values (stateless_call) and
+        the gradient sums and the model's other state (dropout's seed generators) are
+        loop values, so the seeds advance in micro-batch order, as `accumulate` would
+        draw them, while one micro-batch's backward pass overlaps the next one's forward
+        pass. The state is written back once, after the loop.
+
+        Returns:
+          (shares, nonfinite): this replica's share of the window's mean gradient, one
+          per variable that gets a gradient, and its count of non-finite values.
+        """
+        zero = tf.constant(0.0, tf.float64)
+        trainable = [v.value for v in self.model.trainable_variables]
+        state_variables = self.model.non_trainable_variables
+
+        def body(i, state, sums, nonfinite, loss_total, samples_total):
+            batch = tf.nest.map_structure(lambda t: t[i, :sizes[i]], (xs, ys))
+            loss_sum, n_global, grads, state = self._stateless_gradients(trainable, state,
+                                                                         *batch)
+            sums = [s if g is None else s + g for s, g in zip(sums, grads)]
+            finite = tf.math.is_finite(loss_sum)
+            nonfinite += 1.0 - tf.cast(finite, tf.float32)
+            loss_total += tf.where(finite, tf.cast(loss_sum, tf.float64), zero)
+            samples_total += tf.where(finite, tf.cast(n_global, tf.float64), zero)
+            return i + 1, state, sums, nonfinite, loss_total, samples_total
+
+        _, state, sums, nonfinite, loss_total, samples_total = tf.while_loop(
+            lambda i, *_: i < tf.shape(sizes)[0], body,
+            (tf.constant(0), [v.value for v in state_variables],
+             [tf.zeros(v.shape, v.dtype) for v in self.variables], tf.constant(0.0), zero,
+             zero),
+            parallel_iterations=WINDOW_PARALLEL_ITERATIONS)
+        for variable, value in zip(state_variables, state):
+            variable.assign(value)
+        self.loss_total.assign_add(loss_total)
+        self.samples_total.assign_add(samples_total)
+        count = tf.cast(tf.reduce_sum(sizes), tf.float32)
+        # This replica's share of the mean, as the apply-step's.
+        shares = [total / tf.cast(count, total.dtype)
+                  for total, none in zip(sums, self._no_gradient) if not none]
+        for total in shares:  # a sum is finite only if every gradient in it was
+            nonfinite += 1.0 - tf.cast(tf.reduce_all(tf.math.is_finite(total)), tf.float32)
+        return shares, nonfinite
+
+    def _replica_apply_shares(self, shares):
+        """Applies the mean gradient from each replica's share (the optimizer sums them)."""
+        applied = [v for v, none in zip(self.variables, self._no_gradient) if not none]
+        self.optimizer.apply_gradients(zip(shares, applied))
 
     def _replica_apply(self):
         count = self.samples.read_value()
@@ -201,6 +324,31 @@ class GradientAccumulator:
 
         micro_step.get_concrete_function()  # traces it, so apply_step knows _no_gradient
         return micro_step
+
+    def _compile_window_step(self, xs, ys, sizes):
+        def spec(t):
+            t = tf.convert_to_tensor(t)
+            return tf.TensorSpec([None, None] + t.shape[2:].as_list(), t.dtype)
+
+        signature = tf.nest.map_structure(spec, (xs, ys)) + (
+            tf.TensorSpec([None], tf.convert_to_tensor(sizes).dtype),)
+
+        @tf.function(input_signature=signature)
+        def window_step(xs, ys, sizes):
+            shares, nonfinite = self.strategy.run(self._replica_window, args=(xs, ys, sizes))
+
+            def apply():
+                # Run from the cross-replica context, inside the branch: the optimizer's
+                # all-reduce must not cross into a branch from a replica function.
+                self.strategy.run(self._replica_apply_shares, args=(shares,))
+                return tf.constant(True)
+
+            if not self.check_finite:
+                return apply()
+            votes = self.strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+            return tf.cond(votes > 0, lambda: tf.constant(False), apply)
+
+        return window_step
 
     def _apply_step(self):
         self.strategy.run(self._replica_apply)
@@ -250,6 +398,51 @@ class GradientAccumulator:
             self.discard_step()
             self.skipped_windows += 1
         self.window = 0
+        return applied
+
+    def apply_window(self, micro_batches):
+        """Trains one whole window, given as its N global micro-batches, in one call.
+
+        Equal to `accumulate` on each micro-batch then `apply`, to rounding; the window's
+        micro-batches may differ in size (each weighs by its samples).
+
+        Args:
+          micro_batches: a sequence of (x, y) global micro-batches.
+
+        Returns:
+          True where the window was applied, False where it was discarded.
+        """
+        return self.apply_stacked(*stack_window(micro_batches))
+
+    def apply_stacked(self, xs, ys, sizes):
+        """Trains one whole window, stacked as `stack_window` returns it, in one call.
+
+        The N micro-batches run in one compiled call (`window_step`): inside it a loop
+        sums their gradients, and the sample-weighted mean is applied, or the window is
+        discarded whole where a loss or gradient is NaN or Inf (check_finite). At most
+        WINDOW_PARALLEL_ITERATIONS micro-batches are in flight, so the activations held
+        are those of two micro-batches, not of N.
+
+        Args:
+          xs, ys: the micro-batches stacked on a new leading axis, [N, B, ...] and
+            [N, B]; micro-batch i is xs[i, :sizes[i]], ys[i, :sizes[i]].
+          sizes: int [N], each micro-batch's samples.
+
+        Returns:
+          True where the window was applied, False where it was discarded.
+
+        Raises:
+          ValueError: a window opened by `accumulate` is still open.
+        """
+        if self.window:
+            raise ValueError("apply() the window opened by accumulate() first")
+        if self.window_step is None:
+            self.window_step = self._compile_window_step(xs, ys, sizes)
+        applied = bool(self.window_step(xs, ys, sizes))
+        if applied:
+            self.updates += 1
+        else:
+            self.skipped_windows += 1
         return applied
 
     def loss_totals(self):
