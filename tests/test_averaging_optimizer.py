@@ -1,0 +1,569 @@
+"""AveragingOptimizer: one op per mini-batch, exact against the direct batch of N*B.
+
+Every model here is tiny, dropout-free and float64 (unless the dtype is the point), so
+"exact" means allclose at rtol 1e-10: only the order of the sums differs.
+"""
+
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import trainer
+from averaging_optimizer import AveragingOptimizer
+
+v1 = tf.compat.v1
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTOL, ATOL = 1e-10, 1e-12
+
+RNG = np.random.RandomState(0)
+X = RNG.randn(96, 4)
+Y = RNG.randn(96, 2)
+W1, B1, W2 = RNG.randn(4, 5), RNG.randn(5) * 0.1, RNG.randn(5, 2)
+
+OPTIMIZERS = {
+    "sgd": lambda: v1.train.GradientDescentOptimizer(0.1),
+    "adam": lambda: v1.train.AdamOptimizer(0.05),
+    "momentum": lambda: v1.train.MomentumOptimizer(0.1, 0.9),
+    "rmsprop": lambda: v1.train.RMSPropOptimizer(0.01),
+    "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
+}
+
+Model = collections.namedtuple("Model", "x y loss variables")
+
+
+def mlp():
+    """x [B, 4] -> tanh(5) -> 2, mean squared error over the batch."""
+    x = v1.placeholder(tf.float64, [None, 4], name="x")
+    y = v1.placeholder(tf.float64, [None, 2], name="y")
+    w1 = v1.get_variable("w1", initializer=tf.constant(W1))
+    b1 = v1.get_variable("b1", initializer=tf.constant(B1))
+    w2 = v1.get_variable("w2", initializer=tf.constant(W2))
+    out = tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2)
+    return Model(x, y, tf.reduce_mean(tf.square(out - y)), [w1, b1, w2])
+
+
+def minibatches(sizes, start=0):
+    """Consecutive (x, y) mini-batches of the given sizes."""
+    bounds = np.cumsum([start] + list(sizes))
+    return [(X[a:b], Y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def concatenated(feeds, n):
+    """Each window of n mini-batches as one direct batch."""
+    return [tuple(np.concatenate(part) for part in zip(*feeds[k:k + n]))
+            for k in range(0, len(feeds), n)]
+
+
+def train(make_optimizer, feeds, n=None, weighted=False, flush=False, build=mlp, **kwargs):
+    """Runs the train op once per (x, y) feed.
+
+    Args:
+      n: None for the plain optimizer, else AveragingOptimizer(optimizer, n, **kwargs).
+      weighted: weight each mini-batch by its sample count.
+      flush: run flush_op at the end.
+
+    Returns:
+      (the model's variables' values, global_step).
+    """
+    with tf.Graph().as_default() as graph:
+        model = build()
+        global_step = v1.train.get_or_create_global_step()
+        if n is None:
+            train_op = make_optimizer().minimize(model.loss, global_step=global_step)
+        else:
+            opt = AveragingOptimizer(make_optimizer(), n, **kwargs)
+            weight = tf.cast(tf.shape(model.x)[0], tf.float64) if weighted else None
+            train_op = opt.minimize(model.loss, global_step=global_step, weight=weight)
+        init = v1.global_variables_initializer()
+        graph.finalize()  # the loop and flush_op build nothing
+        with v1.Session() as sess:
+            sess.run(init)
+            for x, y in feeds:
+                sess.run(train_op, {model.x: x, model.y: y})
+            if flush:
+                sess.run(opt.flush_op())
+            return sess.run(model.variables), sess.run(global_step)
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------- exactness, every optimizer
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_n_minibatches_update_like_the_direct_batch(name, n):
+    feeds = minibatches([4] * (2 * n))
+    averaged, step = train(OPTIMIZERS[name], feeds, n)
+    direct, direct_step = train(OPTIMIZERS[name], concatenated(feeds, n))
+    assert step == direct_step == 2  # global_step counts updates, not mini-batches
+    if n == 1:  # delegated straight to the wrapped optimizer: the same ops
+        for a, d in zip(averaged, direct):
+            np.testing.assert_array_equal(a, d)
+    assert_close(averaged, direct)
+    assert not np.allclose(averaged[0], W1)
+
+
+def test_trainer_exports_it():
+    assert trainer.AveragingOptimizer is AveragingOptimizer
+
+
+def test_adam_slots_and_beta_powers_advance_once_per_update():
+    with tf.Graph().as_default():
+        model = mlp()
+        adam = v1.train.AdamOptimizer(0.05, beta1=0.9, beta2=0.99)
+        opt = AveragingOptimizer(adam, 3)
+        train_op = opt.minimize(model.loss)
+        beta1_power, beta2_power = adam._get_beta_accumulators()
+        saved = set(v1.global_variables())
+        assert {beta1_power, beta2_power} | {adam.get_slot(v, "m") for v in model.variables} \
+            <= saved  # outside the cond, saved by a Saver
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for x, y in minibatches([4] * 7):
+                sess.run(train_op, {model.x: x, model.y: y})
+            powers = sess.run([beta1_power, beta2_power])
+            count, = [v for v in opt.variables() if v.op.name == "AveragingAdam/count"]
+            window = sess.run([opt.get_slot(model.variables[0], "accumulator"), count])
+    beta = np.float32([0.9, 0.99])  # float32 variables: the initial value times 2 updates
+    np.testing.assert_array_equal(powers, beta * beta * beta)
+    assert window[1] == 1 and np.any(window[0] != 0)  # the 7th mini-batch waits
+
+
+def test_weighted_short_last_minibatch_equals_the_direct_batch_of_82():
+    feeds = minibatches([25, 25, 25, 7])
+    for name in ("sgd", "adam"):
+        averaged, _ = train(OPTIMIZERS[name], feeds, 4, weighted=True)
+        direct, _ = train(OPTIMIZERS[name], concatenated(feeds, 4))
+        unweighted, _ = train(OPTIMIZERS[name], feeds, 4)
+        assert_close(averaged, direct)
+        assert not np.allclose(unweighted[0], direct[0], rtol=1e-6)  # weights matter here
+
+
+def test_flush_op_applies_a_partial_window_and_is_a_noop_on_an_empty_one():
+    feeds = minibatches([4, 4])
+    flushed, step = train(OPTIMIZERS["adam"], feeds, 3, flush=True)
+    direct, _ = train(OPTIMIZERS["adam"], concatenated(feeds, 2))
+    assert step == 1
+    assert_close(flushed, direct)
+    untouched, step = train(OPTIMIZERS["adam"], [], 3, flush=True)
+    assert step == 0
+    assert_close(untouched, [W1, B1, W2], rtol=0, atol=0)
+    full, step = train(OPTIMIZERS["adam"], minibatches([4] * 3), 3, flush=True)
+    assert step == 1  # the window was applied and reset by the 3rd run: nothing to flush
+
+
+# ---------------------------------------------------------------- bad use
+
+def test_bad_use_gets_one_clear_error():
+    for n in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="average_gradients"):
+            AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1), n)
+    with pytest.raises(ValueError, match="v1.train.Optimizer"):
+        AveragingOptimizer(tf.keras.optimizers.SGD(0.1), 2)
+    with tf.Graph().as_default():
+        model = mlp()
+        unused = v1.get_variable("unused", [3], tf.float64)
+        opt = AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1), 2)
+        with pytest.raises(RuntimeError, match="minimize or apply_gradients"):
+            opt.flush_op()
+        with pytest.raises(RuntimeError, match="minimize or apply_gradients"):
+            opt.skipped_windows  # noqa: B018
+        with pytest.raises(ValueError, match="no variable receives a gradient"):
+            opt.minimize(model.loss, var_list=[unused])
+        with pytest.raises(ValueError, match="scalar"):
+            opt.minimize(model.loss, weight=tf.ones([2]))
+        opt.minimize(model.loss)
+        with pytest.raises(RuntimeError, match="one window"):
+            opt.minimize(model.loss)
+
+
+# ---------------------------------------------------------------- hooks and sessions
+
+def test_monitored_session_hooks_fetch_the_loss_and_stop_after_k_updates(tmp_path):
+    n, updates = 3, 2
+    feeds = minibatches([4] * 12)
+    with tf.Graph().as_default():
+        model = mlp()
+        global_step = v1.train.get_or_create_global_step()
+        v1.summary.scalar("loss", model.loss)
+        opt = AveragingOptimizer(OPTIMIZERS["adam"](), n)
+        train_op = opt.minimize(model.loss, global_step=global_step)
+        hooks = [v1.train.NanTensorHook(model.loss),
+                 v1.train.LoggingTensorHook({"loss": model.loss}, every_n_iter=1),
+                 v1.train.StopAtStepHook(last_step=updates)]
+        runs = 0
+        with v1.train.MonitoredTrainingSession(checkpoint_dir=str(tmp_path), hooks=hooks,
+                                               save_summaries_steps=1) as sess:
+            while not sess.should_stop():
+                x, y = feeds[runs]
+                sess.run(train_op, {model.x: x, model.y: y})
+                runs += 1
+        with v1.Session() as sess:
+            v1.train.Saver().restore(sess, v1.train.latest_checkpoint(str(tmp_path)))
+            weights, step = sess.run(model.variables), sess.run(global_step)
+    assert runs == updates * n and step == updates
+    direct, _ = train(OPTIMIZERS["adam"], concatenated(feeds[:runs], n))
+    assert_close(weights, direct)
+    assert any(name.startswith("events.") for name in os.listdir(tmp_path))
+
+
+def test_update_ops_run_once_per_minibatch_and_flush_needs_no_feed():
+    """Batch norm's moving mean, from tf.nn.moments, under control_dependencies(UPDATE_OPS)."""
+    decay, n = 0.9, 3
+    with tf.Graph().as_default():
+        model = mlp()
+        hidden = tf.matmul(model.x, model.variables[0])
+        mean, variance = tf.nn.moments(hidden, axes=[0])
+        moving_mean = v1.get_variable("moving_mean", initializer=tf.zeros([5], tf.float64),
+                                      trainable=False)
+        v1.add_to_collection(v1.GraphKeys.UPDATE_OPS, v1.assign(
+            moving_mean, decay * moving_mean + (1 - decay) * mean))
+        normalized = (hidden - mean) / tf.sqrt(variance + 1e-3)
+        loss = model.loss + tf.reduce_mean(tf.square(normalized[:, :2] - model.y))
+        opt = AveragingOptimizer(OPTIMIZERS["sgd"](), n)
+        with tf.control_dependencies(v1.get_collection(v1.GraphKeys.UPDATE_OPS)):
+            train_op = opt.minimize(loss)
+        expected = np.zeros(5)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for k, (x, y) in enumerate(minibatches([4] * 5)):
+                _, batch_mean = sess.run([train_op, mean], {model.x: x, model.y: y})
+                expected = decay * expected + (1 - decay) * batch_mean
+                np.testing.assert_allclose(sess.run(moving_mean), expected, rtol=RTOL)
+                changed = not np.array_equal(sess.run(model.variables[0]), W1)
+                assert changed == (k + 1 >= n)  # weights move at the Nth mini-batch only
+            after_updates = sess.run(model.variables[0])
+            sess.run(opt.flush_op())  # the 2 open mini-batches; the update ops do not run
+            assert not np.array_equal(sess.run(model.variables[0]), after_updates)
+            np.testing.assert_allclose(sess.run(moving_mean), expected, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def _build_adam(n=3):
+    model = mlp()
+    global_step = v1.train.get_or_create_global_step()
+    train_op = AveragingOptimizer(OPTIMIZERS["adam"](), n).minimize(
+        model.loss, global_step=global_step)
+    return model, global_step, train_op
+
+
+def test_saver_mid_window_restores_the_open_window_exactly(tmp_path):
+    feeds = minibatches([4] * 8)
+    uninterrupted, _ = train(OPTIMIZERS["adam"], feeds, 3)
+    path = str(tmp_path / "model.ckpt")
+    with tf.Graph().as_default():
+        model, _, train_op = _build_adam()
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for x, y in feeds[:4]:  # 1 update and 1 mini-batch of the next window
+                sess.run(train_op, {model.x: x, model.y: y})
+            v1.train.Saver().save(sess, path)
+    with tf.Graph().as_default():
+        model, global_step, train_op = _build_adam()
+        with v1.Session() as sess:
+            v1.train.Saver().restore(sess, path)
+            assert sess.run(global_step) == 1
+            for x, y in feeds[4:]:
+                sess.run(train_op, {model.x: x, model.y: y})
+            resumed, step = sess.run(model.variables), sess.run(global_step)
+    assert step == 2
+    for r, u in zip(resumed, uninterrupted):
+        np.testing.assert_array_equal(r, u)
+
+
+def test_monitored_session_stopped_mid_window_resumes_to_the_same_weights(tmp_path):
+    feeds = minibatches([4] * 8)
+    uninterrupted, _ = train(OPTIMIZERS["adam"], feeds, 3)
+    for part in (feeds[:4], feeds[4:]):  # stops after 1 update + 1 mini-batch
+        with tf.Graph().as_default():
+            model, global_step, train_op = _build_adam()
+            with v1.train.MonitoredTrainingSession(checkpoint_dir=str(tmp_path)) as sess:
+                for x, y in part:
+                    sess.run(train_op, {model.x: x, model.y: y})
+    with tf.Graph().as_default():
+        model, global_step, _ = _build_adam()
+        with v1.Session() as sess:
+            v1.train.Saver().restore(sess, v1.train.latest_checkpoint(str(tmp_path)))
+            resumed, step = sess.run(model.variables), sess.run(global_step)
+    assert step == 2
+    assert_close(resumed, uninterrupted)
+
+
+# ---------------------------------------------------------------- two optimizers
+
+def test_two_optimizers_under_auto_reuse_keep_separate_windows():
+    """A GAN's D (SGD, N=2) and G (Adam, N=3), built in one AUTO_REUSE scope."""
+    feeds = minibatches([4] * 6)
+    with tf.Graph().as_default():
+        ops, models, opts = [], [], []
+        for scope, name, n in (("d", "sgd", 2), ("g", "adam", 3)):
+            with v1.variable_scope("gan", reuse=v1.AUTO_REUSE), v1.variable_scope(scope):
+                model = mlp()
+                opt = AveragingOptimizer(OPTIMIZERS[name](), n)
+                ops.append(opt.minimize(model.loss, var_list=model.variables))
+            models.append(model)
+            opts.append(opt)
+        d_window, g_window = ({v for v in o.variables() if "Averaging" in v.name} for o in opts)
+        assert d_window and g_window and not d_window & g_window
+        assert len({v.name for v in d_window | g_window}) == len(d_window | g_window)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for x, y in feeds:
+                sess.run(ops, {m.x: x for m in models} | {m.y: y for m in models})
+            d, g = (sess.run(m.variables) for m in models)
+    assert_close(d, train(OPTIMIZERS["sgd"], concatenated(feeds, 2))[0])
+    assert_close(g, train(OPTIMIZERS["adam"], concatenated(feeds, 3))[0])
+
+
+# ---------------------------------------------------------------- float16 and check_finite
+
+def _linear(dtype, size=3):
+    """loss = sum(w * c): the gradient of w is the fed c, whatever w is."""
+    c = v1.placeholder(dtype, [size], name="c")
+    w = v1.get_variable("w", initializer=tf.zeros([size], dtype))
+    return Model(c, None, tf.reduce_sum(w * c), [w])
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+def test_low_precision_gradients_sum_in_float32(dtype):
+    numpy_dtype = dtype.as_numpy_dtype
+    grads = (4000.0 + 7.0 * np.arange(20)[:, None] + np.arange(3)).astype(numpy_dtype)
+    if dtype == tf.float16:
+        with np.errstate(over="ignore"):
+            assert np.isinf(np.sum(grads, axis=0, dtype=np.float16)).all()  # the trap
+    with tf.Graph().as_default():
+        model = _linear(dtype)
+        opt = AveragingOptimizer(v1.train.GradientDescentOptimizer(1.0), 20)
+        train_op = opt.minimize(model.loss)
+        assert opt.get_slot(model.variables[0], "accumulator").dtype.base_dtype == tf.float32
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for g in grads:
+                sess.run(train_op, {model.x: g})
+            w = sess.run(model.variables[0])
+    expected = -grads.astype(np.float32).mean(axis=0).astype(numpy_dtype)
+    assert np.isfinite(w.astype(np.float32)).all()
+    np.testing.assert_array_equal(w, expected)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_check_finite_discards_the_window_and_counts_it(bad, n):
+    grads = np.arange(6 * n, dtype=np.float32).reshape(2 * n, 3) / 10
+    grads[n // 2, 1] = bad  # in the first window
+    with tf.Graph().as_default():
+        model = _linear(tf.float32)
+        global_step = v1.train.get_or_create_global_step()
+        opt = AveragingOptimizer(v1.train.GradientDescentOptimizer(0.5), n,
+                                 check_finite=True)
+        train_op = opt.minimize(model.loss, global_step=global_step)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for g in grads[:n]:
+                sess.run(train_op, {model.x: g})
+            assert sess.run([opt.skipped_windows, global_step]) == [1, 0]
+            np.testing.assert_array_equal(sess.run(model.variables[0]), np.zeros(3))
+            if n > 1:  # reset: nothing of the bad window is left to poison the next
+                np.testing.assert_array_equal(
+                    sess.run(opt.get_slot(model.variables[0], "accumulator")), np.zeros(3))
+            for g in grads[n:]:
+                sess.run(train_op, {model.x: g})
+            assert sess.run([opt.skipped_windows, global_step]) == [1, 1]
+            w = sess.run(model.variables[0])
+    np.testing.assert_allclose(w, -0.5 * grads[n:].mean(axis=0), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- sparse gradients
+
+ROWS, WIDTH = 10, 3
+EMBEDDING = RNG.randn(ROWS, WIDTH)
+# Two windows of N=2; rows 0-3 are touched only in the first, 5-8 only in the second.
+IDS = [[0, 1, 1], [2, 0, 3], [5, 6, 5], [8, 7, 7]]
+TARGETS = RNG.randn(4, 3)
+
+
+class SpyMomentum(v1.train.MomentumOptimizer):
+    """Momentum that records the gradient types it is asked to apply."""
+
+    def __init__(self):
+        super().__init__(0.1, 0.9)
+        self.applied_types = []
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        self.applied_types.append([type(g) for g, _ in grads_and_vars])
+        return super().apply_gradients(grads_and_vars, *args, **kwargs)
+
+
+SPARSE_OPTIMIZERS = {"momentum": SpyMomentum,
+                     "adagrad": lambda: v1.train.AdagradOptimizer(0.1),
+                     "adam": lambda: v1.train.AdamOptimizer(0.05)}
+
+
+def embedding_model():
+    ids = v1.placeholder(tf.int32, [None], name="ids")
+    target = v1.placeholder(tf.float64, [None], name="target")
+    table = v1.get_variable("table", initializer=tf.constant(EMBEDDING))
+    w = v1.get_variable("w", initializer=tf.constant([0.5, -1.0, 2.0], tf.float64))
+    pred = tf.reduce_sum(tf.nn.embedding_lookup(table, ids) * w, axis=1)
+    return Model(ids, target, tf.reduce_mean(tf.square(pred - target)), [table, w])
+
+
+def train_embedding(make_optimizer, feeds, n=None):
+    """Like `train`; also returns the table after each update and the optimizers."""
+    with tf.Graph().as_default():
+        model = embedding_model()
+        wrapped = make_optimizer()
+        opt = wrapped if n is None else AveragingOptimizer(wrapped, n)
+        train_op = opt.minimize(model.loss)
+        tables = []
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for k, (ids, target) in enumerate(feeds):
+                sess.run(train_op, {model.x: ids, model.y: target})
+                if (k + 1) % (n or 1) == 0:
+                    tables.append(sess.run(model.variables[0]))
+            window = [sess.run(v) for v in opt.variables() if v not in wrapped.variables()]
+            return sess.run(model.variables), tables, wrapped, opt, window
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE_OPTIMIZERS))
+def test_sparse_gradients_stay_sparse_and_match_the_direct_batch(name):
+    feeds = list(zip(np.array(IDS), TARGETS))
+    averaged, tables, wrapped, opt, window = train_embedding(SPARSE_OPTIMIZERS[name], feeds, 2)
+    direct, direct_tables, _, _, _ = train_embedding(
+        SPARSE_OPTIMIZERS[name], concatenated(feeds, 2))
+    assert_close(averaged, direct)
+    assert_close(tables, direct_tables)
+    if name != "adam":  # sparse-aware: rows 0-3 stay still while window 2 touches 5-8
+        np.testing.assert_array_equal(tables[1][:4], tables[0][:4])
+        np.testing.assert_array_equal(tables[1][9], EMBEDDING[9])
+    if name == "momentum":  # the accumulated table gradient reached Momentum sparse
+        assert all(types[0] is tf.IndexedSlices for types in wrapped.applied_types)
+    # memory: one dense accumulator per variable (the table's only one), left zeroed
+    table_sized = [a for a in window if a.shape == (ROWS, WIDTH)]
+    assert len(table_sized) == 1 and not table_sized[0].any()
+    assert [a.dtype for a in window if a.shape == (ROWS,)] == [bool]  # touched rows
+
+
+# ---------------------------------------------------------------- legacy models, hooks
+
+class HalvedGradientDescent(v1.train.GradientDescentOptimizer):
+    """A wrapper-style optimizer whose compute_gradients rescales (as loss scaling does)."""
+
+    calls = 0
+
+    def compute_gradients(self, *args, **kwargs):
+        HalvedGradientDescent.calls += 1
+        return [(None if g is None else 0.5 * g, v)
+                for g, v in super().compute_gradients(*args, **kwargs)]
+
+
+def tutorial_inference():
+    """The TF1 tutorial's mnist.inference, small: tf.Variable layers, name scopes."""
+    images = v1.placeholder(tf.float64, [None, 4], name="images")
+    labels = v1.placeholder(tf.int32, [None], name="labels")
+    hidden = images
+    for scope, shape in (("hidden1", (4, 6)), ("hidden2", (6, 5)), ("softmax_linear", (5, 3))):
+        with v1.name_scope(scope):
+            weights = tf.Variable(RNG.randn(*shape) / 2, name="weights")
+            biases = tf.Variable(np.zeros(shape[1]), name="biases")
+            hidden = tf.matmul(hidden, weights) + biases
+            if scope != "softmax_linear":
+                hidden = tf.nn.relu(hidden)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=hidden))
+    return Model(images, labels, loss, v1.trainable_variables())
+
+
+def test_tf_variable_model_uses_the_wrapped_compute_gradients():
+    labels = (X[:, 0] > 0).astype(np.int32) + (X[:, 1] > 0)
+    feeds = [(X[k:k + 5], labels[k:k + 5]) for k in range(0, 30, 5)]
+    state = RNG.get_state()
+
+    def build():
+        RNG.set_state(state)  # the same initial weights in both graphs
+        return tutorial_inference()
+
+    HalvedGradientDescent.calls = 0
+    averaged, _ = train(lambda: HalvedGradientDescent(0.4), feeds, 3, build=build)
+    assert HalvedGradientDescent.calls == 1
+    direct, _ = train(lambda: v1.train.GradientDescentOptimizer(0.2),
+                      concatenated(feeds, 3), build=build)
+    assert_close(averaged, direct)
+
+
+def test_transform_gradients_clips_the_mean_by_global_norm():
+    grads = np.array([[3.0, 0.0, 4.0], [1.0, 2.0, 0.0], [2.0, 1.0, 2.0]])
+
+    def clip(pairs):
+        clipped, _ = tf.clip_by_global_norm([g for g, _ in pairs], 1.5)
+        return list(zip(clipped, [v for _, v in pairs]))
+
+    with tf.Graph().as_default():
+        model = _linear(tf.float64)
+        opt = AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1), 3,
+                                 transform_gradients=clip)
+        train_op = opt.minimize(model.loss)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for g in grads:
+                sess.run(train_op, {model.x: g})
+            w = sess.run(model.variables[0])
+    mean = grads.mean(axis=0)  # norm 3: clipped to 1.5 (per mini-batch it would differ)
+    learning_rate = np.float64(np.float32(0.1))  # a float32 tensor, cast to the variable's
+    np.testing.assert_allclose(w, -learning_rate * mean * 1.5 / np.linalg.norm(mean),
+                               rtol=RTOL)
+
+
+# ---------------------------------------------------------------- the docs and legacy mode
+
+DOCS = os.path.join(ROOT, "docs", "tf1-code.md")
+
+
+def test_docs_examples_run_in_order(tmp_path, monkeypatch, capsys):
+    """docs/tf1-code.md's Python blocks, as one script (later ones reuse earlier names)."""
+    with open(DOCS) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+    assert len(blocks) >= 7
+    monkeypatch.chdir(tmp_path)  # checkpoints and summaries land here
+    namespace = {}
+    for k, block in enumerate(blocks):
+        exec(compile(block, f"{DOCS} [python block {k}]", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "part 0 ran 6 mini-batches" in out and "part 1 ran 6 mini-batches" in out
+    assert "[-4000.0, -4100.0, -4200.0]" in out and "\n3\n" in out
+
+
+LEGACY = """
+import numpy as np, tensorflow as tf
+tf.compat.v1.disable_v2_behavior()  # reference variables and v1 cond, as in legacy code
+import test_averaging_optimizer as t
+for name in ("adam", "momentum"):
+    feeds = t.minibatches([4] * 6)
+    t.assert_close(t.train(t.OPTIMIZERS[name], feeds, 3)[0],
+                   t.train(t.OPTIMIZERS[name], t.concatenated(feeds, 3))[0])
+feeds = list(zip(np.array(t.IDS), t.TARGETS))
+t.assert_close(t.train_embedding(t.SpyMomentum, feeds, 2)[0],
+               t.train_embedding(t.SpyMomentum, t.concatenated(feeds, 2))[0])
+print("legacy ok")
+"""
+
+
+def test_legacy_v1_behavior():
+    """Under disable_v2_behavior (a separate process: it is global)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    done = subprocess.run([sys.executable, "-c", LEGACY], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "legacy ok" in done.stdout
