@@ -50,21 +50,21 @@ def is_terminal(stream):
 
 
 class _Tqdm(tqdm.tqdm):
-    """tqdm whose ETA can come from the caller (`remaining`: a function giving seconds)."""
+    """tqdm whose ETA can come from the caller: `seconds_left`, when not None."""
 
     monitor_interval = 0  # no monitor thread: our own ticker redraws
 
-    def __init__(self, *args, remaining=None, **kwargs):
-        self.remaining = remaining  # before tqdm's first draw, which reads it
+    def __init__(self, *args, seconds_left=None, **kwargs):
+        self.seconds_left = seconds_left  # before tqdm's first draw, which reads it
         super().__init__(*args, **kwargs)
 
     @property
     def format_dict(self):
         values = super().format_dict
-        if self.remaining is not None and self.total:
+        if self.seconds_left is not None and self.total:
             # tqdm derives the time left as (total - n) / rate: give it the rate that makes
             # that the caller's estimate (and 0 once everything is done).
-            values["rate"] = max(self.total - self.n, 1e-9) / max(self.remaining(), 1e-9)
+            values["rate"] = max(self.total - self.n, 1e-9) / max(self.seconds_left, 1e-9)
         return values
 
 
@@ -85,14 +85,23 @@ class _Progress:
                           initial=initial, mininterval=MININTERVAL, smoothing=0,
                           ncols=columns, nrows=rows, leave=True,
                           bar_format=FORMAT_WITH_REMAINING if remaining else None,
-                          remaining=remaining)
+                          seconds_left=remaining() if remaining else None)
+        self._remaining = remaining
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
         self._ticker.start()
 
     def _tick(self):
         while not self._stop.wait(REFRESH_SECONDS):
+            self._estimate()
             self._bar.refresh()
+
+    def _estimate(self):
+        """Asks the caller for the time left, from the ticker only, outside tqdm's lock: the
+        caller's estimate may take a lock of its own, which a thread writing through this
+        bar or updating it may hold (while waiting for tqdm's lock, or not re-entrantly)."""
+        if self._remaining:
+            self._bar.seconds_left = self._remaining()
 
     @contextlib.contextmanager
     def paused(self):
@@ -187,8 +196,9 @@ class Bar(_Progress):
           enabled: draw the bar; default: whether `stream` is a terminal.
           unit: the items' name in the rate (items/s), when tqdm estimates the ETA.
           remaining: optional function giving the seconds left, for items of unequal length
-            (tqdm's ETA assumes equal ones); the bar then shows no rate. It is called from
-            the bar's refresh thread too, so it must be safe to call from another thread.
+            (tqdm's ETA assumes equal ones); the bar then shows no rate. It is called here,
+            then once every REFRESH_SECONDS from the bar's own thread (never from `update`,
+            `note` or `write`, so the caller may hold its own lock around those).
         """
         super().__init__(total, description, stream, enabled, unit=unit, remaining=remaining)
 

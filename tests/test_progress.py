@@ -7,6 +7,7 @@ import re
 import select
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -129,6 +130,26 @@ def test_overall_bar_uses_the_callers_estimate_of_the_time_left():
     assert "reproduce" in first and "0/5" in first and "<02:05]" in first
     last = stream.getvalue().split("\r")[-1]
     assert "2/5" in last and "<02:05, N=20 seed 3]" in last
+
+
+def test_an_estimate_taking_the_callers_lock_cannot_deadlock_a_writer_holding_it(monkeypatch):
+    monkeypatch.setattr(progress, "REFRESH_SECONDS", 0.001)  # redraw as often as possible
+    lock, finished = threading.Lock(), threading.Event()
+
+    def remaining():
+        with lock:
+            return 60.0
+
+    def tool():  # as reproduce logs a finished run and counts it under its own lock
+        with progress.Bar(300, "reproduce", stream=TerminalStream(), remaining=remaining) as bar:
+            for i in range(300):
+                with lock:
+                    bar.write(f"run {i} finished", lambda line: None)
+                    bar.update()
+        finished.set()
+
+    threading.Thread(target=tool, daemon=True).start()
+    assert finished.wait(20), "deadlock between the caller's lock and the bar's"
 
 
 def test_overall_bar_without_an_estimate_uses_its_rate():
