@@ -179,6 +179,7 @@ class AveragingOptimizer(v1.train.Optimizer):
           ValueError: no variable has a gradient, or `weight` is not a scalar.
           RuntimeError: this optimizer already built its op in this graph.
         """
+        grads_and_vars = list(grads_and_vars)  # a zip is read twice below
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
             raise ValueError("no variable receives a gradient: check the loss and var_list "
@@ -194,7 +195,7 @@ class AveragingOptimizer(v1.train.Optimizer):
         sparse = {v: isinstance(g, tf.IndexedSlices) for g, v in pairs}
         with v1.name_scope(name, self.get_name()) as scope:
             if self._n == 1:
-                window = self._windows[graph] = _Window(scope, [], sparse)
+                window = self._windows[graph] = _Window(scope, [], {})
                 with tf.init_scope(), v1.name_scope(scope):
                     window.flush_op = tf.no_op(name="flush")
                 return tf.group(self._apply_or_skip(pairs, window, global_step, reset=list),
