@@ -9,24 +9,33 @@ Keras model and dataset:
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=8)
 
-Two compiled functions do the work (`GradientAccumulator`):
-  * the micro-step computes, under a `tf.GradientTape`, the gradient of the SUM of the
-    per-sample losses of one micro-batch and adds it into accumulator variables, with the
-    number of samples into a counter;
-  * the apply-step divides the sums by the count and applies that mean with the
-    optimizer, then zeroes the accumulators.
+`GradientAccumulator` trains a window of N micro-batches one of two ways, to the same
+weights (bit for bit, as measured here):
+  * one compiled call per window (`apply_window`, `apply_stacked`; `fit`'s default): the
+    N micro-batches stacked on a new leading axis, a loop inside the call computes, under
+    a `tf.GradientTape`, the gradient of the SUM of each micro-batch's per-sample losses
+    and adds them up, then the sum divided by the window's samples is applied with the
+    optimizer. Two micro-batches are in flight at a time, so the activations held are
+    those of two, whatever N. The loop runs the model on its weights' values
+    (`stateless_call`) and carries its other state (dropout's seed generators) from one
+    micro-batch to the next, so the masks are drawn in the same order as below.
+  * one call per micro-batch, for loops that need Python between micro-batches: the
+    micro-step (`accumulate`) adds the summed gradient into accumulator variables and
+    the samples into a counter; the apply-step (`apply`) divides, applies and zeroes.
 Dividing summed per-sample gradients by the sample count makes the applied gradient
 exactly that of the mean loss over every sample of the window, whatever the sizes of its
-micro-batches (a short last slice, a partial window). A window in which any loss or
-gradient is NaN or Inf is discarded whole instead (a check-step votes first): the
-optimizer does not step, so its `iterations`, and any LR schedule, stay put.
+micro-batches (a short last slice, a partial window; stacked, the shorter ones are padded
+and their sizes passed beside them). A window in which any loss or gradient is NaN or Inf
+is discarded whole instead (the replicas vote first): the optimizer does not step, so its
+`iterations`, and any LR schedule, stay put.
 
 Under a `tf.distribute` strategy each micro-batch is the GLOBAL one: every replica takes
 its slice of it (replica r of K takes samples [n*r//K, n*(r+1)//K)), so the result does not
-depend on the replica count. The accumulators are replica-local (SyncOnRead): a micro-step
+depend on the replica count. Sums stay on their replica (loop values in the one-call
+window; replica-local SyncOnRead variables in the per-micro-batch path): a micro-batch
 communicates nothing; once per window a one-number vote (is anything non-finite?) is
-summed over the replicas, and the apply-step all-reduces the summed gradients (inside the
-Keras optimizer, which sums the replicas' contributions).
+summed over the replicas, and the optimizer all-reduces (sums) the replicas' shares of
+the mean.
 
 The `--engine=tf2` side of `main.py` (tf2_trainer.py) trains the post's ConvNet with it.
 """
@@ -40,18 +49,14 @@ import tensorflow as tf
 # Ops that communicate between replicas; a test counts them in the compiled steps.
 ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
                   "CollectiveGather", "CollectiveGatherV2", "NcclAllReduce")
-
-
-FitSummary = collections.namedtuple(
-    "FitSummary", ["micro_batches", "updates", "partial_window", "skipped_windows"],
-    defaults=(0,))
-
-
-
 # Micro-batches the one-call window keeps in flight (the tf1 `fused` strategy's
 # FUSED_PARALLEL_ITERATIONS): one's backward pass overlaps the next one's forward pass,
 # for the activations of one more micro-batch.
 WINDOW_PARALLEL_ITERATIONS = 2
+
+FitSummary = collections.namedtuple(
+    "FitSummary", ["micro_batches", "updates", "partial_window", "skipped_windows"],
+    defaults=(0,))
 
 
 # ---------------------------------------------------------------- the accumulator
@@ -103,9 +108,11 @@ def _local_variable(initial_value, aggregation, name):
 
 
 class GradientAccumulator:
-    """Sums micro-batch gradients in variables; applies their sample-weighted mean.
+    """Sums micro-batch gradients; applies their sample-weighted mean once per window.
 
     Attributes:
+      window_step: tf.function(xs, ys, sizes) -> bool: trains one stacked window and
+        says whether it was applied (compiled on the first window; see apply_stacked).
       micro_step: tf.function(x, y): adds one global micro-batch's summed gradients.
       apply_step: tf.function(): applies accumulators / samples, then zeroes them.
       check_step: tf.function() -> bool: whether the open window holds a NaN or Inf loss
@@ -264,7 +271,7 @@ class GradientAccumulator:
           per variable that gets a gradient, and its count of non-finite values.
         """
         zero = tf.constant(0.0, tf.float64)
-        trainable = [v.value for v in self.model.trainable_variables]
+        trainable = [tf.convert_to_tensor(v) for v in self.variables]
         state_variables = self.model.non_trainable_variables
 
         def body(i, state, sums, nonfinite, loss_total, samples_total):
@@ -280,7 +287,7 @@ class GradientAccumulator:
 
         _, state, sums, nonfinite, loss_total, samples_total = tf.while_loop(
             lambda i, *_: i < tf.shape(sizes)[0], body,
-            (tf.constant(0), [v.value for v in state_variables],
+            (tf.constant(0), [tf.convert_to_tensor(v) for v in state_variables],
              [tf.zeros(v.shape, v.dtype) for v in self.variables], tf.constant(0.0), zero,
              zero),
             parallel_iterations=WINDOW_PARALLEL_ITERATIONS)
@@ -452,7 +459,8 @@ class GradientAccumulator:
         """
         return float(self.loss_total.read_value()), float(self.samples_total.read_value())
 
-    def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
+    def fit(self, dataset, average_gradients, callback=None, warn_partial=True,
+            one_call=True):
         """One pass over `dataset`, applying the mean gradient every N micro-batches.
 
         A trailing partial window is applied as the mean over its samples. A window with
@@ -463,8 +471,11 @@ class GradientAccumulator:
             Under a multi-worker strategy every worker must yield the same batches.
           average_gradients: N, micro-batches per update.
           callback: called as callback(micro_batch) after each micro-batch (1-based),
-            after the update it completed, if any.
+            after the update it completed, if any; with one_call, after its window's.
           warn_partial: log a warning when a partial window is applied.
+          one_call: train each window in one compiled call (`apply_stacked`), N
+            micro-batches stacked (a tf.data.Dataset in its own pipeline, anything else
+            buffered here); False: one call per micro-batch (`accumulate`, `apply`).
 
         Returns:
           FitSummary(micro_batches, updates, partial_window, skipped_windows):
@@ -473,12 +484,10 @@ class GradientAccumulator:
         """
         if average_gradients < 1:
             raise ValueError(f"average_gradients must be >= 1, got {average_gradients}")
-        micro_batches = updates = skipped = 0
+        micro_batches = updates = skipped = partial = 0
 
-        def close(size):
-            """Applies or discards the window; returns whether it was applied."""
+        def count(applied, size):
             nonlocal updates, skipped
-            applied = self.apply()
             if applied:
                 updates += 1
             else:
@@ -488,25 +497,57 @@ class GradientAccumulator:
                                 micro_batches - size + 1, micro_batches)
             return applied
 
-        for x, y in dataset:
-            self.accumulate(x, y)
-            micro_batches += 1
-            if self.window == average_gradients:
-                close(self.window)
-            if callback is not None:
-                callback(micro_batches)
-        partial = self.window
-        if partial:
-            applied = close(partial)
-            if warn_partial and applied:
-                logging.warning("%d micro-batches is not a multiple of average_gradients=%d: "
-                                "the last %d were applied as one update of their mean",
-                                micro_batches, average_gradients, partial)
+        if one_call:
+            for xs, ys, sizes in _windows(dataset, average_gradients):
+                size = len(sizes)
+                applied = self.apply_stacked(xs, ys, sizes)
+                micro_batches += size
+                count(applied, size)
+                partial = size % average_gradients
+                if callback is not None:
+                    for micro_batch in range(micro_batches - size + 1, micro_batches + 1):
+                        callback(micro_batch)
+        else:
+            for x, y in dataset:
+                self.accumulate(x, y)
+                micro_batches += 1
+                if self.window == average_gradients:
+                    count(self.apply(), average_gradients)
+                if callback is not None:
+                    callback(micro_batches)
+            partial = self.window
+            applied = partial and count(self.apply(), partial)
+        if warn_partial and partial and applied:
+            logging.warning("%d micro-batches is not a multiple of average_gradients=%d: "
+                            "the last %d were applied as one update of their mean",
+                            micro_batches, average_gradients, partial)
         return FitSummary(micro_batches, updates, partial, skipped)
 
 
+def _windows(dataset, average_gradients):
+    """(xs, ys, sizes) windows of `average_gradients` micro-batches, as stack_window's.
+
+    A tf.data.Dataset is padded and stacked in its own pipeline, a window ahead; any
+    other iterable is buffered here.
+    """
+    if isinstance(dataset, tf.data.Dataset):
+        def with_size(x, y):
+            return x, y, tf.shape(tf.nest.flatten(x)[0])[0]
+
+        yield from dataset.map(with_size).padded_batch(average_gradients).prefetch(1)
+        return
+    window = []
+    for batch in dataset:
+        window.append(batch)
+        if len(window) == average_gradients:
+            yield stack_window(window)
+            window = []
+    if window:
+        yield stack_window(window)
+
+
 def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strategy=None,
-                    callback=None):
+                    callback=None, one_call=True):
     """Trains a Keras model on `dataset`, one update per `average_gradients` micro-batches.
 
     Each update applies the gradient of the mean loss over all samples of its window, as
@@ -516,7 +557,7 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strat
       FitSummary(micro_batches, updates, partial_window, skipped_windows).
     """
     accumulator = GradientAccumulator(model, optimizer, loss_fn, strategy)
-    return accumulator.fit(dataset, average_gradients, callback=callback)
+    return accumulator.fit(dataset, average_gradients, callback=callback, one_call=one_call)
 
 
 def count_all_reduces(concrete_function):

@@ -1,0 +1,236 @@
+"""The TF2 library's one-call window (GradientAccumulator.apply_window, fit's default)
+against its per-micro-batch path (accumulate + apply), on real MNIST.
+
+The model is a small ConvNet with seeded dropout defined here (the library is for your
+own Keras model): both paths must draw the same dropout masks in the same order, so
+their weights are compared for equality, not closeness.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf2_accumulator
+from conftest import ROOT, run_cli
+
+# Three windows at N=3: equal micro-batches, unequal ones (a short slice), and a partial
+# window of two (the run's trailing one).
+WINDOWS = ((8, 8, 8), (8, 3, 5), (8, 2))
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+def small_conv_net(dropout=0.5, seed=0):
+    """A ConvNet with dropout and an L2 regularizer: every kind of model state is used."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((28, 28, 1)), keras.layers.Dropout(min(0.2, dropout), seed=seed + 10),
+        keras.layers.Conv2D(4, 5, activation="relu", kernel_initializer=init(seed)),
+        keras.layers.MaxPool2D(4), keras.layers.Flatten(),
+        keras.layers.Dropout(dropout, seed=seed + 11),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(seed + 1),
+                           kernel_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dense(10, kernel_initializer=init(seed + 2))])
+
+
+def cross_entropy(labels, logits):
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+
+def micro_batches(split, sizes, start=0):
+    """Consecutive (images, labels) slices of `split`, of the given sizes."""
+    out = []
+    for size in sizes:
+        out.append((split.images[start:start + size], split.labels[start:start + size]))
+        start += size
+    return out
+
+
+def windows(split, shape=WINDOWS):
+    batches = micro_batches(split, [size for window in shape for size in window])
+    out = []
+    for window in shape:
+        out.append(batches[:len(window)])
+        batches = batches[len(window):]
+    return out
+
+
+def accumulator(optimizer, model=None, **kwargs):
+    return tf2_accumulator.GradientAccumulator(model or small_conv_net(), optimizer,
+                                               cross_entropy, **kwargs)
+
+
+def assert_same_weights(a, b):
+    for x, y in zip(a.model.get_weights(), b.model.get_weights()):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("make_optimizer", [lambda: keras.optimizers.Adam(1e-2),
+                                            lambda: keras.optimizers.SGD(0.1)],
+                         ids=["adam", "sgd"])
+def test_one_call_window_equals_the_per_micro_batch_path(mnist, make_optimizer):
+    per_micro, one_call = accumulator(make_optimizer()), accumulator(make_optimizer())
+    start = [w.copy() for w in one_call.model.get_weights()]
+    for window in windows(mnist.train):
+        for x, y in window:
+            per_micro.accumulate(x, y)
+        assert per_micro.apply() is True
+        assert one_call.apply_window(window) is True
+    assert_same_weights(per_micro, one_call)
+    assert not np.array_equal(start[0], one_call.model.get_weights()[0])  # it trained
+    assert one_call.updates == int(one_call.optimizer.iterations.numpy()) == 3
+    assert one_call.loss_totals() == pytest.approx(per_micro.loss_totals(), rel=1e-12)
+    # dropout's seed generators advanced alike: the next masks are the same too
+    for a, b in zip(per_micro.model.non_trainable_variables,
+                    one_call.model.non_trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_padding_of_short_micro_batches_is_left_out(mnist):
+    """The same window stacked wider (more zero padding) trains to the same weights."""
+    window = micro_batches(mnist.train, (6, 2, 5))
+    xs, ys, sizes = tf2_accumulator.stack_window(window)
+    assert xs.shape == (3, 6, 28, 28, 1) and sizes.tolist() == [6, 2, 5]
+    assert not np.any(xs[1, 2:]) and np.array_equal(xs[2, :5], window[2][0])
+    padded = [np.pad(a, [(0, 0), (0, 4)] + [(0, 0)] * (a.ndim - 2)) for a in (xs, ys)]
+    narrow, wide = accumulator(keras.optimizers.SGD(0.1)), accumulator(keras.optimizers.SGD(0.1))
+    narrow.apply_stacked(xs, ys, sizes)
+    wide.apply_stacked(*padded, sizes)
+    assert_same_weights(narrow, wide)
+    # Padding counted as samples would be another gradient: this test would see it.
+    equal = accumulator(keras.optimizers.SGD(0.1))
+    equal.apply_stacked(xs, ys, np.array([6, 6, 6], np.int32))
+    assert any(not np.array_equal(a, b) for a, b in zip(narrow.model.get_weights(),
+                                                        equal.model.get_weights()))
+
+
+@pytest.mark.parametrize("source", ["tf.data", "list"])
+def test_fit_in_one_call_per_window_equals_fit_per_micro_batch(mnist, source):
+    """10 micro-batches at N=4 (a short last one): windows of 4, 4 and a partial 2."""
+    images, labels = mnist.train.images[:75], mnist.train.labels[:75]
+    if source == "tf.data":
+        dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(8)
+    else:
+        dataset = micro_batches(mnist.train, [8] * 9 + [3])
+    summaries, models, calls = [], [], []
+    for one_call in (False, True):
+        model = small_conv_net()
+        seen = []
+        summaries.append(tf2_accumulator.fit_accumulated(
+            model, dataset, keras.optimizers.Adam(1e-2), cross_entropy, average_gradients=4,
+            callback=seen.append, one_call=one_call))
+        models.append(model)
+        calls.append(seen)
+    assert summaries[0] == summaries[1] == tf2_accumulator.FitSummary(
+        micro_batches=10, updates=3, partial_window=2)
+    assert calls[0] == calls[1] == list(range(1, 11))
+    for a, b in zip(models[0].get_weights(), models[1].get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_nonfinite_window_is_discarded_whole_in_one_call(mnist):
+    good, bad, after = windows(mnist.train, ((5, 5), (5, 5), (5, 5)))
+    bad[1] = (bad[1][0].copy(), bad[1][1])  # windows() returns views of MNIST
+    bad[1][0][3] = np.nan
+    one_call = accumulator(keras.optimizers.Adam(1e-2), small_conv_net(dropout=0.0))
+    assert one_call.apply_window(good) is True
+    before = [w.copy() for w in one_call.model.get_weights()]
+    assert one_call.apply_window(bad) is False
+    assert (one_call.updates, one_call.skipped_windows) == (1, 1)
+    assert int(one_call.optimizer.iterations.numpy()) == 1  # LR schedules stay put
+    for a, b in zip(before, one_call.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # The next window applies as if the discarded one had never been.
+    reference = accumulator(keras.optimizers.Adam(1e-2), small_conv_net(dropout=0.0))
+    reference.apply_window(good)
+    assert one_call.apply_window(after) and reference.apply_window(after)
+    assert_same_weights(one_call, reference)
+
+
+def test_lr_schedule_counts_updates_in_one_call(mnist):
+    rates = {}
+    for n in (1, 4):
+        optimizer = keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(
+            0.1, decay_steps=2, decay_rate=0.5))
+        one_call = accumulator(optimizer, small_conv_net(dropout=0.0))
+        for window in windows(mnist.train, [(2,) * n] * 3):  # three updates
+            one_call.apply_window(window)
+        assert int(optimizer.iterations.numpy()) == 3
+        rates[n] = float(optimizer.learning_rate.numpy())
+    assert rates[1] == rates[4] == pytest.approx(0.1 * 0.5 ** 1.5)
+
+
+def test_a_window_opened_by_accumulate_must_be_applied_first(mnist):
+    one_call = accumulator(keras.optimizers.SGD(0.1))
+    (x, y), = micro_batches(mnist.train, (4,))
+    one_call.accumulate(x, y)
+    with pytest.raises(ValueError, match="apply\\(\\) the window opened by accumulate"):
+        one_call.apply_window([(x, y)])
+
+
+def test_the_loop_holds_two_micro_batches_in_flight_and_touches_no_variable(mnist):
+    """Peak activations are two micro-batches' (parallel_iterations), whatever N: the
+    loop body is stateless, so no iteration waits on another's variable reads."""
+    one_call = accumulator(keras.optimizers.SGD(0.1))
+    xs, ys, sizes = tf2_accumulator.stack_window(micro_batches(mnist.train, (4, 4)))
+    graph = one_call._compile_window_step(xs, ys, sizes).get_concrete_function().graph
+    loops = [op for op in graph.get_operations() if op.type.endswith("While")]
+    assert [op.type for op in loops] == ["StatelessWhile"]
+    assert loops[0].get_attr("parallel_iterations") == tf2_accumulator.WINDOW_PARALLEL_ITERATIONS == 2
+
+
+MIRRORED_SCRIPT = """
+import json, sys
+sys.path.insert(0, %r)
+sys.path.insert(0, %r)
+import numpy as np, keras, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+import data, tf2_accumulator
+from test_tf2_accumulator import cross_entropy, small_conv_net, windows
+
+def accumulator():
+    with strategy.scope():
+        model, optimizer = small_conv_net(), keras.optimizers.Adam(1e-2)
+    return tf2_accumulator.GradientAccumulator(model, optimizer, cross_entropy, strategy)
+
+per_micro, one_call = accumulator(), accumulator()
+split = data.load_mnist().train
+for window in windows(split):  # 8 samples: 4 a replica; 3: 1 / 2; 5: 2 / 3
+    for x, y in window:
+        per_micro.accumulate(x, y)
+    per_micro.apply()
+    one_call.apply_window(window)
+same = all(np.array_equal(a, b) for a, b in zip(per_micro.model.get_weights(),
+                                                one_call.model.get_weights()))
+before = [w.copy() for w in one_call.model.get_weights()]
+window = windows(split, [(6, 6)])[0]
+poisoned = [window[0], (window[1][0].copy(), window[1][1])]
+poisoned[1][0][5] = np.nan  # sample 5 of 6: in replica 1's slice only
+xs, ys, sizes = tf2_accumulator.stack_window(window)
+print(json.dumps({
+    "replicas": strategy.num_replicas_in_sync, "same": same,
+    "window": tf2_accumulator.count_all_reduces(one_call.window_step.get_concrete_function(xs, ys, sizes)),
+    "apply": tf2_accumulator.count_all_reduces(per_micro.apply_step.get_concrete_function()),
+    "check": tf2_accumulator.count_all_reduces(per_micro.check_step.get_concrete_function()),
+    "discarded": not one_call.apply_window(poisoned),
+    "unchanged": all(np.array_equal(a, b) for a, b in zip(before, one_call.model.get_weights())),
+    "updates": int(one_call.optimizer.iterations.numpy())}))
+"""
+
+
+def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
+    """Logical devices must be set before TensorFlow starts: a fresh process."""
+    path = tmp_path / "mirrored_window.py"
+    path.write_text(MIRRORED_SCRIPT % (ROOT, str(ROOT) + "/tests"))
+    proc = run_cli(script=str(path), timeout=180, env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["replicas"] == 2 and result["same"]
+    # The optimizer's all-reduce of the applied mean and the non-finite vote (summed
+    # locally by AddN here, one collective across workers), nothing per micro-batch.
+    assert result["apply"] >= 1 and result["window"] == result["apply"] + result["check"]
+    assert result["discarded"] and result["unchanged"] and result["updates"] == 3
