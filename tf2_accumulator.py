@@ -49,9 +49,10 @@ import tensorflow as tf
 # Ops that communicate between replicas; a test counts them in the compiled steps.
 ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
                   "CollectiveGather", "CollectiveGatherV2", "NcclAllReduce")
-# Micro-batches the one-call window keeps in flight (the tf1 `fused` strategy's
-# FUSED_PARALLEL_ITERATIONS): one's backward pass overlaps the next one's forward pass,
-# for the activations of one more micro-batch.
+# Micro-batches the one-call window may run at once (the tf1 `fused` strategy's
+# FUSED_PARALLEL_ITERATIONS): one's backward pass beside the next one's forward pass, for
+# the activations of one more micro-batch; it also bounds the activations held to two
+# micro-batches' whatever N. (On 2 cores, 1 and 2 measured alike, within noise.)
 WINDOW_PARALLEL_ITERATIONS = 2
 
 FitSummary = collections.namedtuple(
@@ -259,12 +260,12 @@ class GradientAccumulator:
     def _replica_window(self, xs, ys, sizes):
         """One whole window on this replica: micro-batch i is xs[i, :sizes[i]] (global).
 
-        A loop over the micro-batches, WINDOW_PARALLEL_ITERATIONS in flight. Its body
-        touches no variable: the model runs on the weights' values (stateless_call) and
-        the gradient sums and the model's other state (dropout's seed generators) are
-        loop values, so the seeds advance in micro-batch order, as `accumulate` would
-        draw them, while one micro-batch's backward pass overlaps the next one's forward
-        pass. The state is written back once, after the loop.
+        A loop over the micro-batches, at most WINDOW_PARALLEL_ITERATIONS in flight. Its
+        body touches no variable (a StatelessWhile, so no iteration waits on another's
+        variable reads): the model runs on the weights' values (stateless_call), and the
+        gradient sums and the model's other state (dropout's seed generators) are loop
+        values, so the seeds advance in micro-batch order, as `accumulate` draws them.
+        The state is written back once, after the loop.
 
         Returns:
           (shares, nonfinite): this replica's share of the window's mean gradient, one
@@ -432,7 +433,9 @@ class GradientAccumulator:
 
         Args:
           xs, ys: the micro-batches stacked on a new leading axis, [N, B, ...] and
-            [N, B]; micro-batch i is xs[i, :sizes[i]], ys[i, :sizes[i]].
+            [N, B]; micro-batch i is xs[i, :sizes[i]], ys[i, :sizes[i]]. Numpy arrays
+            are copied into tensors on each call; tensors (e.g. a tf.gather from the
+            training set) are not.
           sizes: int [N], each micro-batch's samples.
 
         Returns:
