@@ -14,6 +14,7 @@ A run's directory holds
 A finished run's `state.json` holds its result instead, so that reps are not redone.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -72,12 +73,12 @@ class RunCheckpoint:
         for key, value in self.identity.items():
             if key in saved and saved[key] != value:
                 raise CheckpointError(
-                    f"checkpoint {self.directory} was made with --{key.replace('_', '-')}="
-                    f"{saved[key]}, this run has {value}; use another --checkpoint-dir")
+                    f"checkpoint {self.directory} was made with {key}={saved[key]}, this run "
+                    f"has {value}; use another checkpoint directory")
         missing = sorted(set(self.identity) ^ set(saved))
         if missing:
             raise CheckpointError(f"checkpoint {self.directory} records other settings "
-                                  f"({', '.join(missing)}); use another --checkpoint-dir")
+                                  f"({', '.join(missing)}); use another checkpoint directory")
 
     def save(self, sess, saver, iteration, state, window):
         """Saves variables, window and state; returns the state written.
@@ -132,3 +133,14 @@ class RunCheckpoint:
             stale_window = name.startswith("window-") and name not in keep
             if stale_ckpt or stale_window:
                 os.remove(os.path.join(self.directory, name))
+
+
+def digest_arrays(values):
+    """sha256 of the arrays' bytes, in order: equal digests, equal weights (both engines).
+
+    What a resumed run is compared by against one never interrupted.
+    """
+    digest = hashlib.sha256()
+    for value in values:
+        digest.update(np.ascontiguousarray(value).tobytes())
+    return digest.hexdigest()

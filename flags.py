@@ -11,9 +11,9 @@ import math
 from absl import flags
 
 import cli
-import experiment
+import loop
 import model
-import trainer
+import strategies
 
 FLAGS = flags.FLAGS
 MAX_SEED = 2**31 - 1  # run r uses seed + r; TensorFlow's graph seed must fit
@@ -57,7 +57,7 @@ cli.define("bool", "verbose", False, "Print loss and accuracy at every evaluatio
 cli.define("enum", "accumulate", "stack",
         "Where the window of gradients lives: stack (the post's numpy stack), running "
         "(numpy running sum), graph (accumulator variables), fused (one session call "
-        "per update).", enum_values=list(trainer.STRATEGIES))
+        "per update).", enum_values=list(strategies.STRATEGIES))
 cli.define("enum", "model", "convnet",
         "convnet: the post's LeNet-like network; mlp: a 784-4096-4096-10 dense network.",
         enum_values=sorted(model.MODELS))
@@ -67,7 +67,7 @@ cli.define("integer", "threads", 0,
 # ---- the TF2 engine and tf.distribute
 cli.define("enum", "engine", "tf1",
         "tf1: the post's graph and session loop; tf2: a Keras model, tf.data and a "
-        "tf.function GradientTape accumulator (tf2_trainer.py).", enum_values=["tf1", "tf2"])
+        "tf.function GradientTape accumulator (engine_tf2.py).", enum_values=sorted(loop.ENGINES))
 cli.define("enum", "lr-schedule", "constant",
         "constant, or exponential: learning-rate * decay-rate^(updates / decay-steps); "
         "it counts optimizer updates, not mini-batches.",
@@ -137,8 +137,8 @@ def value(name):
 
 
 def train_config():
-    """The experiment.Config the flags describe."""
-    return experiment.Config(
+    """The loop.Config (the shape of one run) the flags describe."""
+    return loop.Config(
         average_gradients=value("average-gradients"), batch_size=value("batch-size"),
         iterations=value("iterations"), learning_rate=value("learning-rate"),
         dropout=value("dropout"), eval_every=value("eval-every"),
@@ -149,6 +149,18 @@ def train_config():
         strategy=value("strategy"), replicas=value("replicas"),
         on_nonfinite=value("on-nonfinite"), max_bad_windows=value("max-bad-windows"),
         inject_nonfinite=tuple(value("inject-nonfinite")))
+
+
+def settings():
+    """The loop.Settings (reps, seed, output, checkpoints) the flags describe."""
+    return loop.Settings(
+        reps=value("reps"), seed=value("seed"), verbose=value("verbose"),
+        logdir=value("logdir"), checkpoint_dir=value("checkpoint-dir"),
+        checkpoint_every=value("checkpoint-every"), results_path=value("results"))
+
+
+def data_dir():
+    return value("data-dir")
 
 
 def all_values():

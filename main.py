@@ -38,8 +38,8 @@ from absl import logging  # noqa: E402
 import checkpoint  # noqa: E402
 import cli  # noqa: E402
 import data  # noqa: E402
-import experiment  # noqa: E402
 import flags  # noqa: E402
+import loop  # noqa: E402
 import results  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -79,52 +79,29 @@ class StopSignals:
 def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    config = flags.train_config()
-    if config.engine == "tf2":
-        import tf2_trainer  # Keras and tf.distribute load only for this engine
-        try:
-            tf2_trainer.prepare(config)  # devices are fixed once TensorFlow's runtime starts
-        except tf2_trainer.ConfigError as e:
-            cli.fail(str(e))
-    results_path = flags.value("results")
+    config, settings = flags.train_config(), flags.settings()
     try:
-        if results_path:
-            results.check_writable(results_path)
-        if flags.value("logdir"):
-            results.check_directory(flags.value("logdir"), "--logdir")
-        checkpoint_dir = flags.value("checkpoint-dir")
-        if checkpoint_dir:
-            results.check_directory(checkpoint_dir, "--checkpoint-dir")
-        datasets = data.load_mnist(flags.value("data-dir"))
+        loop.prepare(config)  # devices are fixed once TensorFlow's runtime starts
+    except ValueError as e:  # the engine cannot run this configuration here
+        cli.fail(str(e))
+    try:
+        if settings.results_path:
+            results.check_writable(settings.results_path)
+        if settings.logdir:
+            results.check_directory(settings.logdir, "--logdir")
+        if settings.checkpoint_dir:
+            results.check_directory(settings.checkpoint_dir, "--checkpoint-dir")
+        datasets = data.load_mnist(flags.data_dir())
     except (data.DataError, results.ResultsError) as e:
         cli.fail(str(e))
 
     with StopSignals() as stop:
-        train_all(config, datasets, results_path, checkpoint_dir, stop)
-
-
-def train_all(config, datasets, results_path, checkpoint_dir, stop):
-    """The reps of one configuration; each finished run is written at once."""
-    runs = []
-    for rep in range(flags.value("reps")):
-        seed = flags.value("seed") + rep
         try:
-            run = experiment.train_once(
-                config, datasets, seed=seed, verbose=flags.value("verbose"),
-                logdir=results.event_dir(flags.value("logdir"), config, seed),
-                checkpoint_dir=checkpoint_dir and os.path.join(checkpoint_dir, f"rep-{rep}"),
-                checkpoint_every=flags.value("checkpoint-every"), should_stop=stop)
+            loop.train_reps(config, datasets, settings, flags.all_values(), stop)
         except checkpoint.CheckpointError as e:
             cli.fail(str(e))
-        except experiment.Stopped as e:
-            cli.fail(f"run {rep + 1} of {flags.value('reps')}: {e}",
-                 code=128 + stop.received if stop.received else 3)
-        runs.append(run)
-        print(results.run_line(run), flush=True)
-        if results_path:
-            results.atomic_write_json(results_path,
-                                      results.results_document(flags.all_values(), runs))
-    print(results.summary_line([r["best_accuracy"] for r in runs]))
+        except loop.Stopped as e:
+            cli.fail(str(e), code=128 + stop.received if stop.received else 3)
 
 
 def run():

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 import checkpoint
-import experiment
-import trainer
+import loop
+import strategies
 from conftest import ROOT, run_cli, run_main_in_process
 
 SMALL = dict(average_gradients=5, batch_size=10, iterations=60, eval_every=20)
 
 
 def config(**overrides):
-    return experiment.Config(**dict(SMALL, **overrides))
+    return loop.Config(**dict(SMALL, **overrides))
 
 
 def stop_at(iteration_to_stop, counter):
@@ -33,30 +33,30 @@ def stop_at(iteration_to_stop, counter):
 
 # ---------------------------------------------------------------- exact resume, in process
 
-@pytest.mark.parametrize("strategy", trainer.STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies.STRATEGIES)
 def test_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist, strategy):
     cfg = config(accumulate=strategy)
-    uninterrupted = experiment.train_once(cfg, mnist, seed=4)
+    uninterrupted = loop.train_once(cfg, mnist, seed=4)
     directory = str(tmp_path / "ckpt")
-    with pytest.raises(experiment.Stopped, match="3 mini-batches in the open window"):
-        experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory,
+    with pytest.raises(loop.Stopped, match="3 mini-batches in the open window"):
+        loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory,
                               should_stop=stop_at(23, [0]))  # 23 = 4 windows of 5, + 3
     state = json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))
     assert state["iteration"] == 23 and state["updates"] == 4 and not state["finished"]
-    resumed = experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+    resumed = loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
     for key in ("best_accuracy", "best_iteration", "final_accuracy", "updates"):
         assert resumed[key] == uninterrupted[key]
     # a finished run is kept, not trained again
-    again = experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+    again = loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
     assert again == resumed
     assert os.listdir(directory) == [checkpoint.STATE_FILE]
 
 
 def test_periodic_checkpoints_keep_only_the_latest_files(tmp_path, mnist):
     directory = str(tmp_path / "ckpt")
-    with pytest.raises(experiment.Stopped):
-        experiment.train_once(config(average_gradients=2), mnist, seed=0,
+    with pytest.raises(loop.Stopped):
+        loop.train_once(config(average_gradients=2), mnist, seed=0,
                               checkpoint_dir=directory, checkpoint_every=3,
                               should_stop=stop_at(41, [0]))
     names = sorted(os.listdir(directory))
@@ -67,20 +67,20 @@ def test_periodic_checkpoints_keep_only_the_latest_files(tmp_path, mnist):
 # ---------------------------------------------------------------- refusals
 
 @pytest.mark.parametrize("change,named", [
-    (dict(average_gradients=4), "--average-gradients=5"),
-    (dict(batch_size=20), "--batch-size=10"),
-    (dict(accumulate="graph"), "--accumulate=stack"),
-    (dict(model="mlp"), "--model=convnet"),
+    (dict(average_gradients=4), "average_gradients=5"),
+    (dict(batch_size=20), "batch_size=10"),
+    (dict(accumulate="graph"), "accumulate=stack"),
+    (dict(model="mlp"), "model=convnet"),
 ])
 def test_refuses_a_checkpoint_of_another_configuration(tmp_path, mnist, change, named):
     directory = str(tmp_path / "ckpt")
-    with pytest.raises(experiment.Stopped):
-        experiment.train_once(config(), mnist, seed=0, checkpoint_dir=directory,
+    with pytest.raises(loop.Stopped):
+        loop.train_once(config(), mnist, seed=0, checkpoint_dir=directory,
                               should_stop=stop_at(7, [0]))
     with pytest.raises(checkpoint.CheckpointError, match=named):
-        experiment.train_once(config(**change), mnist, seed=0, checkpoint_dir=directory)
-    with pytest.raises(checkpoint.CheckpointError, match="--seed=0"):
-        experiment.train_once(config(), mnist, seed=1, checkpoint_dir=directory)
+        loop.train_once(config(**change), mnist, seed=0, checkpoint_dir=directory)
+    with pytest.raises(checkpoint.CheckpointError, match="seed=0"):
+        loop.train_once(config(), mnist, seed=1, checkpoint_dir=directory)
 
 
 def one_line_error(capsys, *args, code=2):
@@ -99,7 +99,7 @@ def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, ca
     state_path = tmp_path / "rep-0" / checkpoint.STATE_FILE
     run_main_in_process(*base)
     assert "Training finished" in capsys.readouterr().out
-    assert "--batch-size=10" in one_line_error(capsys, *base, "--batch-size=20")
+    assert "batch_size=10" in one_line_error(capsys, *base, "--batch-size=20")
     state = json.loads(state_path.read_text())
     state.update(finished=False, checkpoint="model.ckpt-12", window="window-12.npz")
     state_path.write_text(json.dumps(state))
@@ -111,8 +111,8 @@ def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, ca
 @pytest.mark.parametrize("victim", ["model.ckpt-20.data-00000-of-00001", "window-20.npz"])
 def test_truncated_checkpoint_files_give_one_line(tmp_path, capsys, mnist, victim):
     directory = tmp_path / "rep-0"
-    with pytest.raises(experiment.Stopped):
-        experiment.train_once(config(), mnist, seed=0, checkpoint_dir=str(directory),
+    with pytest.raises(loop.Stopped):
+        loop.train_once(config(), mnist, seed=0, checkpoint_dir=str(directory),
                               should_stop=stop_at(20, [0]))
     path = directory / victim
     path.write_bytes(path.read_bytes()[:100])
@@ -184,44 +184,44 @@ def test_same_flags_same_bits_twice(tmp_path):
 
 
 def test_dropout_masks_follow_the_seed_not_the_process(mnist):
-    a = experiment.train_once(config(iterations=20), mnist, seed=2)
-    b = experiment.train_once(config(iterations=20), mnist, seed=2)
-    c = experiment.train_once(config(iterations=20), mnist, seed=3)
+    a = loop.train_once(config(iterations=20), mnist, seed=2)
+    b = loop.train_once(config(iterations=20), mnist, seed=2)
+    c = loop.train_once(config(iterations=20), mnist, seed=3)
     assert a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
 
 
 # ---------------------------------------------------------------- non-finite numbers
 
-@pytest.mark.parametrize("strategy", trainer.STRATEGIES)
+@pytest.mark.parametrize("strategy", strategies.STRATEGIES)
 def test_a_nonfinite_window_is_discarded_whole(mnist, strategy):
-    poisoned = experiment.train_once(config(accumulate=strategy, inject_nonfinite=(12,)),
+    poisoned = loop.train_once(config(accumulate=strategy, inject_nonfinite=(12,)),
                                      mnist, seed=0)
     assert poisoned["skipped_windows"] == 1 and poisoned["updates"] == 11
     assert np.isfinite(poisoned["final_accuracy"])
     # the same as a run of the stack strategy: the discarded window changed nothing else
-    reference = experiment.train_once(config(inject_nonfinite=(14,)), mnist, seed=0)
+    reference = loop.train_once(config(inject_nonfinite=(14,)), mnist, seed=0)
     assert poisoned["weights_sha256"] == reference["weights_sha256"]
-    clean = experiment.train_once(config(accumulate=strategy), mnist, seed=0)
+    clean = loop.train_once(config(accumulate=strategy), mnist, seed=0)
     assert clean["skipped_windows"] == 0 and clean["updates"] == 12
 
 
 def test_nonfinite_at_n_equals_one_is_not_applied(mnist):
-    run = experiment.train_once(config(average_gradients=1, iterations=15,
+    run = loop.train_once(config(average_gradients=1, iterations=15,
                                        inject_nonfinite=(3,)), mnist, seed=0)
     assert run["skipped_windows"] == 1 and run["updates"] == 14
 
 
 def test_abort_and_max_bad_windows_stop_with_a_checkpoint(tmp_path, mnist):
     directory = str(tmp_path / "ckpt")
-    with pytest.raises(experiment.Stopped, match="iterations 11-15 and --on-nonfinite=abort"):
-        experiment.train_once(config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist,
+    with pytest.raises(loop.Stopped, match="iterations 11-15 and on_nonfinite=abort"):
+        loop.train_once(config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist,
                               seed=0, checkpoint_dir=directory)
     assert json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))["iteration"] == 15
-    with pytest.raises(experiment.Stopped, match="2 consecutive windows"):
-        experiment.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)), mnist,
+    with pytest.raises(loop.Stopped, match="2 consecutive windows"):
+        loop.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)), mnist,
                               seed=0)
     # windows in between reset the count
-    run = experiment.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 13)), mnist,
+    run = loop.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 13)), mnist,
                                 seed=0)
     assert run["skipped_windows"] == 2
 
@@ -233,4 +233,4 @@ def test_cli_reports_skipped_windows_and_aborts_with_one_line(tmp_path, capsys):
     assert json.loads(results.read_text())["runs"][0]["skipped_windows"] == 1
     error = one_line_error(capsys, *base, "--inject-nonfinite=7", "--on-nonfinite=abort",
                            code=3)
-    assert "iterations 6-10 and --on-nonfinite=abort" in error
+    assert "iterations 6-10 and on_nonfinite=abort" in error

@@ -17,11 +17,12 @@ from absl.testing import flagsaver
 from tensorflow.core.util import event_pb2
 
 import checkpoint
-import experiment
 import cli
+import engine_tf1
+import engine_tf2
+import loop
 import main
 import tf2_accumulator
-import tf2_trainer
 from conftest import ROOT, run_cli, run_main_in_process
 from tools import launch_workers
 
@@ -68,14 +69,14 @@ def weights(model):
 
 
 def test_keras_convnet_matches_the_posts_architecture():
-    net = tf2_trainer.conv_net(dropout=0.5, seed=3)
+    net = engine_tf2.conv_net(dropout=0.5, seed=3)
     assert net.count_params() == 44426
     assert net(np.zeros((2, 28, 28, 1), np.float32)).shape == (2, 10)
     kinds = [type(layer).__name__ for layer in net.layers]
     assert kinds.count("Dropout") == 5 and kinds.count("Conv2D") == 2
     assert all(not np.any(b) for b in net.get_weights()[1::2])  # zero biases
-    same = tf2_trainer.conv_net(dropout=0.0, seed=3)
-    other = tf2_trainer.conv_net(dropout=0.5, seed=4)
+    same = engine_tf2.conv_net(dropout=0.0, seed=3)
+    other = engine_tf2.conv_net(dropout=0.5, seed=4)
     assert "Dropout" not in [type(layer).__name__ for layer in same.layers]
     for a, b, c in zip(weights(net), weights(same), weights(other)):
         np.testing.assert_array_equal(a, b)  # the seed alone sets the initial weights
@@ -192,7 +193,7 @@ def test_tf2_lr_schedule_counts_updates_not_micro_batches():
     rates = {}
     for n in (1, 8):
         model = regression_mlp()
-        optimizer = keras.optimizers.Adam(tf2_trainer.learning_rate(0.1, "exponential", 2, 0.5))
+        optimizer = keras.optimizers.Adam(engine_tf2.learning_rate(0.1, "exponential", 2, 0.5))
         accumulator = tf2_accumulator.GradientAccumulator(model, optimizer, squared_error)
         for i in range(3 * n):  # three updates
             accumulator.accumulate(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
@@ -206,10 +207,10 @@ def test_tf2_lr_schedule_counts_updates_not_micro_batches():
 def test_tf1_lr_schedule_counts_updates_not_mini_batches(mnist):
     rates = {}
     for n in (1, 8):
-        config = experiment.Config(average_gradients=n, batch_size=2, dropout=0.0,
+        config = loop.Config(average_gradients=n, batch_size=2, dropout=0.0,
                                    lr_schedule="exponential", learning_rate=0.1,
                                    lr_decay_steps=2, lr_decay_rate=0.5)
-        run = experiment.Run(config, seed=0)
+        run = engine_tf1.RunGraph(config, seed=0)
         with run.session() as sess:
             sess.run(run.init_op)
             for i in range(3 * n):  # three updates
@@ -225,7 +226,7 @@ def test_tf1_lr_schedule_counts_updates_not_mini_batches(mnist):
 
 def tf2_config(**overrides):
     """A short tf2 run, dropout on: 12 windows of 5 mini-batches of 10."""
-    return experiment.Config(**dict(dict(engine="tf2", average_gradients=5, batch_size=10,
+    return loop.Config(**dict(dict(engine="tf2", average_gradients=5, batch_size=10,
                                          iterations=60, eval_every=20), **overrides))
 
 
@@ -242,59 +243,59 @@ def stop_after(iteration, reason):
 
 def test_tf2_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist):
     cfg = tf2_config()  # dropout on: the resumed run must draw the masks it would have
-    uninterrupted = experiment.train_once(cfg, mnist, seed=4)
+    uninterrupted = loop.train_once(cfg, mnist, seed=4)
     directory = str(tmp_path / "ckpt")
-    with pytest.raises(experiment.Stopped, match=r"interrupted by SIGTERM; stopped at "
+    with pytest.raises(loop.Stopped, match=r"interrupted by SIGTERM; stopped at "
                        r"iteration 23 \(3 mini-batches in the open window\); checkpoint in"):
-        experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory,
+        loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory,
                               checkpoint_every=2, should_stop=stop_after(23, "SIGTERM"))
     state = json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))
     assert (state["iteration"], state["updates"], state["open_window"]) == (23, 4, 3)
     assert sorted(os.listdir(directory)) == [  # the periodic saves at updates 2 and 4 gone
         "model.ckpt-23.data-00000-of-00001", "model.ckpt-23.index", "state.json",
         "window-23.npz"]
-    with pytest.raises(checkpoint.CheckpointError, match="made with --batch-size=10"):
-        experiment.train_once(tf2_config(batch_size=20), mnist, seed=4,
+    with pytest.raises(checkpoint.CheckpointError, match="made with batch_size=10"):
+        loop.train_once(tf2_config(batch_size=20), mnist, seed=4,
                               checkpoint_dir=directory)
-    with pytest.raises(checkpoint.CheckpointError, match="made with --engine=tf2"):
-        experiment.train_once(tf2_config(engine="tf1"), mnist, seed=4,
+    with pytest.raises(checkpoint.CheckpointError, match="made with engine=tf2"):
+        loop.train_once(tf2_config(engine="tf1"), mnist, seed=4,
                               checkpoint_dir=directory)
     corrupt = str(tmp_path / "corrupt")
     shutil.copytree(directory, corrupt)
     with open(os.path.join(corrupt, "model.ckpt-23.data-00000-of-00001"), "r+b") as f:
         f.truncate(100)
     with pytest.raises(checkpoint.CheckpointError, match="model.ckpt-23: unusable checkpoint"):
-        experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=corrupt)
-    resumed = experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+        loop.train_once(cfg, mnist, seed=4, checkpoint_dir=corrupt)
+    resumed = loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
     for key in ("best_accuracy", "best_iteration", "final_accuracy", "updates"):
         assert resumed[key] == uninterrupted[key]
     # a finished run is kept, not trained again
-    assert experiment.train_once(cfg, mnist, seed=4, checkpoint_dir=directory) == resumed
+    assert loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory) == resumed
     assert os.listdir(directory) == [checkpoint.STATE_FILE]
 
 
 def test_tf2_nonfinite_windows_are_discarded_whole(mnist):
     # Windows 1-5 and 11-15 are bad, not in a row: the run goes on.
-    poisoned = experiment.train_once(tf2_config(inject_nonfinite=(2, 12), max_bad_windows=2),
+    poisoned = loop.train_once(tf2_config(inject_nonfinite=(2, 12), max_bad_windows=2),
                                      mnist, seed=0)
     assert poisoned["skipped_windows"] == 2 and poisoned["updates"] == 10
     assert poisoned["final_accuracy"] > 12  # it learned: NaN weights would give ~9.8%
     # The bad samples elsewhere in the same windows: nothing of those windows was applied.
-    reference = experiment.train_once(tf2_config(inject_nonfinite=(4, 14)), mnist, seed=0)
+    reference = loop.train_once(tf2_config(inject_nonfinite=(4, 14)), mnist, seed=0)
     assert poisoned["weights_sha256"] == reference["weights_sha256"]
 
 
 def test_tf2_abort_and_max_bad_windows_stop_with_a_checkpoint(tmp_path, mnist):
     directory = str(tmp_path / "ckpt")
-    with pytest.raises(experiment.Stopped, match="iterations 11-15 and --on-nonfinite=abort; "
+    with pytest.raises(loop.Stopped, match="iterations 11-15 and on_nonfinite=abort; "
                                                  "stopped at iteration 15"):
-        experiment.train_once(tf2_config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist,
+        loop.train_once(tf2_config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist,
                               seed=0, checkpoint_dir=directory)
     state = json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))
     assert (state["iteration"], state["updates"], state["skipped_windows"]) == (15, 2, 1)
-    with pytest.raises(experiment.Stopped, match="2 consecutive windows"):
-        experiment.train_once(tf2_config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)),
+    with pytest.raises(loop.Stopped, match="2 consecutive windows"):
+        loop.train_once(tf2_config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)),
                               mnist, seed=0)
 
 
@@ -304,7 +305,7 @@ def test_tf2_cli_aborts_on_a_nonfinite_window_with_one_line(capsys):
                             "--iterations=30", "--inject-nonfinite=7", "--on-nonfinite=abort")
     assert exit_info.value.code == 3
     errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
-    assert len(errors) == 1 and "iterations 6-10 and --on-nonfinite=abort" in errors[0]
+    assert len(errors) == 1 and "iterations 6-10 and on_nonfinite=abort" in errors[0]
 
 
 def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path):
@@ -324,7 +325,7 @@ def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path):
     (run,) = doc["runs"]
     assert set(run) == {"seed", "best_accuracy", "best_iteration", "final_accuracy",
                         "updates", "skipped_windows", "train_seconds", "eval_seconds",
-                        "weights_sha256"}
+                        "weights_sha256", "evaluations"}
     assert run["updates"] == 30 and run["best_iteration"] in (120, 240, 360)
     assert run["skipped_windows"] == 0 and len(run["weights_sha256"]) == 64
     assert run["final_accuracy"] == final_accuracies(averaged.stdout)[0]
@@ -342,7 +343,7 @@ def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path):
 def single_process_accuracy():
     proc = run_cli(*DISTRIBUTED_ARGS, env=CPU_ONLY)
     assert proc.returncode == 0, proc.stderr
-    assert "not a multiple of --average-gradients=4" in proc.stderr  # the partial window
+    assert "not a multiple of average_gradients=4" in proc.stderr  # the partial window
     (accuracy,) = final_accuracies(proc.stdout)
     return accuracy
 
@@ -362,16 +363,16 @@ import json, sys
 sys.path.insert(0, %r)
 import main  # noqa: F401  (TensorFlow, quietly)
 import keras, tensorflow as tf
-import experiment, tf2_accumulator, tf2_trainer
-strategy = tf2_trainer.prepare(experiment.Config(engine="tf2", strategy="mirrored", replicas=2))
+import engine_tf2, loop, tf2_accumulator
+strategy = engine_tf2.prepare(loop.Config(engine="tf2", strategy="mirrored", replicas=2))
 with strategy.scope():
-    net, optimizer = tf2_trainer.conv_net(0.0), keras.optimizers.Adam(1e-3)
-acc = tf2_accumulator.GradientAccumulator(net, optimizer, tf2_trainer.sparse_cross_entropy, strategy)
+    net, optimizer = engine_tf2.conv_net(0.0), keras.optimizers.Adam(1e-3)
+acc = tf2_accumulator.GradientAccumulator(net, optimizer, engine_tf2.sparse_cross_entropy, strategy)
 x, y = tf.zeros([6, 28, 28, 1]), tf.zeros([6], tf.int64)
 for _ in range(3):
     acc.accumulate(x, y)
 acc.apply()
-before = tf2_trainer.weights_digest(net)
+before = engine_tf2.weights_digest(net)
 poisoned = tf.tensor_scatter_nd_update(x, [[5]], tf.fill([1, 28, 28, 1], float("nan")))
 acc.accumulate(x, y)
 acc.accumulate(poisoned, y)  # sample 5: in replica 1's slice only
@@ -379,7 +380,7 @@ print(json.dumps({"replicas": strategy.num_replicas_in_sync,
     "micro": tf2_accumulator.count_all_reduces(acc.micro_step.get_concrete_function(x, y)),
     "apply": tf2_accumulator.count_all_reduces(acc.apply_step.get_concrete_function()),
     "check": tf2_accumulator.count_all_reduces(acc.check_step.get_concrete_function()),
-    "discarded": not acc.apply(), "unchanged": tf2_trainer.weights_digest(net) == before,
+    "discarded": not acc.apply(), "unchanged": engine_tf2.weights_digest(net) == before,
     "updates": int(optimizer.iterations.numpy()), "variables": len(acc.variables)}))
 """ % ROOT
     path = tmp_path / "count_all_reduces.py"

@@ -7,8 +7,10 @@ import pytest
 import tensorflow as tf
 
 import data
-import experiment
+import engine_tf1
+import loop
 import model
+import strategies
 import trainer
 
 v1 = tf.compat.v1
@@ -21,12 +23,12 @@ def batches(mnist, count, size, seed=0):
 
 
 def build_run(n, optimizer="sgd", accumulate="stack", seed=3):
-    """An experiment.Run with dropout off; `optimizer` sgd swaps Adam for plain SGD."""
-    config = experiment.Config(average_gradients=n, batch_size=B, dropout=0.0,
+    """An engine_tf1.RunGraph with dropout off; `optimizer` sgd swaps Adam for plain SGD."""
+    config = loop.Config(average_gradients=n, batch_size=B, dropout=0.0,
                                accumulate=accumulate)
     if optimizer == "sgd":
-        return experiment.Run(config, seed, optimizer=v1.train.GradientDescentOptimizer(0.1))
-    return experiment.Run(config, seed)
+        return engine_tf1.RunGraph(config, seed, optimizer=v1.train.GradientDescentOptimizer(0.1))
+    return engine_tf1.RunGraph(config, seed)
 
 
 def weights(sess):
@@ -90,13 +92,14 @@ def test_one_sgd_update_of_n_mini_batches_equals_the_big_batch_update(mnist):
 @pytest.mark.parametrize("iterations,n", [(12, 4), (10, 3), (7, 1), (2, 5)])
 def test_apply_runs_ceil_iterations_over_n_times_and_adam_counts_them(mnist, iterations, n):
     run = build_run(n, optimizer="adam")
-    applied = []
+    applied, closed = [], []
     with run.session() as sess:
         sess.run(run.init_op)
         for k, (x, y) in enumerate(batches(mnist, iterations, 5)):
-            run.averager.step(sess, {run.images: x, run.labels: y})
+            closed.append(run.averager.step(sess, {run.images: x, run.labels: y})[1])
             applied.append(run.averager.updates)
-        held = run.averager.flush(sess)
+        held = run.averager.window_size()
+        _, flushed = run.averager.flush(sess)
         expected = math.ceil(iterations / n)
         assert run.averager.updates == expected
         assert sess.run(run.global_step) == expected
@@ -104,9 +107,10 @@ def test_apply_runs_ceil_iterations_over_n_times_and_adam_counts_them(mnist, ite
                        if "beta1_power" in v.name]
         assert len(beta1_power) == 1  # Adam's step count lives in beta1^(t+1)
         np.testing.assert_allclose(sess.run(beta1_power[0]), 0.9 ** (expected + 1), rtol=1e-5)
-    assert held == iterations % n
-    # updates happen exactly at every N-th mini-batch
+    assert held == iterations % n and flushed == ("applied" if held else None)
+    # updates happen exactly at every N-th mini-batch, and the step says so
     assert applied == [(k + 1) // n for k in range(iterations)]
+    assert closed == ["applied" if (k + 1) % n == 0 else None for k in range(iterations)]
 
 
 def test_partial_window_applies_the_mean_of_what_it_holds(mnist):
@@ -123,8 +127,8 @@ def test_partial_window_applies_the_mean_of_what_it_holds(mnist):
         for x, y in tail:
             run.averager.step(sess, {run.images: x, run.labels: y})
         assert run.averager.window_size() == 2
-        assert run.averager.flush(sess) == 2
-        assert run.averager.flush(sess) == 0  # nothing left to apply
+        assert run.averager.flush(sess) == ([], "applied")
+        assert run.averager.flush(sess) == ([], None)  # nothing left to apply
         after = weights(sess)
     assert run.averager.updates == 4
     mean = trainer.average_gradients(grads)
@@ -163,7 +167,7 @@ def test_rejects_n_below_one_and_unknown_strategies():
         with pytest.raises(ValueError, match="average_gradients"):
             trainer.GradientAverager(loss, v1.train.GradientDescentOptimizer(1.0), 0)
         with pytest.raises(ValueError, match="unknown strategy"):
-            trainer.make_averager("magic", loss, v1.train.GradientDescentOptimizer(1.0), 2)
+            strategies.make_averager("magic", loss, v1.train.GradientDescentOptimizer(1.0), 2)
 
 
 def test_every_strategy_ends_with_the_same_bits_with_dropout_on(mnist):
@@ -172,10 +176,10 @@ def test_every_strategy_ends_with_the_same_bits_with_dropout_on(mnist):
     This is what lets `make reproduce` use the fastest strategy without changing a number.
     """
     digests = {}
-    for strategy in trainer.STRATEGIES:
-        config = experiment.Config(average_gradients=4, batch_size=10, iterations=42,
+    for strategy in strategies.STRATEGIES:
+        config = loop.Config(average_gradients=4, batch_size=10, iterations=42,
                                    eval_every=0, dropout=0.5, accumulate=strategy)
-        digests[strategy] = experiment.train_once(config, mnist, seed=5)["weights_sha256"]
+        digests[strategy] = loop.train_once(config, mnist, seed=5)["weights_sha256"]
     assert len(set(digests.values())) == 1, digests
-    other_seed = experiment.train_once(config, mnist, seed=6)["weights_sha256"]
+    other_seed = loop.train_once(config, mnist, seed=6)["weights_sha256"]
     assert other_seed != digests["stack"]

@@ -1,0 +1,333 @@
+"""The tf2 engine: the post's ConvNet as a Keras model, MNIST through tf.data in the tf1
+engine's sample order, tf.distribute set-up.
+
+loop.py drives it through the same calls as engine_tf1.py. The accumulation itself,
+usable on your own Keras model, is tf2_accumulator.py.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import checkpoint
+import data
+import model as tf1_model
+from tf2_accumulator import GradientAccumulator
+
+
+class ConfigError(ValueError):
+    """The tf2 engine cannot run this configuration here; the message says why."""
+
+
+# ---------------------------------------------------------------- learning rate
+
+
+def learning_rate(value, schedule="constant", decay_steps=100, decay_rate=0.96):
+    """Adam's learning rate: a number, or a schedule over optimizer updates.
+
+    The optimizer's `iterations` count `apply_gradients` calls, one per update, so the
+    schedule advances once per update whatever the number of micro-batches.
+    """
+    if schedule == "constant":
+        return value
+    if schedule == "exponential":
+        return keras.optimizers.schedules.ExponentialDecay(value, decay_steps, decay_rate)
+    raise ValueError(f"unknown learning-rate schedule {schedule!r}")
+
+
+# ---------------------------------------------------------------- the models
+
+
+def conv_net(dropout=0.5, seed=0):
+    """The post's ConvNet (model.conv_net) as a Keras model: 44,426 parameters.
+
+    Glorot-uniform kernels seeded by (seed, layer), zero biases, linear logits; input
+    dropout min(0.2, dropout), hidden dropout `dropout`, none at all when it is 0.
+    """
+    layers = _Layers(seed)
+    return keras.Sequential(
+        [keras.Input(data.IMAGE_SHAPE), layers.dropout(min(tf1_model.INPUT_DROPOUT_CAP, dropout)),
+         layers.conv(6), keras.layers.MaxPool2D(2), layers.dropout(dropout),
+         layers.conv(16), keras.layers.MaxPool2D(2), layers.dropout(dropout),
+         keras.layers.Flatten(),
+         layers.dense(120, "relu"), layers.dropout(dropout),
+         layers.dense(84, "relu"), layers.dropout(dropout),
+         layers.dense(data.NUM_CLASSES)], name="convnet")
+
+
+def mlp(dropout=0.5, seed=0, hidden=(4096, 4096)):
+    """model.mlp as a Keras model: 784-4096-4096-10."""
+    layers = _Layers(seed)
+    stack = [keras.Input(data.IMAGE_SHAPE), keras.layers.Flatten(),
+             layers.dropout(min(tf1_model.INPUT_DROPOUT_CAP, dropout))]
+    for width in hidden:
+        stack += [layers.dense(width, "relu"), layers.dropout(dropout)]
+    return keras.Sequential(stack + [layers.dense(data.NUM_CLASSES)], name="mlp")
+
+
+class _Layers:
+    """Layer factories with per-layer seeds, so initial weights depend on the seed only.
+
+    Kernels and dropout layers count separately: turning dropout off changes no kernel.
+    """
+
+    def __init__(self, seed):
+        self.kernel_seed, self.dropout_seed = seed * 100, seed * 100 + 50
+
+    def _kernel_initializer(self):
+        self.kernel_seed += 1
+        return keras.initializers.GlorotUniform(self.kernel_seed)
+
+    def conv(self, filters):
+        return keras.layers.Conv2D(filters, 5, padding="valid", activation="relu",
+                                   kernel_initializer=self._kernel_initializer())
+
+    def dense(self, units, activation=None):
+        return keras.layers.Dense(units, activation=activation,
+                                  kernel_initializer=self._kernel_initializer())
+
+    def dropout(self, rate):
+        if rate <= 0:
+            return keras.layers.Identity()
+        self.dropout_seed += 1
+        return keras.layers.Dropout(rate, seed=self.dropout_seed)
+
+
+MODELS = {"convnet": conv_net, "mlp": mlp}
+
+
+def sparse_cross_entropy(labels, logits):
+    """Per-sample softmax cross-entropy of int labels: the ConvNet's loss, unreduced."""
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+
+# ---------------------------------------------------------------- tf.data
+
+
+def mnist_batches(split, batch_size, iterations, seed, position=0):
+    """`iterations` mini-batches of `split` through tf.data, in data.SampleStream's order.
+
+    The index batches come from the same SampleStream as the tf1 engine's, so both
+    engines see the same samples in the same order; tf.data gathers the images.
+    `position` (samples already consumed) starts the stream where a resumed run stopped.
+    """
+    def index_batches():
+        stream = data.SampleStream(len(split.labels), seed, position)
+        for _ in range(iterations):
+            yield stream.next_indices(batch_size)
+
+    images, labels = tf.constant(split.images), tf.constant(split.labels)
+    indices = tf.data.Dataset.from_generator(
+        index_batches, output_signature=tf.TensorSpec([None], tf.int64))
+    return indices.map(lambda i: (tf.gather(images, i), tf.gather(labels, i))) \
+        .prefetch(tf.data.AUTOTUNE)
+
+
+# ---------------------------------------------------------------- the engine
+
+_SETUP = {}  # this process's set-up: TensorFlow allows one per process
+DEFAULT_SETUP = ("none", 0, 0)  # (strategy, replicas, threads) that changes nothing
+
+
+def prepare(config):
+    """Process-wide set-up for the tf2 engine: threads, logical devices, the strategy.
+
+    Must run before TensorFlow initializes its runtime (before any op runs), and only
+    once per process with anything but the defaults.
+
+    Returns:
+      The tf.distribute.Strategy to train under.
+
+    Raises:
+      ConfigError: the devices or TF_CONFIG do not allow this configuration, or the
+        process was already set up otherwise.
+    """
+    if config.strategy == "multi_worker":
+        _check_tf_config()
+    setup = (config.strategy, config.replicas, config.threads)
+    if _SETUP:
+        if _SETUP["setup"] != setup:
+            raise ConfigError("this process is already set up as strategy=%s replicas=%d "
+                              "threads=%d; TensorFlow allows one set-up per process"
+                              % _SETUP["setup"])
+        return _SETUP["strategy"]
+    if setup == DEFAULT_SETUP:
+        return tf.distribute.get_strategy()
+    try:
+        if config.threads:
+            tf.config.threading.set_intra_op_parallelism_threads(config.threads)
+            tf.config.threading.set_inter_op_parallelism_threads(config.threads)
+        if config.strategy == "mirrored":
+            strategy = tf.distribute.MirroredStrategy(_mirrored_devices(config.replicas))
+        elif config.strategy == "multi_worker":
+            strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        else:
+            strategy = tf.distribute.get_strategy()
+    except RuntimeError as e:  # TensorFlow's runtime already started
+        raise ConfigError(f"strategy={config.strategy} replicas={config.replicas} "
+                          f"threads={config.threads} must be set up before TensorFlow "
+                          f"starts: {str(e).splitlines()[0]}") from None
+    _SETUP.update(setup=setup, strategy=strategy)
+    return strategy
+
+
+def _mirrored_devices(replicas):
+    """The first `replicas` GPUs (0: all); without GPUs, the CPU split into that many."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if replicas > len(gpus):
+            raise ConfigError(f"replicas={replicas} but only {len(gpus)} GPUs are visible")
+        return [f"/gpu:{i}" for i in range(replicas or len(gpus))]
+    if replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(replicas)])
+    return [d.name for d in tf.config.list_logical_devices("CPU")][:max(replicas, 1)]
+
+
+def _check_tf_config():
+    """One clear line for a malformed TF_CONFIG (unset means a single local worker)."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return
+    try:
+        tf_config = json.loads(raw)
+        workers = tf_config["cluster"]["worker"]
+        index = tf_config["task"]["index"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"TF_CONFIG is not a cluster spec with a worker task ({e})") from None
+    if not 0 <= int(index) < len(workers):
+        raise ConfigError(f"TF_CONFIG: task index {index} but {len(workers)} workers")
+
+
+def identity(config):
+    """Settings a checkpoint must share beyond the run's Config.
+
+    The replica count shapes the saved window (one copy per replica), so it counts.
+
+    Raises:
+      ConfigError: multi_worker, where every worker would write the same files.
+    """
+    if config.strategy == "multi_worker":
+        raise ConfigError("checkpoints do not work with strategy=multi_worker (every "
+                          "worker would write the same files)")
+    return {"strategy": config.strategy, "replicas": prepare(config).num_replicas_in_sync}
+
+
+class Engine:
+    """One tf2 run: the Keras model, Adam and a GradientAccumulator, under the strategy."""
+
+    def __init__(self, config, seed, datasets):
+        self.config, self.seed = config, seed
+        self.strategy = prepare(config)
+        with self.strategy.scope():
+            self.net = MODELS[config.model](config.dropout, seed)
+            self.optimizer = keras.optimizers.Adam(learning_rate(
+                config.learning_rate, config.lr_schedule, config.lr_decay_steps,
+                config.lr_decay_rate))
+        self.accumulator = GradientAccumulator(self.net, self.optimizer, sparse_cross_entropy,
+                                               self.strategy)
+        # Compiled now: a window restored from a checkpoint may be applied first.
+        self.accumulator.build(datasets.train.images[:1], datasets.train.labels[:1])
+        # Everything a resumed run needs: the weights with dropout's seed-generator states
+        # (net.variables holds both), Adam's slots and iterations, the open window.
+        self.files = _CheckpointFiles(model=list(self.net.variables),
+                                      optimizer=list(self.optimizer.variables),
+                                      window=self.accumulator.state_variables)
+
+        @tf.function
+        def num_correct(images, labels):
+            predicted = tf.argmax(self.net(images, training=False), axis=1)
+            return tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64))
+
+        self._num_correct = num_correct
+
+    def summary(self):
+        """A line for the verbose log: the strategy and its replicas."""
+        replicas = self.strategy.num_replicas_in_sync
+        return f"Strategy {self.config.strategy}: {replicas} replica{'s' * (replicas != 1)} in sync"
+
+    def close(self):
+        """Nothing to release: the model lives as long as the engine."""
+
+    @property
+    def updates(self):
+        return self.accumulator.updates
+
+    @property
+    def skipped_windows(self):
+        return self.accumulator.skipped_windows
+
+    def batches(self, split, batch_size, position, count):
+        return iter(mnist_batches(split, batch_size, count, self.seed, position))
+
+    def step(self, images, labels, unused_iteration):
+        """Trains one mini-batch; returns None, "applied" or "discarded" for the window.
+
+        Dropout draws from the model's seed generators, saved with the checkpoint.
+        """
+        self.accumulator.accumulate(images, labels)
+        if self.accumulator.window < self.config.average_gradients:
+            return None
+        return self._close()
+
+    def _close(self):
+        return "applied" if self.accumulator.apply() else "discarded"
+
+    def flush(self):
+        return self._close() if self.accumulator.window else None
+
+    def window_size(self):
+        return self.accumulator.window
+
+    def loss_totals(self):
+        return self.accumulator.loss_totals()
+
+    def evaluate(self, split):
+        """Accuracy on the whole split, in percent."""
+        correct = sum(int(self._num_correct(split.images[i:i + data.EVAL_BATCH],
+                                            split.labels[i:i + data.EVAL_BATCH]))
+                      for i in range(0, len(split.labels), data.EVAL_BATCH))
+        return 100.0 * correct / len(split.labels)
+
+    def weights_sha256(self):
+        return weights_digest(self.net)
+
+    def save(self, ckpt, iteration, state):
+        """Saves `state` in a checkpoint.RunCheckpoint; the window is in the variables."""
+        ckpt.save(None, self.files, iteration, state, window={})
+
+    def restore(self, ckpt, state):
+        ckpt.restore(None, self.files, state)
+        accumulator = self.accumulator
+        accumulator.updates, accumulator.skipped_windows = (state["updates"],
+                                                            state["skipped_windows"])
+        accumulator.window = state["open_window"]
+
+
+class _CheckpointFiles:
+    """A tf.train.Checkpoint behind the two calls RunCheckpoint makes of a tf1 Saver."""
+
+    def __init__(self, **objects):
+        self.checkpoint = tf.train.Checkpoint(**objects)
+
+    def save(self, unused_sess, prefix, global_step, **unused_saver_options):
+        return self.checkpoint.write(f"{prefix}-{global_step}")
+
+    def restore(self, unused_sess, prefix):
+        try:
+            self.checkpoint.read(prefix).assert_consumed()
+        # What TensorFlow raises for a truncated, corrupt or foreign checkpoint.
+        except (tf.errors.OpError, AssertionError, ValueError, IndexError, OSError) as e:
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise checkpoint.CheckpointError(f"{prefix}: unusable checkpoint ({message})") \
+                from None
+
+
+
+def weights_digest(net):
+    """checkpoint.digest_arrays of a Keras model's trainable variables."""
+    return checkpoint.digest_arrays(v.numpy() for v in net.trainable_variables)

@@ -1,0 +1,372 @@
+"""The run loop: one training run of either engine, and the reps of a configuration.
+
+Engine-neutral: the evaluation cadence, the counters, the best accuracy, checkpoints
+and resume, the verdicts on non-finite windows, TensorBoard events and the result
+record live here once; an engine (engine_tf1.py, engine_tf2.py) only trains, evaluates,
+and saves its variables. It takes plain values (`Config`, `Settings`), never the
+command-line flags, so that a test or a script can run it directly.
+
+The engine interface, as loop.py uses it (`engine_tf1.Engine` is the reference):
+  Engine(config, seed, datasets); summary() -> a line or None; close();
+  batches(split, batch_size, position, count) -> iterator of (images, labels);
+  step(images, labels, iteration) -> None, "applied" or "discarded": what happened to
+    the window, as the strategy or accumulator reports it; flush() -> the same for a
+    trailing partial window (None where there was none);
+  window_size(); updates; skipped_windows; loss_totals() -> (sum of finite per-sample
+    training losses, samples), running totals; evaluate(split) -> accuracy in percent;
+  save(ckpt, iteration, state), restore(ckpt, state): a checkpoint.RunCheckpoint;
+  weights_sha256().
+An engine module also has prepare(config) (process-wide set-up, before TensorFlow
+starts) and identity(config) (settings a checkpoint must share beyond Config's).
+"""
+
+import dataclasses
+import importlib
+import logging
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import checkpoint
+import results
+
+APPLIED, DISCARDED = "applied", "discarded"
+ENGINES = {"tf1": "engine_tf1", "tf2": "engine_tf2"}  # module per engine, loaded on use
+CHECKPOINT_EVERY = 100  # updates
+# What a resumed run must share with the checkpoint it resumes (and the seed).
+IDENTITY_FIELDS = ("engine", "model", "average_gradients", "batch_size", "iterations",
+                   "learning_rate", "dropout", "accumulate", "lr_schedule",
+                   "lr_decay_steps", "lr_decay_rate")
+# The warning for a discarded window: (where, windows discarded so far).
+DISCARDED_WINDOW = "non-finite loss or gradient in %s: the window was discarded, not applied " \
+                   "(%d so far)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The shape of one run: what a checkpoint or a results file must record."""
+    average_gradients: int = 1
+    batch_size: int = 100
+    iterations: int = 1000
+    learning_rate: float = 1e-3
+    dropout: float = 0.5
+    eval_every: int = 100  # iterations; 0: only at the end (or by eval_every_updates)
+    eval_every_updates: int = 0
+    accumulate: str = "stack"
+    model: str = "convnet"
+    threads: int = 0
+    engine: str = "tf1"
+    lr_schedule: str = "constant"
+    lr_decay_steps: int = 100
+    lr_decay_rate: float = 0.96
+    strategy: str = "none"
+    replicas: int = 0
+    on_nonfinite: str = "skip"  # or "abort"
+    max_bad_windows: int = 10
+    inject_nonfinite: tuple = ()  # iterations whose batch is made NaN (a testing aid)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How the reps of a configuration run and where their output goes."""
+    reps: int = 1
+    seed: int = 0  # rep r uses seed + r
+    verbose: bool = False
+    logdir: str = None  # TensorBoard events under LOGDIR/<config>/seed<S>
+    checkpoint_dir: str = None  # rep r saves to and resumes from CHECKPOINT_DIR/rep-<r>
+    checkpoint_every: int = CHECKPOINT_EVERY
+    results_path: str = None  # the results JSON, rewritten after every rep
+
+
+class Stopped(Exception):
+    """Training stopped before the end; the message says where and what was kept."""
+
+
+def engine_module(name):
+    """The engine's module; Keras and tf.distribute load only for the tf2 engine."""
+    return importlib.import_module(ENGINES[name])
+
+
+def prepare(config):
+    """The engine's process-wide set-up; call it before TensorFlow's runtime starts.
+
+    Raises:
+      ValueError: the engine cannot run this configuration here; the message says why.
+    """
+    engine_module(config.engine).prepare(config)
+
+
+def bad_windows_verdict(config, consecutive_bad, last_bad):
+    """Why training must stop over non-finite windows, or None."""
+    if not consecutive_bad:
+        return None
+    if config.on_nonfinite == "abort":
+        return f"non-finite loss or gradient in {last_bad} and on_nonfinite=abort"
+    if consecutive_bad >= config.max_bad_windows:
+        return (f"{consecutive_bad} consecutive windows had a non-finite loss or "
+                f"gradient (max_bad_windows={config.max_bad_windows})")
+    return None
+
+
+def train_reps(config, datasets, settings, record=None, should_stop=None, log=None):
+    """The reps of one configuration; each finished run is logged and written at once.
+
+    Args:
+      record: what the results file says made the runs (e.g. every flag's value).
+      should_stop, log: as for train_once.
+
+    Returns:
+      The runs' result dicts.
+
+    Raises:
+      Stopped: a run stopped early (the message names the rep).
+      checkpoint.CheckpointError: a rep's checkpoint is unusable or of another config.
+    """
+    log = log or _print
+    runs = []
+    for rep in range(settings.reps):
+        seed = settings.seed + rep
+        try:
+            run = train_once(
+                config, datasets, seed, verbose=settings.verbose, log=log,
+                logdir=results.event_dir(settings.logdir, config, seed),
+                checkpoint_dir=settings.checkpoint_dir and os.path.join(
+                    settings.checkpoint_dir, f"rep-{rep}"),
+                checkpoint_every=settings.checkpoint_every, should_stop=should_stop)
+        except Stopped as e:
+            raise Stopped(f"run {rep + 1} of {settings.reps}: {e}") from None
+        runs.append(run)
+        log(results.run_line(run))
+        if settings.results_path:
+            results.atomic_write_json(settings.results_path,
+                                      results.results_document(record or {}, runs))
+    log(results.summary_line([r["best_accuracy"] for r in runs]))
+    return runs
+
+
+def _print(line):
+    print(line, flush=True)
+
+
+def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
+               checkpoint_dir=None, checkpoint_every=CHECKPOINT_EVERY, should_stop=None):
+    """Trains one run with config.engine (resuming it from `checkpoint_dir`) and tests it.
+
+    Evaluates every `config.eval_every` iterations (mini-batches), or every
+    `config.eval_every_updates` applied updates, and once at the end.
+
+    Args:
+      logdir: if set, this run's TensorBoard event files go there: `train/loss` (the
+        mean loss of each update's mini-batches) and `test/accuracy` (each evaluation),
+        both against the number of updates applied, which every N shares.
+      checkpoint_dir: this run's checkpoint directory: saved every `checkpoint_every`
+        updates, when stopped, and when finished; resumed from when present.
+      should_stop: called after every mini-batch; a non-empty return (e.g. "SIGTERM")
+        saves a checkpoint and raises Stopped.
+
+    Returns:
+      dict with seed, best_accuracy, best_iteration, final_accuracy, updates,
+      skipped_windows, train_seconds (evaluation excluded), eval_seconds,
+      weights_sha256, and evaluations: [{"iteration", "updates", "accuracy"}, ...].
+
+    Raises:
+      Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite).
+      checkpoint.CheckpointError: the checkpoint is unusable or of another configuration.
+    """
+    module = engine_module(config.engine)
+    ckpt = saved = None
+    if checkpoint_dir:
+        identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS}, seed=seed,
+                        **module.identity(config))
+        ckpt = checkpoint.RunCheckpoint(checkpoint_dir, identity)
+        saved = ckpt.load()
+        if saved and saved["finished"]:
+            return saved["result"]
+    engine = module.Engine(config, seed, datasets)
+    writer = _EventWriter(logdir) if logdir else None
+    try:
+        if verbose and engine.summary():
+            log(engine.summary())
+        run = _Run(config, datasets, seed, engine, ckpt, checkpoint_every, writer, verbose,
+                   log or _print)
+        if saved:
+            run.restore(saved)
+        result = run.train(should_stop)
+    finally:
+        engine.close()
+        if writer:
+            writer.close()
+    if ckpt:
+        ckpt.save_finished(result)
+    return result
+
+
+class _Run:
+    """One run's loop and the state a checkpoint must hold to continue it."""
+
+    def __init__(self, config, datasets, seed, engine, ckpt, checkpoint_every, writer,
+                 verbose, log):
+        self.config, self.datasets, self.seed = config, datasets, seed
+        self.engine, self.ckpt, self.checkpoint_every = engine, ckpt, checkpoint_every
+        self.writer = writer
+        self.verbose, self.log = verbose, log
+        self.iteration = 0
+        self.best_accuracy, self.best_iteration = -1.0, 0
+        self.evaluations = []
+        self.train_seconds = self.eval_seconds = 0.0
+        self.consecutive_bad = 0
+        self.last_bad = None
+        self.window_start = 1  # first iteration of the open window
+        # Loss totals at the last evaluation and the last closed window: the losses
+        # since then are what the verbose log and the train/loss events report.
+        self.eval_mark = self.update_mark = (0.0, 0)
+
+    # ------------------------------------------------ checkpoint state
+
+    def state(self):
+        engine = self.engine
+        return {"iteration": self.iteration,
+                "position": self.iteration * self.config.batch_size,
+                "updates": engine.updates, "skipped_windows": engine.skipped_windows,
+                "open_window": engine.window_size(), "loss_totals": engine.loss_totals(),
+                "consecutive_bad": self.consecutive_bad, "last_bad": self.last_bad,
+                "window_start": self.window_start,
+                "best_accuracy": self.best_accuracy, "best_iteration": self.best_iteration,
+                "evaluations": self.evaluations,
+                "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
+                "eval_mark": self.eval_mark, "update_mark": self.update_mark}
+
+    def restore(self, state):
+        self.engine.restore(self.ckpt, state)
+        self.iteration = state["iteration"]
+        self.consecutive_bad, self.last_bad = state["consecutive_bad"], state["last_bad"]
+        self.window_start = state["window_start"]
+        self.best_accuracy, self.best_iteration = state["best_accuracy"], state["best_iteration"]
+        self.evaluations = state["evaluations"]
+        self.train_seconds, self.eval_seconds = state["train_seconds"], state["eval_seconds"]
+        self.eval_mark, self.update_mark = tuple(state["eval_mark"]), tuple(state["update_mark"])
+
+    def save(self):
+        if self.ckpt:
+            self.engine.save(self.ckpt, self.iteration, self.state())
+
+    def stop(self, reason):
+        """Saves a checkpoint and raises Stopped, saying where."""
+        self.save()
+        where = (f"checkpoint in {self.ckpt.directory}; run the same command to resume"
+                 if self.ckpt else "no checkpoint directory, so this run is lost")
+        raise Stopped(f"{reason}; stopped at iteration {self.iteration} "
+                      f"({self.engine.window_size()} mini-batches in the open window); {where}")
+
+    # ------------------------------------------------ the loop
+
+    def train(self, should_stop):
+        config, engine = self.config, self.engine
+        batches = engine.batches(self.datasets.train, config.batch_size,
+                                 self.iteration * config.batch_size,
+                                 config.iterations - self.iteration)
+        while self.iteration < config.iterations:
+            self.iteration += 1
+            start = time.perf_counter()
+            images, labels = next(batches)
+            if self.iteration in config.inject_nonfinite:
+                images = np.array(images)
+                images[0] = np.nan
+            closed = engine.step(images, labels, self.iteration)
+            self.train_seconds += time.perf_counter() - start
+            self.close_window(closed)
+            if self.eval_due(closed):
+                self.evaluate()
+            if closed == APPLIED and engine.updates % self.checkpoint_every == 0:
+                self.save()
+            reason = should_stop() if should_stop else None
+            if reason:
+                self.stop(f"interrupted by {reason}")
+
+        held = engine.window_size()
+        start = time.perf_counter()
+        closed = engine.flush()
+        self.train_seconds += time.perf_counter() - start
+        self.close_window(closed)
+        if closed == APPLIED:
+            logging.warning("iterations=%d is not a multiple of average_gradients=%d: the "
+                            "last %d mini-batches were applied as one update of their mean",
+                            config.iterations, config.average_gradients, held)
+        final_accuracy = self.evaluate()
+        return {"seed": self.seed, "best_accuracy": self.best_accuracy,
+                "best_iteration": self.best_iteration, "final_accuracy": final_accuracy,
+                "updates": engine.updates, "skipped_windows": engine.skipped_windows,
+                "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
+                "weights_sha256": engine.weights_sha256(), "evaluations": self.evaluations}
+
+    def close_window(self, closed):
+        """Accounts for a window the engine just closed (None: none was), and stops
+        where the non-finite windows say so."""
+        if closed is None:
+            return
+        if closed == DISCARDED:
+            self.consecutive_bad += 1
+            self.last_bad = f"iterations {self.window_start}-{self.iteration}"
+            logging.warning(DISCARDED_WINDOW, self.last_bad, self.engine.skipped_windows)
+            if self.writer:  # the next update's loss leaves this window out
+                self.update_mark = self.engine.loss_totals()
+        else:
+            self.consecutive_bad = 0
+            if self.writer:
+                loss, self.update_mark = self._mean_loss_since(self.update_mark)
+                if loss is not None:
+                    self.writer.scalar("train/loss", loss, self.engine.updates)
+        self.window_start = self.iteration + 1
+        verdict = bad_windows_verdict(self.config, self.consecutive_bad, self.last_bad)
+        if verdict:
+            self.stop(verdict)
+
+    def _mean_loss_since(self, mark):
+        """(mean training loss since `mark` or None without samples, the totals now)."""
+        totals = self.engine.loss_totals()
+        samples = totals[1] - mark[1]
+        return ((totals[0] - mark[0]) / samples if samples else None), totals
+
+    def eval_due(self, closed):
+        config = self.config
+        if self.iteration >= config.iterations:
+            return False  # the final evaluation follows the flush
+        if config.eval_every and self.iteration % config.eval_every == 0:
+            return True
+        return bool(config.eval_every_updates and closed == APPLIED
+                    and self.engine.updates % config.eval_every_updates == 0)
+
+    def evaluate(self):
+        start = time.perf_counter()
+        accuracy = self.engine.evaluate(self.datasets.test)
+        self.eval_seconds += time.perf_counter() - start
+        updates = self.engine.updates
+        self.evaluations.append({"iteration": self.iteration, "updates": updates,
+                                 "accuracy": accuracy})
+        if accuracy > self.best_accuracy:
+            self.best_accuracy, self.best_iteration = accuracy, self.iteration
+        if self.verbose:
+            loss, self.eval_mark = self._mean_loss_since(self.eval_mark)
+            loss = float("nan") if loss is None else loss
+            self.log(f"Iteration {self.iteration}: loss {loss:.4f}, accuracy {accuracy:.2f}")
+        if self.writer:
+            self.writer.scalar("test/accuracy", accuracy, updates)
+        return accuracy
+
+
+class _EventWriter:
+    """TensorBoard scalars as plain `simple_value` events (no tensorboard package needed)."""
+
+    def __init__(self, logdir):
+        self._writer = tf.summary.create_file_writer(logdir)
+
+    def scalar(self, tag, value, step):
+        summary = tf.compat.v1.Summary(
+            value=[tf.compat.v1.Summary.Value(tag=tag, simple_value=float(value))])
+        with self._writer.as_default():
+            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
+
+    def close(self):
+        self._writer.close()
