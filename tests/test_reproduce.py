@@ -18,8 +18,8 @@ from absl import flags as absl_flags
 from absl.testing import flagsaver
 
 from conftest import ROOT, run_cli
-import experiment
 import flags
+import loop
 import results
 from tools import reproduce
 from tools import reproduce_table
@@ -155,11 +155,11 @@ def scalars(logdir):
 def test_eval_every_updates_cadence_and_event_files(mnist, tmp_path, accumulate):
     # N=3, 20 iterations: updates at iterations 3, 6, ..., 18, and the partial window of
     # 2 at the end is the 7th. Every 2 updates: iterations 6, 12, 18, then the final 20.
-    config = experiment.Config(average_gradients=3, batch_size=10, iterations=20,
+    config = loop.Config(average_gradients=3, batch_size=10, iterations=20,
                                eval_every=0, eval_every_updates=2, accumulate=accumulate,
                                threads=1)
     lines = []
-    run = experiment.train_once(config, mnist, seed=0, verbose=True, log=lines.append,
+    run = loop.train_once(config, mnist, seed=0, verbose=True, log=lines.append,
                                 logdir=str(tmp_path))
     assert [line.split(":")[0] for line in lines] == \
         ["Iteration 6", "Iteration 12", "Iteration 18", "Iteration 20"]

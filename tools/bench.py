@@ -37,7 +37,7 @@ from absl import flags  # noqa: E402
 import cli  # noqa: E402
 import data  # noqa: E402
 import results  # noqa: E402
-import trainer  # noqa: E402
+import strategies  # noqa: E402
 from tools import bench_contenders  # noqa: E402
 from tools import bench_probes  # noqa: E402
 from tools import bench_profile  # noqa: E402
@@ -50,8 +50,8 @@ FLAGS = flags.FLAGS
 CONFIGS = ((1, 100), (5, 20), (10, 10), (20, 5))  # the post's (N, B)
 # Speed: a measurement is a block of UPDATES updates, after one untimed block.
 FULL = dict(configs=CONFIGS, updates=20, repeats=7, keras_setup=True, mem_samples=16384,
-            mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64), host_strategies=trainer.STRATEGIES,
-            mem_strategies=trainer.STRATEGIES, probe_jobs=1)
+            mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64), host_strategies=strategies.STRATEGIES,
+            mem_strategies=strategies.STRATEGIES, probe_jobs=1)
 QUICK = dict(configs=((5, 20),), updates=2, repeats=2, keras_setup=False, mem_samples=1024,
              mem_batch=128, host_ns=(2,), host_strategies=("stack",),
              mem_strategies=("fused",), probe_jobs=3)

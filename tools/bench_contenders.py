@@ -13,28 +13,30 @@ import time
 import tensorflow as tf
 
 import data
-import experiment
-import trainer
+import engine_tf1
+import loop
+import strategies
 
 SEED = 0
+ENDLESS = 10 ** 9  # mini-batches a contender may draw: more than any benchmark trains
 
 
 class SessionContender:
-    """One TF1 graph training through experiment.Training, as `main.py` trains it."""
+    """One TF1 graph training through the tf1 engine's `step`, as `main.py`'s loop does."""
 
     def __init__(self, label, config, datasets):
         self.label, self.config = label, config
-        self.run = experiment.Run(config, SEED)
-        self.sess = self.run.session()
-        self.sess.run(self.run.init_op)
-        self.training = experiment.Training(config, datasets, SEED, self.sess, self.run)
+        self.engine = engine_tf1.Engine(config, SEED)
+        self.batches = self.engine.batches(datasets.train, config.batch_size, 0, ENDLESS)
+        self.iteration = 0
 
     def train(self, updates):
         for _ in range(updates * self.config.average_gradients):
-            self.training.step()
+            self.iteration += 1
+            self.engine.step(*next(self.batches), self.iteration)
 
     def close(self):
-        self.sess.close()
+        self.engine.close()
 
 
 class KerasContender:
@@ -48,10 +50,10 @@ class KerasContender:
 
     def __init__(self, label, n, b, datasets, mode="fit", steps_per_execution=1):
         import keras
-        import tf2_trainer  # Keras loads only where a Keras contender runs
+        import engine_tf2  # Keras loads only where a Keras contender runs
         keras.utils.set_random_seed(SEED)
         self.label, self.n, self.b, self.mode = label, n, b, mode
-        self.model = tf2_trainer.conv_net(0.5, SEED)  # the tf2 engine's ConvNet
+        self.model = engine_tf2.conv_net(0.5, SEED)  # the tf2 engine's ConvNet
         accumulation_steps = n if n > 1 else None
         self.model.compile(
             optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation_steps),
@@ -75,17 +77,17 @@ class KerasContender:
 
 
 class TF2Contender:
-    """The tf2 engine (tf2_trainer.py): the Keras ConvNet, tf.function micro- and apply-steps."""
+    """The tf2 engine (engine_tf2.py): the Keras ConvNet, tf.function micro- and apply-steps."""
 
     def __init__(self, label, n, b, datasets):
         import keras
+        import engine_tf2
         import tf2_accumulator
-        import tf2_trainer
         self.label, self.n = label, n
         self.accumulator = tf2_accumulator.GradientAccumulator(
-            tf2_trainer.conv_net(0.5, SEED), keras.optimizers.Adam(1e-3),
-            tf2_trainer.sparse_cross_entropy)
-        self.batches = iter(tf2_trainer.mnist_batches(datasets.train, b, 10 ** 9, SEED))
+            engine_tf2.conv_net(0.5, SEED), keras.optimizers.Adam(1e-3),
+            engine_tf2.sparse_cross_entropy)
+        self.batches = iter(engine_tf2.mnist_batches(datasets.train, b, ENDLESS, SEED))
 
     def train(self, updates):
         for _ in range(updates * self.n):
@@ -99,10 +101,10 @@ class TF2Contender:
 
 def tf1_contenders(n, b, datasets):
     """The direct batch N*B (the post's minimize) and every strategy at N x B."""
-    contenders = [SessionContender("direct", experiment.Config(
+    contenders = [SessionContender("direct", loop.Config(
         average_gradients=1, batch_size=n * b), datasets)]
-    for strategy in trainer.STRATEGIES:
-        contenders.append(SessionContender(strategy, experiment.Config(
+    for strategy in strategies.STRATEGIES:
+        contenders.append(SessionContender(strategy, loop.Config(
             average_gradients=n, batch_size=b, accumulate=strategy), datasets))
     return contenders
 

@@ -15,7 +15,8 @@ import time
 import tensorflow as tf
 
 import data
-import experiment
+import engine_tf1
+import loop
 from tools import bench_contenders
 from tools import bench_profile
 from tools import common
@@ -50,7 +51,7 @@ def run_probe(spec):
     (170 MB as float32) do not hide what the strategies change; then it measures the peak
     RSS while training `updates` updates, against the RSS just before.
     """
-    config = experiment.Config(average_gradients=spec["n"], batch_size=spec["b"],
+    config = loop.Config(average_gradients=spec["n"], batch_size=spec["b"],
                                accumulate=spec["strategy"], model=spec["model"],
                                iterations=spec["n"] * spec["updates"])
     import_mb = _status_mb("VmRSS")  # TensorFlow imported, nothing else yet
@@ -59,26 +60,26 @@ def run_probe(spec):
     idx = data.SampleStream(len(datasets.train.labels),
                             bench_contenders.SEED).next_indices(samples)
     train = data.Split(datasets.train.images[idx], datasets.train.labels[idx])
-    datasets = data.Datasets(train=train, validation=None, test=None)
-    run = experiment.Run(config, bench_contenders.SEED)
-    with run.session() as sess:
-        sess.run(run.init_op)
-        training = experiment.Training(config, datasets, bench_contenders.SEED, sess, run)
-        training.stream = data.SampleStream(samples, bench_contenders.SEED)
+    del datasets  # the full MNIST must not count in the peak
+    engine = engine_tf1.Engine(config, bench_contenders.SEED)
+    try:
+        batches = engine.batches(train, config.batch_size, 0, config.iterations)
         baseline = _status_mb("VmRSS")
         exact = _reset_peak()
         start = time.perf_counter()
-        for _ in range(config.iterations):
-            training.step()
+        for iteration, (images, labels) in enumerate(batches, 1):
+            engine.step(images, labels, iteration)
         seconds = time.perf_counter() - start
         # Without the reset, the process's lifetime peak (MNIST's loading included).
         peak = _status_mb("VmHWM") if exact else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    finally:
+        engine.close()
     return dict(spec, import_mb=import_mb, baseline_mb=baseline, peak_mb=peak,
                 increment_mb=peak - baseline, exact_peak=exact,
                 seconds_per_update=seconds / spec["updates"],
                 parameters=sum(v.shape.num_elements() for v in
-                               run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
+                               engine.run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
 
 
 def run_kernels_probe(spec):
@@ -86,9 +87,9 @@ def run_kernels_probe(spec):
     datasets = data.load_mnist()
     out = []
     for n, b in spec["configs"]:
-        contenders = [bench_contenders.SessionContender("direct", experiment.Config(
+        contenders = [bench_contenders.SessionContender("direct", loop.Config(
             average_gradients=1, batch_size=n * b), datasets),
-            bench_contenders.SessionContender("fused", experiment.Config(
+            bench_contenders.SessionContender("fused", loop.Config(
                 average_gradients=n, batch_size=b, accumulate="fused"), datasets)]
         times = bench_contenders.interleaved(contenders, spec["updates"], spec["repeats"])
         ops = bench_profile.profile(contenders[0], 1)["top"]

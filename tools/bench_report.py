@@ -2,7 +2,7 @@
 
 import datetime
 
-import trainer
+import strategies
 from tools import bench_contenders
 from tools import bench_targets
 from tools import common
@@ -35,7 +35,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
         lines += ["", "### Why targets were missed", ""]
         lines += [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys]
     if speed:
-        labels = (["direct"] + list(trainer.STRATEGIES)
+        labels = (["direct"] + list(strategies.STRATEGIES)
                   + list(bench_contenders.KERAS_CONTENDERS) + ["tf2"])
         lines += ["", "## Speed: training time per update", "",
                   f"Each update trains N*B samples of real MNIST (the post's ConvNet, dropout "
@@ -57,7 +57,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
                   "way to cut the per-step overhead, and its fastest measured here (the plain "
                   "ways are below). Everything runs under op determinism, as `main.py` does, "
                   "under which Keras compiles no XLA."]
-        lines += ["", "`tf2`: `--engine=tf2` (tf2_trainer.py): the same ConvNet as a Keras 3 "
+        lines += ["", "`tf2`: `--engine=tf2` (engine_tf2.py): the same ConvNet as a Keras 3 "
                   "model, one tf.function micro-step per B samples into accumulator "
                   "variables and one apply-step per update, on tf.data in the post's order."]
     if keras_setup:
@@ -93,7 +93,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
               "- Speed: every contender is built once (its own graph and session, or Keras "
               "model), trained one untimed block, then timed in rounds in which each trains "
               "one block; the order rotates every round. Data: the post's sample stream "
-              "(TF1 contenders, through `experiment.Training.step`, exactly as `main.py` "
+              "(TF1 contenders, through the tf1 engine's `step`, as `main.py`'s loop "
               "trains) or tf.data (Keras); evaluation is not timed.",
               "- Memory: each number is a fresh `python -m tools.bench --probe` process: it "
               "builds the graph, keeps only the samples it will train on, resets the kernel's "

@@ -4,7 +4,7 @@ explained from its profile: what it asks, what was measured, met / within noise 
 
 import numpy as np
 
-import trainer
+import strategies
 from tools import bench_probes
 
 # The issue's targets.
@@ -115,7 +115,7 @@ def noise_floor(speed):
     """
     for row in speed:
         if row["n"] == 1:
-            return max(abs(row["vs_direct"][s]["ratio"] - 1) for s in trainer.STRATEGIES)
+            return max(abs(row["vs_direct"][s]["ratio"] - 1) for s in strategies.STRATEGIES)
     return None
 
 
