@@ -175,6 +175,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
       Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite).
       checkpoint.CheckpointError: the checkpoint is unusable or of another configuration.
     """
+    log = log or _print
     module = engine_module(config.engine)
     ckpt = saved = None
     if checkpoint_dir:
@@ -190,7 +191,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
         if verbose and engine.summary():
             log(engine.summary())
         run = _Run(config, datasets, seed, engine, ckpt, checkpoint_every, writer, verbose,
-                   log or _print)
+                   log)
         if saved:
             run.restore(saved)
         result = run.train(should_stop)
