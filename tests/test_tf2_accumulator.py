@@ -162,6 +162,23 @@ def test_lr_schedule_counts_updates_in_one_call(mnist):
     assert rates[1] == rates[4] == pytest.approx(0.1 * 0.5 ** 1.5)
 
 
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_build_window_trains_nothing(mnist, check_finite):
+    one_call = accumulator(keras.optimizers.Adam(1e-2), check_finite=check_finite)
+    start = [w.copy() for w in one_call.model.get_weights()]
+    window = micro_batches(mnist.train, (4, 4))
+    one_call.build_window(*tf2_accumulator.stack_window(window))
+    assert one_call.window_step is not None
+    for a, b in zip(start, one_call.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(one_call.optimizer.iterations.numpy()) == 0
+    assert (one_call.updates, one_call.skipped_windows, one_call.loss_totals()) == (0, 0, (0, 0))
+    # It trains afterwards as a fresh one would.
+    fresh = accumulator(keras.optimizers.Adam(1e-2), check_finite=check_finite)
+    assert one_call.apply_window(window) and fresh.apply_window(window)
+    assert_same_weights(one_call, fresh)
+
+
 def test_a_window_opened_by_accumulate_must_be_applied_first(mnist):
     one_call = accumulator(keras.optimizers.SGD(0.1))
     (x, y), = micro_batches(mnist.train, (4,))
