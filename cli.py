@@ -1,9 +1,10 @@
 """What every command of this project shares: dashed flags with aliases, one-line errors.
 
-No TensorFlow here, so that a tool can define its flags and reject bad input before the
-slow import.
+No TensorFlow at import, so that a tool can define its flags and reject bad input before
+the slow import (import_tensorflow_quietly does it when called).
 """
 
+import os
 import sys
 
 from absl import flags
@@ -49,3 +50,23 @@ def define(kind, name, default, help, **kwargs):  # noqa: A002 (absl's own argum
     if alias != name:
         flags.DEFINE_alias(alias, name, **{k: v for k, v in kwargs.items()
                                            if k in ("flag_values", "module_name")})
+
+
+def import_tensorflow_quietly():
+    """Imports TensorFlow with fd 2 closed: its C++ start-up lines ignore log levels.
+
+    Errors still surface: stderr is restored before an import failure propagates.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            try:
+                import tensorflow as tf
+                tf.config.list_physical_devices()  # device probing logs too
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+    tf.get_logger().setLevel("ERROR")

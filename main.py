@@ -4,39 +4,18 @@
 """
 
 import logging as std_logging
-import os
 import signal
 import sys
 
+import cli  # no TensorFlow at import
 
-def _import_tensorflow_quietly():
-    """Imports TensorFlow with fd 2 closed: its C++ start-up lines ignore log levels.
-
-    Errors still surface: stderr is restored before an import failure propagates.
-    """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            try:
-                import tensorflow as tf
-                tf.config.list_physical_devices()  # device probing logs too
-            finally:
-                os.dup2(saved, 2)
-    finally:
-        os.close(saved)
-    tf.get_logger().setLevel("ERROR")
-
-
-_import_tensorflow_quietly()
+cli.import_tensorflow_quietly()
 
 from absl import app  # noqa: E402
 from absl import flags as absl_flags  # noqa: E402
 from absl import logging  # noqa: E402
 
 import checkpoint  # noqa: E402
-import cli  # noqa: E402
 import data  # noqa: E402
 import flags  # noqa: E402
 import loop  # noqa: E402

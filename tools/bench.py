@@ -26,15 +26,14 @@ import shlex
 import statistics
 import time
 
-from tools import common
+import cli
 
-common.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
+cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
 
 import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
-import cli  # noqa: E402
 import data  # noqa: E402
 import results  # noqa: E402
 import strategies  # noqa: E402

@@ -1,4 +1,5 @@
-"""What the tools share: the repository root, a quiet TensorFlow import, the machine."""
+"""What the tools share: the repository root and the machine (the quiet TensorFlow import
+is cli.import_tensorflow_quietly, shared with main.py)."""
 
 import importlib.metadata
 import os
@@ -6,26 +7,6 @@ import platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(ROOT, "main.py")  # the tools launch the real command line
-
-
-def import_tensorflow_quietly():
-    """Imports TensorFlow with fd 2 closed: its C++ start-up lines ignore log levels.
-
-    Errors still surface: stderr is restored before an import failure propagates.
-    """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            try:
-                import tensorflow as tf
-                tf.config.list_physical_devices()  # device probing logs too
-            finally:
-                os.dup2(saved, 2)
-    finally:
-        os.close(saved)
-    tf.get_logger().setLevel("ERROR")
 
 
 def _version(package):
