@@ -22,6 +22,7 @@ starts) and identity(config) (settings a checkpoint must share beyond Config's).
 
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import time
@@ -30,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 import checkpoint
+import progress
 import results
 
 APPLIED, DISCARDED = "applied", "discarded"
@@ -134,7 +136,8 @@ def train_reps(config, datasets, settings, record=None, should_stop=None, log=No
                 logdir=results.event_dir(settings.logdir, config, seed),
                 checkpoint_dir=settings.checkpoint_dir and os.path.join(
                     settings.checkpoint_dir, f"rep-{rep}"),
-                checkpoint_every=settings.checkpoint_every, should_stop=should_stop)
+                checkpoint_every=settings.checkpoint_every, should_stop=should_stop,
+                run_index=rep + 1, runs=settings.reps)
         except Stopped as e:
             raise Stopped(f"run {rep + 1} of {settings.reps}: {e}") from None
         runs.append(run)
@@ -150,12 +153,25 @@ def _print(line):
     print(line, flush=True)
 
 
+def is_chief(config):
+    """Whether this process is the one that reports: not a multi_worker worker other than
+    task 0 (every worker trains the same run; one progress bar on a shared terminal)."""
+    if config.strategy != "multi_worker":
+        return True
+    try:
+        return json.loads(os.environ.get("TF_CONFIG") or "{}")["task"]["index"] == 0
+    except (ValueError, KeyError, TypeError):
+        return True  # no cluster: a single local worker
+
+
 def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
-               checkpoint_dir=None, checkpoint_every=CHECKPOINT_EVERY, should_stop=None):
+               checkpoint_dir=None, checkpoint_every=CHECKPOINT_EVERY, should_stop=None,
+               run_index=1, runs=1):
     """Trains one run with config.engine (resuming it from `checkpoint_dir`) and tests it.
 
     Evaluates every `config.eval_every` iterations (mini-batches), or every
-    `config.eval_every_updates` applied updates, and once at the end.
+    `config.eval_every_updates` applied updates, and once at the end. While it trains,
+    a progress bar (progress.RunProgress) is shown on stderr when that is a terminal.
 
     Args:
       logdir: if set, this run's TensorBoard event files go there: `train/loss` (the
@@ -165,6 +181,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
         updates, when stopped, and when finished; resumed from when present.
       should_stop: called after every mini-batch; a non-empty return (e.g. "SIGTERM")
         saves a checkpoint and raises Stopped.
+      run_index, runs: this run's number (from 1) and how many there are, for the bar.
 
     Returns:
       dict with seed, best_accuracy, best_iteration, final_accuracy, updates,
@@ -191,7 +208,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
         if verbose and engine.summary():
             log(engine.summary())
         run = _Run(config, datasets, seed, engine, ckpt, checkpoint_every, writer, verbose,
-                   log)
+                   log, (run_index, runs))
         if saved:
             run.restore(saved)
         result = run.train(should_stop)
@@ -208,11 +225,13 @@ class _Run:
     """One run's loop and the state a checkpoint must hold to continue it."""
 
     def __init__(self, config, datasets, seed, engine, ckpt, checkpoint_every, writer,
-                 verbose, log):
+                 verbose, log, position=(1, 1)):
         self.config, self.datasets, self.seed = config, datasets, seed
         self.engine, self.ckpt, self.checkpoint_every = engine, ckpt, checkpoint_every
         self.writer = writer
         self.verbose, self.log = verbose, log
+        self.position = position  # (run index from 1, runs): the bar's "run r/R"
+        self.bar = None  # a progress.RunProgress while train() runs
         self.iteration = 0
         self.best_accuracy, self.best_iteration = -1.0, 0
         self.evaluations = []
@@ -264,6 +283,20 @@ class _Run:
     # ------------------------------------------------ the loop
 
     def train(self, should_stop):
+        """The run, with its bar on stderr while it trains (a terminal only; the chief
+        only): the log's lines and the warnings are written with the bar cleared around
+        them, so they reach the terminal, and any pipe, unchanged."""
+        bar = progress.RunProgress(self.config.iterations, *self.position,
+                                   enabled=None if is_chief(self.config) else False,
+                                   initial=self.iteration)
+        log, self.bar, self.log = self.log, bar, bar.wrap(self.log)
+        try:
+            return self._train(should_stop)
+        finally:
+            bar.close()
+            self.log = log
+
+    def _train(self, should_stop):
         config, engine = self.config, self.engine
         batches = engine.batches(self.datasets.train, config.batch_size,
                                  self.iteration * config.batch_size,
@@ -278,6 +311,7 @@ class _Run:
             closed = engine.step(images, labels, self.iteration)
             self.train_seconds += time.perf_counter() - start
             self.close_window(closed)
+            self.bar.advance(self.iteration, engine.updates)
             if self.eval_due(closed):
                 self.evaluate()
             if closed == APPLIED and engine.updates % self.checkpoint_every == 0:
@@ -291,10 +325,12 @@ class _Run:
         closed = engine.flush()
         self.train_seconds += time.perf_counter() - start
         self.close_window(closed)
+        self.bar.advance(self.iteration, engine.updates)
         if closed == APPLIED:
-            logging.warning("iterations=%d is not a multiple of average_gradients=%d: the "
-                            "last %d mini-batches were applied as one update of their mean",
-                            config.iterations, config.average_gradients, held)
+            with self.bar.paused():
+                logging.warning("iterations=%d is not a multiple of average_gradients=%d: "
+                                "the last %d mini-batches were applied as one update of "
+                                "their mean", config.iterations, config.average_gradients, held)
         final_accuracy = self.evaluate()
         return {"seed": self.seed, "best_accuracy": self.best_accuracy,
                 "best_iteration": self.best_iteration, "final_accuracy": final_accuracy,
@@ -310,7 +346,8 @@ class _Run:
         if closed == DISCARDED:
             self.consecutive_bad += 1
             self.last_bad = f"iterations {self.window_start}-{self.iteration}"
-            logging.warning(DISCARDED_WINDOW, self.last_bad, self.engine.skipped_windows)
+            with self.bar.paused():
+                logging.warning(DISCARDED_WINDOW, self.last_bad, self.engine.skipped_windows)
             if self.writer:  # the next update's loss leaves this window out
                 self.update_mark = self.engine.loss_totals()
         else:
@@ -348,6 +385,7 @@ class _Run:
                                  "accuracy": accuracy})
         if accuracy > self.best_accuracy:
             self.best_accuracy, self.best_iteration = accuracy, self.iteration
+        self.bar.evaluated(accuracy)
         if self.verbose:
             loss, self.eval_mark = self._mean_loss_since(self.eval_mark)
             loss = float("nan") if loss is None else loss

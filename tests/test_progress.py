@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from conftest import run_main_in_process
 import progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,3 +199,38 @@ def test_output_inside_paused_finds_the_bar_cleared():
     with progress.Bar(4, "bench", stream=piped) as quiet, quiet.paused():
         print("a line", file=piped)
     assert piped.getvalue() == "a line\n"
+
+
+# main.py in this process (no TensorFlow start-up): 40 mini-batches, an evaluation every 20.
+MAIN_ARGS = ("--iterations=40", "--batch-size=10", "--eval-every=20", "--verbose")
+
+
+def _main_output(monkeypatch, capsys, stderr, data_dir):
+    """main.py's stdout, with `stderr` as sys.stderr while it runs."""
+    monkeypatch.setattr(sys, "stderr", stderr)
+    run_main_in_process(*MAIN_ARGS, f"--data-dir={data_dir}")
+    monkeypatch.undo()
+    return capsys.readouterr().out
+
+
+def test_main_shows_a_bar_on_a_terminal_and_its_lines_are_those_of_a_pipe(
+        monkeypatch, capsys, mnist_quick_dir):
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as terminal:
+            with_terminal = _main_output(monkeypatch, capsys, terminal, mnist_quick_dir)
+        bar = read_all(master)
+    finally:
+        os.close(master)
+        os.close(slave)
+    last = bar.replace("\r\n", "\n").split("\r")[-1]
+    assert "run 1/1" in last and "40/40" in last and "updates=40, accuracy=" in last
+    assert ELAPSED_AND_ETA.search(bar), bar
+
+    piped = io.StringIO()
+    assert _main_output(monkeypatch, capsys, piped, mnist_quick_dir) == with_terminal
+    assert piped.getvalue() == ""  # not a terminal: nothing at all, no carriage return
+    assert "\r" not in with_terminal
+    assert [line.split(":")[0] for line in with_terminal.splitlines()] == [
+        "Iteration 20", "Iteration 40", "Training finished. Best accuracy",
+        "mean accuracy (1 runs)"]
