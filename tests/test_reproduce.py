@@ -64,7 +64,16 @@ def planted_table(tmp_path, fair=False):
 
 def test_table_and_verdict_from_numbers_worked_by_hand(tmp_path):
     specs, text, logged = planted_table(tmp_path)
-    assert logged == [logged[0]] and "12 already done" in logged[0] and "0 to run" in logged[0]
+    assert "12 already done" in logged[0] and "0 to run" in logged[0]
+    # Planted runs, as runs recorded before evaluations were kept, have no curves: that
+    # figure is left out with a note; the spread of the best accuracies is drawn.
+    assert logged[1:] == [f"{reproduce.CURVES_PNG} not drawn: accuracy curves: no run has "
+                          "evaluations to draw (runs recorded before evaluations were kept "
+                          "have none)."]
+    assert not os.path.exists(tmp_path / reproduce.CURVES_PNG)
+    assert os.path.getsize(tmp_path / reproduce.BEST_PNG) > 10_000
+    assert f"![{reproduce.BEST_PNG}]({reproduce.BEST_PNG})" in text
+    assert f"- {logged[1]}" in text and f"]({reproduce.CURVES_PNG})" not in text
     with open(tmp_path / "table.md") as f:
         assert f.read() == text
     rows = [line for line in text.splitlines() if line.startswith("| ")][1:]
@@ -115,6 +124,15 @@ def test_fair_table_has_its_own_directory_and_cadence(tmp_path):
     assert "evaluations per run: N=1 10, N=5 10, N=10 10, N=20 10)" in text
 
 
+def test_a_figure_that_cannot_be_written_is_one_error(tmp_path):
+    run = {"best_accuracy": 95.0, "evaluations": [
+        {"iteration": 100, "updates": 100, "accuracy": 94.0},
+        {"iteration": 200, "updates": 200, "accuracy": 95.0}]}
+    os.mkdir(tmp_path / reproduce.BEST_PNG)  # a directory where the figure should go
+    with pytest.raises(reproduce.ReproduceError, match="best_accuracy.png: cannot write"):
+        reproduce.draw_figures(str(tmp_path), [(1, run), (5, run)], True, print)
+
+
 def test_runs_made_with_other_settings_are_refused(tmp_path):
     specs = reproduce.plan(str(tmp_path), reps=1, seed=0, scale=1, fair=False,
                            accumulate=reproduce.DEFAULT_ACCUMULATE)
@@ -152,14 +170,14 @@ def scalars(logdir):
 
 
 @pytest.mark.parametrize("accumulate", ["stack", "fused"])
-def test_eval_every_updates_cadence_and_event_files(mnist, tmp_path, accumulate):
+def test_eval_every_updates_cadence_and_event_files(mnist_quick, tmp_path, accumulate):
     # N=3, 20 iterations: updates at iterations 3, 6, ..., 18, and the partial window of
     # 2 at the end is the 7th. Every 2 updates: iterations 6, 12, 18, then the final 20.
     config = loop.Config(average_gradients=3, batch_size=10, iterations=20,
                                eval_every=0, eval_every_updates=2, accumulate=accumulate,
                                threads=1)
     lines = []
-    run = loop.train_once(config, mnist, seed=0, verbose=True, log=lines.append,
+    run = loop.train_once(config, mnist_quick, seed=0, verbose=True, log=lines.append,
                                 logdir=str(tmp_path))
     assert [line.split(":")[0] for line in lines] == \
         ["Iteration 6", "Iteration 12", "Iteration 18", "Iteration 20"]
@@ -226,6 +244,11 @@ def test_make_reproduce_writes_runs_results_table_and_events(made):
     assert table in stdout  # printed at the end
     assert table.count("\n| ") == 5  # header and four rows
     assert "SCALE=1000" in table and "smoke test" in table
+    for name in (reproduce.CURVES_PNG, reproduce.BEST_PNG):  # drawn next to it, linked
+        with open(os.path.join(results_dir, name), "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n" and len(f.read()) > 10_000
+        assert f"![{name}]({name})" in table
+    assert "not drawn" not in table
 
 
 def test_resume_runs_only_what_is_missing(made, tmp_path):

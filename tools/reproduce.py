@@ -7,8 +7,9 @@ comes from the real command line. Runs go to JOBS processes at a time, with Tens
 thread pools split between them. Each finished run is a file of its own, written
 atomically by main.py and keyed by configuration and seed: a stopped reproduction keeps
 its finished runs, and the same command carries on from there. At the end it writes one
-results JSON per configuration and `table.md` (the table, then a verdict generated from
-the numbers: tools/reproduce_table.py) and prints them.
+results JSON per configuration, two figures (tools/figures.py) and `table.md` (the table,
+a verdict generated from the numbers: tools/reproduce_table.py, and links to the figures)
+and prints it. On a terminal, stderr shows a bar of the runs done and the time left.
 
 This driver never imports TensorFlow; its flags are defined only when it runs as a
 script, so tests can import it beside main.py's flags.
@@ -29,9 +30,11 @@ from absl import app
 from absl import flags as absl_flags
 
 import cli
+import progress
 import results
 import stats
 from tools import common
+from tools import figures
 from tools import reproduce_table
 from tools.reproduce_table import EVAL_EVERY, FAIR_EVAL_EVERY_UPDATES, POST_TABLE
 
@@ -43,6 +46,8 @@ DEFAULT_ACCUMULATE = "fused"
 # not drift if main.py's defaults ever change; a stored run must match all of it.
 POST_FLAGS = {"learning-rate": 1e-3, "lr-schedule": "constant", "dropout": 0.5,
               "model": "convnet", "engine": "tf1"}
+# The figures, written next to table.md (which links them by these names).
+CURVES_PNG, BEST_PNG = "accuracy_curves.png", "best_accuracy.png"
 # Rough single-thread seconds of one run on a 2-core machine, for the first ETA only:
 # process start-up, per mini-batch, per evaluation of the 10,000 test images.
 PRIOR_START, PRIOR_ITERATION, PRIOR_EVALUATION = 6.0, 0.004, 0.15
@@ -155,11 +160,14 @@ class Progress:
 
     def __init__(self, todo, jobs, log):
         self.todo, self.jobs, self.log = list(todo), jobs, log
+        self.on_finished = None  # called after each finished run's line (a bar's update)
         self.finished_count = 0
         self.seconds = collections.defaultdict(list)  # label -> seconds of its runs
         self.waiting = set(self.todo)
         self.running = {}  # RunSpec -> perf_counter at launch
-        self.lock = threading.Lock()
+        # Re-entrant: eta() takes it (the bar's thread asks for it) and so does finished(),
+        # which logs the ETA.
+        self.lock = threading.RLock()
 
     @staticmethod
     def prior(spec):
@@ -183,10 +191,13 @@ class Progress:
         return self.prior(spec) * ratio
 
     def eta(self):
-        now = time.perf_counter()
-        left = sum(self.estimate(s) for s in self.waiting)
-        left += sum(max(0.0, self.estimate(s) - (now - t)) for s, t in self.running.items())
-        return left / self.jobs
+        """Seconds left for the whole reproduction; safe to call from any thread."""
+        with self.lock:
+            now = time.perf_counter()
+            left = sum(self.estimate(s) for s in self.waiting)
+            left += sum(max(0.0, self.estimate(s) - (now - t))
+                        for s, t in self.running.items())
+            return left / self.jobs
 
     def launched(self, spec):
         with self.lock:
@@ -205,6 +216,8 @@ class Progress:
                      f"best {results.fmt_accuracy(run['best_accuracy'])} "
                      f"final {results.fmt_accuracy(run['final_accuracy'])}, "
                      f"{seconds:.0f} s; ETA {fmt_duration(self.eta())}")
+            if self.on_finished:
+                self.on_finished()
 
 
 def fmt_duration(seconds):
@@ -337,8 +350,10 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         f"with {threads} TensorFlow thread{'s' if threads > 1 else ''} each")
     start = time.perf_counter()
     if todo:
-        runner = Runner(jobs, threads, tb_dir, verbose, Progress(todo, jobs, log), log)
-        runner.run_all(todo)
+        tracker = Progress(todo, jobs, log)
+        with progress.Bar(len(todo), "reproduce", unit="run", remaining=tracker.eta) as bar:
+            tracker.log, tracker.on_finished = bar.wrap(log), bar.update
+            Runner(jobs, threads, tb_dir, verbose, tracker, tracker.log).run_all(todo)
         stored.update({spec: load_run(spec) for spec in todo})
     wall = time.perf_counter() - start
 
@@ -362,9 +377,53 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
               f"at a time with {threads} thread{'s' if threads > 1 else ''} each"
               + (f"; the other {len(specs) - len(todo)} were done by an earlier invocation."
                  if len(todo) < len(specs) else "."))
-    text = reproduce_table.table_document(rows, fair, scale, command, timing)
+    drawn, notes = draw_figures(out_dir, [(spec.setting.average_gradients, stored[spec])
+                                          for spec in specs], scale == 1, log)
+    text = reproduce_table.table_document(rows, fair, scale, command, timing, drawn, notes)
     results.atomic_write_text(os.path.join(out_dir, "table.md"), text)
     return text
+
+
+def draw_figures(out_dir, pairs, with_post, log):
+    """The accuracy curves and the spread of the best accuracies, next to table.md.
+
+    A figure with nothing to draw (runs recorded before their evaluations were kept have
+    no curve) is left out with a note, not an error: the table does not need it.
+
+    Args:
+      pairs: (N, run) for every run of the table.
+      with_post: mark the post's numbers (not on a scaled-down reproduction).
+
+    Returns:
+      (drawn, notes): the file names written, and lines saying what was left out and why.
+
+    Raises:
+      ReproduceError: a figure could not be written.
+    """
+    curves_by_n, best_by_n = figures.runs_to_inputs(pairs)
+    post = {key[0]: mean_std for key, mean_std in POST_TABLE.items()} if with_post else {}
+    post_means = {n: mean for n, (mean, _) in post.items()}
+    drawn, notes = [], []
+    for name, draw, data, marks in ((CURVES_PNG, figures.accuracy_curves, curves_by_n,
+                                     post_means),
+                                    (BEST_PNG, figures.best_accuracy_spread, best_by_n, post)):
+        path = os.path.join(out_dir, name)
+        try:
+            draw(data, marks or None, path)
+        except ValueError as e:
+            notes.append(f"{name} not drawn: {e}.")
+            continue
+        except OSError as e:
+            raise ReproduceError(f"{path}: cannot write the figure ({e.strerror or e})") \
+                from None
+        drawn.append(name)
+    without = sum(1 for _, run in pairs if not run.get("evaluations"))
+    if without and CURVES_PNG in drawn:
+        notes.append(f"{without} of {len(pairs)} runs recorded no evaluations (made before "
+                     f"they were kept) and are not in {CURVES_PNG}.")
+    for note in notes:
+        log(note)
+    return drawn, notes
 
 
 # ---------------------------------------------------------------- command line

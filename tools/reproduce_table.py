@@ -179,8 +179,34 @@ def _post_verdict(rows, fair):
     return text
 
 
-def table_document(rows, fair, scale, command, timing):
-    """table.md: what made it, the table, what the columns mean, the verdict."""
+# What each figure of `make reproduce` shows, by file name (table.md links them).
+FIGURE_CAPTIONS = {
+    "accuracy_curves.png": "Test accuracy against updates applied, per N: the mean over the "
+                           "runs, the band from the lowest to the highest run, and the "
+                           "post's mean best accuracy (dashed).",
+    "best_accuracy.png": "Each run's best accuracy per N (points; the bar is their mean) "
+                         "beside the post's mean ± std of its 10 runs.",
+}
+
+
+def figure_lines(drawn, notes, scale):
+    """table.md's figures section: each figure as an image link (relative: it lies next to
+    table.md), then what was left out."""
+    if not drawn and not notes:
+        return []
+    lines = ["", "## Figures", ""]
+    for name in drawn:
+        lines += [f"![{name}]({name})", "", FIGURE_CAPTIONS.get(name, ""), ""]
+    if drawn and scale > 1:
+        lines += [f"SCALE={scale}: the post's numbers are not drawn (its runs were not "
+                  "scaled down).", ""]
+    lines += [f"- {note}" for note in notes]
+    return lines[:-1] if lines[-1] == "" else lines
+
+
+def table_document(rows, fair, scale, command, timing, drawn=(), notes=()):
+    """table.md: what made it, the table, what the columns mean, the verdict, the figures
+    (`drawn`: their file names next to table.md; `notes`: what was left out)."""
     protocol = (f"every configuration evaluated every {FAIR_EVAL_EVERY_UPDATES} updates"
                 if fair else f"the post's protocol, evaluated every {EVAL_EVERY} iterations")
     lines = [f"# The post's table, reproduced ({protocol})", "",
@@ -196,4 +222,5 @@ def table_document(rows, fair, scale, command, timing):
               "mean seconds of training plus evaluation per run (process start-up aside).",
               ""]
     lines += verdict_lines(rows, fair, scale)
+    lines += figure_lines(drawn, notes, scale)
     return "\n".join(lines) + "\n"
