@@ -1,5 +1,5 @@
-"""The tf2 engine: the post's ConvNet as a Keras model, MNIST through tf.data in the tf1
-engine's sample order, tf.distribute set-up.
+"""The tf2 engine: the post's ConvNet as a Keras model, trained one compiled call per
+window on MNIST in the tf1 engine's sample order, tf.distribute set-up.
 
 loop.py drives it through the same calls as engine_tf1.py. The accumulation itself,
 usable on your own Keras model, is tf2_accumulator.py.
@@ -104,28 +104,6 @@ def sparse_cross_entropy(labels, logits):
     return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
 
 
-# ---------------------------------------------------------------- tf.data
-
-
-def mnist_batches(split, batch_size, iterations, seed, position=0):
-    """`iterations` mini-batches of `split` through tf.data, in data.SampleStream's order.
-
-    The index batches come from the same SampleStream as the tf1 engine's, so both
-    engines see the same samples in the same order; tf.data gathers the images.
-    `position` (samples already consumed) starts the stream where a resumed run stopped.
-    """
-    def index_batches():
-        stream = data.SampleStream(len(split.labels), seed, position)
-        for _ in range(iterations):
-            yield stream.next_indices(batch_size)
-
-    images, labels = tf.constant(split.images), tf.constant(split.labels)
-    indices = tf.data.Dataset.from_generator(
-        index_batches, output_signature=tf.TensorSpec([None], tf.int64))
-    return indices.map(lambda i: (tf.gather(images, i), tf.gather(labels, i))) \
-        .prefetch(tf.data.AUTOTUNE)
-
-
 # ---------------------------------------------------------------- the engine
 
 _SETUP = {}  # this process's set-up: TensorFlow allows one per process
@@ -206,7 +184,7 @@ def _check_tf_config():
 def identity(config):
     """Settings a checkpoint must share beyond the run's Config.
 
-    The replica count shapes the saved window (one copy per replica), so it counts.
+    The replica count shapes the saved loss totals (one copy per replica), so it counts.
 
     Raises:
       ConfigError: multi_worker, where every worker would write the same files.
@@ -218,7 +196,12 @@ def identity(config):
 
 
 class Engine:
-    """One tf2 run: the Keras model, Adam and a GradientAccumulator, under the strategy."""
+    """One tf2 run: the Keras model, Adam and a GradientAccumulator, under the strategy.
+
+    A window trains in one compiled call (GradientAccumulator.apply_stacked): `step`
+    copies each mini-batch into a window buffer, and the N-th runs the window. The open
+    window is therefore the buffered inputs, which a checkpoint saves as arrays.
+    """
 
     def __init__(self, config, seed, datasets):
         self.config, self.seed = config, seed
@@ -230,13 +213,23 @@ class Engine:
                 config.lr_decay_rate))
         self.accumulator = GradientAccumulator(self.net, self.optimizer, sparse_cross_entropy,
                                                self.strategy)
-        # Compiled now: a window restored from a checkpoint may be applied first.
-        self.accumulator.build(datasets.train.images[:1], datasets.train.labels[:1])
-        # Everything a resumed run needs: the weights with dropout's seed-generator states
-        # (net.variables holds both), Adam's slots and iterations, the open window.
+        train = datasets.train
+        n, b = config.average_gradients, config.batch_size
+        self._images = np.zeros((n, b) + train.images.shape[1:], train.images.dtype)
+        self._labels = np.zeros((n, b), train.labels.dtype)
+        self._sizes = np.zeros(n, np.int32)
+        self._open = 0  # mini-batches buffered in the open window
+        # Compiled now, out of the timed loop (and every worker must run it).
+        self.accumulator.build_window(self._images, self._labels, self._sizes)
+        self.updates = self.skipped_windows = 0
+        # Everything a resumed run needs beside the buffered window: the weights with
+        # dropout's seed-generator states (net.variables holds both), Adam's slots and
+        # iterations, and the running loss totals (each replica's copy apart).
+        totals = [local for v in (self.accumulator.loss_total, self.accumulator.samples_total)
+                  for local in self.strategy.experimental_local_results(v)]
         self.files = _CheckpointFiles(model=list(self.net.variables),
                                       optimizer=list(self.optimizer.variables),
-                                      window=self.accumulator.state_variables)
+                                      loss_totals=totals)
 
         @tf.function
         def num_correct(images, labels):
@@ -253,37 +246,46 @@ class Engine:
     def close(self):
         """Nothing to release: the model lives as long as the engine."""
 
-    @property
-    def updates(self):
-        return self.accumulator.updates
-
-    @property
-    def skipped_windows(self):
-        return self.accumulator.skipped_windows
-
     def batches(self, split, batch_size, position, count):
-        return iter(mnist_batches(split, batch_size, count, self.seed, position))
+        """`count` mini-batches of `split` from sample `position` of the seed's stream,
+        as numpy arrays: the tf1 engine's samples in its order."""
+        stream = data.SampleStream(len(split.labels), self.seed, position)
+        for _ in range(count):
+            yield stream.next_batch(split, batch_size)
 
     def step(self, images, labels, unused_iteration):
-        """Trains one mini-batch; returns None, "applied" or "discarded" for the window.
+        """Buffers one mini-batch; the N-th trains the window. Returns None, "applied"
+        or "discarded" for the window.
 
         Dropout draws from the model's seed generators, saved with the checkpoint.
         """
-        self.accumulator.accumulate(images, labels)
-        if self.accumulator.window < self.config.average_gradients:
+        size = len(labels)
+        self._images[self._open, :size] = images
+        self._labels[self._open, :size] = labels
+        self._sizes[self._open] = size
+        self._open += 1
+        if self._open < self.config.average_gradients:
             return None
-        return self._close()
+        return self._train_window()
 
-    def _close(self):
-        return "applied" if self.accumulator.apply() else "discarded"
+    def _train_window(self):
+        open_ = self._open
+        applied = self.accumulator.apply_stacked(self._images[:open_], self._labels[:open_],
+                                                 self._sizes[:open_])
+        self._open = 0
+        self.updates += applied
+        self.skipped_windows += not applied
+        return "applied" if applied else "discarded"
 
     def flush(self):
-        return self._close() if self.accumulator.window else None
+        """Trains a trailing partial window, weighted by its samples (None: empty)."""
+        return self._train_window() if self._open else None
 
     def window_size(self):
-        return self.accumulator.window
+        return self._open
 
     def loss_totals(self):
+        """(sum of finite per-sample training losses, samples) of the windows trained."""
         return self.accumulator.loss_totals()
 
     def evaluate(self, split):
@@ -297,15 +299,34 @@ class Engine:
         return weights_digest(self.net)
 
     def save(self, ckpt, iteration, state):
-        """Saves `state` in a checkpoint.RunCheckpoint; the window is in the variables."""
-        ckpt.save(None, self.files, iteration, state, window={})
+        """Saves the variables, the buffered window and `state` in a RunCheckpoint."""
+        open_ = self._open
+        ckpt.save(None, self.files, iteration, state,
+                  window={"images": self._images[:open_], "labels": self._labels[:open_],
+                          "sizes": self._sizes[:open_]})
 
     def restore(self, ckpt, state):
-        ckpt.restore(None, self.files, state)
-        accumulator = self.accumulator
-        accumulator.updates, accumulator.skipped_windows = (state["updates"],
-                                                            state["skipped_windows"])
-        accumulator.window = state["open_window"]
+        """Restores what `save` saved, the buffered window and the counters included.
+
+        Raises:
+          checkpoint.CheckpointError: the window file does not hold the open window.
+        """
+        window = ckpt.restore(None, self.files, state)
+        open_ = state["open_window"]
+        try:
+            sizes = window["sizes"]
+            if len(sizes) != open_:
+                raise ValueError(f"{len(sizes)} buffered mini-batches, the state says {open_}")
+            self._sizes[:open_] = sizes
+            for i, size in enumerate(sizes):
+                self._images[i, :size] = window["images"][i, :size]
+                self._labels[i, :size] = window["labels"][i, :size]
+        except (KeyError, ValueError, IndexError) as e:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {ckpt.directory}: its window file does not hold the open window "
+                f"({e}); delete it to start this run again") from None
+        self._open = open_
+        self.updates, self.skipped_windows = state["updates"], state["skipped_windows"]
 
 
 class _CheckpointFiles:

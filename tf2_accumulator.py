@@ -37,7 +37,8 @@ communicates nothing; once per window a one-number vote (is anything non-finite?
 summed over the replicas, and the optimizer all-reduces (sums) the replicas' shares of
 the mean.
 
-The `--engine=tf2` side of `main.py` (tf2_trainer.py) trains the post's ConvNet with it.
+The `--engine=tf2` side of `main.py` (engine_tf2.py) trains the post's ConvNet with it,
+one `apply_stacked` call per window.
 """
 
 import collections

@@ -1,5 +1,6 @@
 """The TF2 library's one-call window (GradientAccumulator.apply_window, fit's default)
-against its per-micro-batch path (accumulate + apply), on real MNIST.
+against its per-micro-batch path (accumulate + apply), on real MNIST; and the tf2
+engine's window buffer, which trains through it.
 
 The model is a small ConvNet with seeded dropout defined here (the library is for your
 own Keras model): both paths must draw the same dropout masks in the same order, so
@@ -13,6 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import checkpoint
+import engine_tf2
+import loop
 import tf2_accumulator
 from conftest import ROOT, run_cli
 
@@ -195,7 +199,48 @@ def test_the_loop_holds_two_micro_batches_in_flight_and_touches_no_variable(mnis
     graph = one_call._compile_window_step(xs, ys, sizes).get_concrete_function().graph
     loops = [op for op in graph.get_operations() if op.type.endswith("While")]
     assert [op.type for op in loops] == ["StatelessWhile"]
-    assert loops[0].get_attr("parallel_iterations") == tf2_accumulator.WINDOW_PARALLEL_ITERATIONS == 2
+    parallel = loops[0].get_attr("parallel_iterations")
+    assert parallel == tf2_accumulator.WINDOW_PARALLEL_ITERATIONS == 2
+
+
+def test_the_engine_trains_each_window_in_one_call_as_the_per_micro_batch_path(
+        mnist, tmp_path):
+    """engine_tf2.Engine buffers N mini-batches and trains them in one call, a partial
+    window by its samples, with the ConvNet's dropout on; a saved open window resumes."""
+    config = loop.Config(engine="tf2", average_gradients=3, batch_size=4)
+    engine = engine_tf2.Engine(config, seed=1, datasets=mnist)
+    batches = list(engine.batches(mnist.train, 4, 0, 8))  # windows of 3, 3 and a partial 2
+    reference = tf2_accumulator.GradientAccumulator(
+        engine_tf2.conv_net(config.dropout, seed=1), keras.optimizers.Adam(1e-3),
+        engine_tf2.sparse_cross_entropy)
+    closed = []
+    for iteration, (x, y) in enumerate(batches[:7], 1):
+        closed.append(engine.step(x, y, iteration))
+        reference.accumulate(x, y)
+        if reference.window == 3:
+            reference.apply()
+    assert closed == [None, None, "applied"] * 2 + [None]
+    # The open window, saved and restored into an engine that has trained on.
+    ckpt = checkpoint.RunCheckpoint(str(tmp_path / "ckpt"), {})
+    state = ckpt.save(None, engine.files, 7, {"updates": engine.updates, "skipped_windows": 0,
+                                              "open_window": engine.window_size()},
+                      window={})  # a window file without the open window: refused
+    with pytest.raises(checkpoint.CheckpointError, match="does not hold the open window"):
+        engine.restore(ckpt, state)
+    engine.save(ckpt, 7, state)
+    state = ckpt.load()
+    assert engine.step(*batches[7], 8) is None and engine.flush() == "applied"
+    engine.restore(ckpt, state)
+    assert (engine.window_size(), engine.updates) == (1, 2)
+    assert engine.step(*batches[7], 8) is None and engine.flush() == "applied"
+    reference.accumulate(*batches[7])
+    reference.apply()
+    assert engine.updates == reference.updates == 3
+    for a, b in zip(reference.model.get_weights(), engine.net.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert engine.loss_totals() == pytest.approx(reference.loss_totals(), rel=1e-12)
+    # Compiled once, in the engine's constructor: windows of 3 and 2 do not retrace.
+    assert engine.accumulator.window_step.experimental_get_tracing_count() == 1
 
 
 MIRRORED_SCRIPT = """
@@ -230,7 +275,8 @@ poisoned[1][0][5] = np.nan  # sample 5 of 6: in replica 1's slice only
 xs, ys, sizes = tf2_accumulator.stack_window(window)
 print(json.dumps({
     "replicas": strategy.num_replicas_in_sync, "same": same,
-    "window": tf2_accumulator.count_all_reduces(one_call.window_step.get_concrete_function(xs, ys, sizes)),
+    "window": tf2_accumulator.count_all_reduces(
+        one_call.window_step.get_concrete_function(xs, ys, sizes)),
     "apply": tf2_accumulator.count_all_reduces(per_micro.apply_step.get_concrete_function()),
     "check": tf2_accumulator.count_all_reduces(per_micro.check_step.get_concrete_function()),
     "discarded": not one_call.apply_window(poisoned),
