@@ -76,27 +76,18 @@ class KerasContender:
         pass
 
 
-class TF2Contender:
-    """The tf2 engine (engine_tf2.py): the Keras ConvNet, tf.function micro- and apply-steps."""
+class TF2Contender(SessionContender):
+    """The tf2 engine as `main.py --engine=tf2` trains it: engine_tf2.Engine's `step`
+    buffers N mini-batches and trains the window in one compiled call; `train` and
+    `close` are SessionContender's, only the engine differs."""
 
     def __init__(self, label, n, b, datasets):
-        import keras
-        import engine_tf2
-        import tf2_accumulator
-        self.label, self.n = label, n
-        self.accumulator = tf2_accumulator.GradientAccumulator(
-            engine_tf2.conv_net(0.5, SEED), keras.optimizers.Adam(1e-3),
-            engine_tf2.sparse_cross_entropy)
-        self.batches = iter(engine_tf2.mnist_batches(datasets.train, b, ENDLESS, SEED))
-
-    def train(self, updates):
-        for _ in range(updates * self.n):
-            self.accumulator.accumulate(*next(self.batches))
-            if self.accumulator.window == self.n:
-                self.accumulator.apply()
-
-    def close(self):
-        pass
+        import engine_tf2  # Keras loads only where a tf2 contender runs
+        self.label = label
+        self.config = loop.Config(engine="tf2", average_gradients=n, batch_size=b)
+        self.engine = engine_tf2.Engine(self.config, SEED, datasets)
+        self.batches = self.engine.batches(datasets.train, b, 0, ENDLESS)
+        self.iteration = 0
 
 
 def tf1_contenders(n, b, datasets):
