@@ -128,6 +128,21 @@ class _Progress:
             return log
         return lambda line: self.write(line, log)
 
+    @contextlib.contextmanager
+    def printing_through(self):
+        """A block whose prints to sys.stdout go through `write`, a line at a time: for code
+        that prints on its own (and so cannot be given a log function). Without a bar,
+        sys.stdout is left alone."""
+        if self._bar is None:
+            yield
+            return
+        writer = _LineWriter(self, sys.stdout)
+        try:
+            with contextlib.redirect_stdout(writer):
+                yield
+        finally:
+            writer.finish()
+
     def close(self):
         """Draws the bar a last time and leaves it on its line; idempotent."""
         if self._bar is None:
@@ -143,6 +158,29 @@ class _Progress:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class _LineWriter:
+    """A text stream that hands each complete line to a bar's `write`, for `stream`."""
+
+    def __init__(self, bar, stream):
+        self._bar, self._stream, self._pending = bar, stream, ""
+
+    def write(self, text):
+        self._pending += text
+        *lines, self._pending = self._pending.split("\n")
+        for line in lines:
+            self._bar.write(line, lambda text: self._stream.write(text + "\n"))
+        return len(text)
+
+    def flush(self):
+        self._stream.flush()
+
+    def finish(self):
+        """Writes what is left of an unfinished last line."""
+        if self._pending:
+            self._bar.write(self._pending, lambda text: self._stream.write(text))
+            self._pending = ""
 
 
 class RunProgress(_Progress):

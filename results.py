@@ -42,21 +42,22 @@ def atomic_write_json(path, obj):
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def check_writable(path):
+def check_writable(path, flag="--results"):
     """Fails early, before any training, if `path` could not be written later.
 
     Raises:
-      ResultsError: the directory is missing, not writable, or `path` is a directory.
+      ResultsError: the directory is missing, not writable, or `path` is a directory; the
+        message names `flag`, the option that gave `path`.
     """
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise ResultsError(f"--results {path}: is a directory")
+        raise ResultsError(f"{flag} {path}: is a directory")
     if not os.path.isdir(directory):
-        raise ResultsError(f"--results {path}: directory {directory} does not exist")
+        raise ResultsError(f"{flag} {path}: directory {directory} does not exist")
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-probe-")
     except OSError as e:
-        raise ResultsError(f"--results {path}: cannot write in {directory} ({e.strerror})") \
+        raise ResultsError(f"{flag} {path}: cannot write in {directory} ({e.strerror})") \
             from None
     os.close(fd)
     os.unlink(tmp)

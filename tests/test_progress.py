@@ -201,6 +201,26 @@ def test_output_inside_paused_finds_the_bar_cleared():
     assert piped.getvalue() == "a line\n"
 
 
+def test_prints_inside_printing_through_find_the_bar_cleared(monkeypatch):
+    stream = TerminalStream()  # the bar and stdout share a terminal, as on a console
+    monkeypatch.setattr(sys, "stdout", stream)
+    with progress.Bar(2, "bench", stream=stream) as bar:
+        with bar.printing_through():
+            print("Speed at N=5 x B=20", flush=True)
+            print("no newline", end="")
+        bar.update(2)
+    text = stream.getvalue()
+    before, after = text.split("Speed at N=5 x B=20\n")
+    assert before.endswith("\r") and before.split("\r")[-2].strip() == ""  # cleared
+    assert "0/2" in after.split("no newline")[0]  # redrawn between the lines
+    piped = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", piped)
+    with progress.Bar(2, "bench", stream=piped) as quiet, quiet.printing_through():
+        assert sys.stdout is piped  # no bar: stdout left alone
+        print("a line")
+    assert piped.getvalue() == "a line\n"
+
+
 # main.py in this process (no TensorFlow start-up): 40 mini-batches, an evaluation every 20.
 MAIN_ARGS = ("--iterations=40", "--batch-size=10", "--eval-every=20", "--verbose")
 

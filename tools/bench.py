@@ -14,7 +14,9 @@ one run, on this machine:
     and fused against direct again on Eigen kernels (oneDNN off, a fresh process);
   * peak memory, each measurement in a fresh process (`--probe`): a large effective
     batch direct against accumulated, and the host memory of each strategy as N grows.
-Each target of the issue is printed and written as met or missed, with its ratio.
+Each target of the issue is printed and written as met or missed, with its ratio, and the
+ratios are drawn into a PNG next to the markdown (BENCHMARKS.png), which links it. On a
+terminal, stderr shows a bar of the measurements done and the time left.
 
 This file drives the sections; the contenders and their timing (bench_contenders.py), the
 profile (bench_profile.py), the memory probes (bench_probes.py), the targets
@@ -22,6 +24,7 @@ profile (bench_profile.py), the memory probes (bench_probes.py), the targets
 """
 
 import json
+import os
 import shlex
 import statistics
 import time
@@ -35,6 +38,7 @@ from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 import data  # noqa: E402
+import progress  # noqa: E402
 import results  # noqa: E402
 import strategies  # noqa: E402
 from tools import bench_contenders  # noqa: E402
@@ -42,6 +46,7 @@ from tools import bench_probes  # noqa: E402
 from tools import bench_profile  # noqa: E402
 from tools import bench_report  # noqa: E402
 from tools import bench_targets  # noqa: E402
+from tools import figures  # noqa: E402
 from tools.bench_probes import HOST_BATCH, HOST_MODEL  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -51,7 +56,7 @@ CONFIGS = ((1, 100), (5, 20), (10, 10), (20, 5))  # the post's (N, B)
 FULL = dict(configs=CONFIGS, updates=20, repeats=7, keras_setup=True, mem_samples=16384,
             mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64), host_strategies=strategies.STRATEGIES,
             mem_strategies=strategies.STRATEGIES, probe_jobs=1)
-QUICK = dict(configs=((5, 20),), updates=2, repeats=2, keras_setup=False, mem_samples=1024,
+QUICK = dict(configs=((5, 20),), updates=1, repeats=2, keras_setup=False, mem_samples=512,
              mem_batch=128, host_ns=(2,), host_strategies=("stack",),
              mem_strategies=("fused",), probe_jobs=3)
 
@@ -77,7 +82,8 @@ def keras_setup_section(datasets, settings, n=5, b=20):
     return {"n": n, "b": b, "medians": medians}
 
 
-def speed_section(datasets, settings):
+def speed_section(datasets, settings, measured=lambda: None):
+    """One row per (N, B); `measured` is called after each."""
     rows = []
     for n, b in settings["configs"]:
         print(f"Speed at N={n} x B={b} (direct: B={n * b})", flush=True)
@@ -100,20 +106,31 @@ def speed_section(datasets, settings):
                                f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in times),
               flush=True)
         rows.append(row)
+        measured()
     return rows
 
 
-def kernels_section(settings):
-    """The fused/direct comparison again, on TensorFlow's Eigen kernels instead of
-    oneDNN's (TF_ENABLE_ONEDNN_OPTS=0 only acts at start-up: a fresh process)."""
+def start_kernels_probe(settings):
+    """Starts the fused/direct comparison again, on TensorFlow's Eigen kernels instead of
+    oneDNN's (TF_ENABLE_ONEDNN_OPTS=0 only acts at start-up: a fresh process).
+
+    Returns:
+      (spec, process) for kernels_section, or None: no configuration has a fused target.
+    """
     configs = [c for c in settings["configs"] if c in bench_targets.FUSED_LIMITS]
     if not configs:
         return None
     spec = {"kernels": True, "configs": configs, "updates": settings["updates"],
             "repeats": settings["repeats"]}
+    return spec, bench_probes.spawn_probe(spec, {"TF_ENABLE_ONEDNN_OPTS": "0"})
+
+
+def kernels_section(started):
+    """The result of start_kernels_probe's process, once it ends; None without one."""
+    if started is None:
+        return None
     print("Fused against direct with oneDNN off", flush=True)
-    result = bench_probes.probe_result(
-        spec, bench_probes.spawn_probe(spec, {"TF_ENABLE_ONEDNN_OPTS": "0"}))
+    result = bench_probes.probe_result(*started)
     print("  " + (result.get("error") or ", ".join(
         f"N={r['n']} x B={r['b']}: {r['ratio']:.2f}x" for r in result["kernels"])), flush=True)
     return result
@@ -165,6 +182,37 @@ def host_memory_section(settings):
 # ---------------------------------------------------------------- the run
 
 
+def measure(datasets, settings, measured, lap):
+    """Every section: (keras_setup, speed, kernels, memory, host memory); `measured` is
+    called after each section, and after each (N, B) of the speed section."""
+    keras_setup = None
+    if settings["keras_setup"]:
+        keras_setup = keras_setup_section(datasets, settings)
+        lap("Keras used plainly")
+        measured()
+    speed = speed_section(datasets, settings, measured)
+    lap("speed")
+    # Quick (probes in parallel): the Eigen-kernels timing shares the machine with the
+    # memory probes, which a smoke test can afford; the full bench times it alone.
+    overlap = settings["probe_jobs"] > 1
+    started = start_kernels_probe(settings) if overlap else None
+    if not overlap:
+        kernels = kernels_section(start_kernels_probe(settings))
+        lap("oneDNN off")
+        measured()
+    mem = memory_section(settings)
+    lap("peak memory")
+    measured()
+    host = host_memory_section(settings)
+    lap("host memory")
+    measured()
+    if overlap:
+        kernels = kernels_section(started)
+        lap("oneDNN off, beside the memory probes")
+        measured()
+    return keras_setup, speed, kernels, mem, host
+
+
 def main_bench(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -178,9 +226,9 @@ def main_bench(argv):
         return
     output = FLAGS.output
     try:
-        results.check_writable(output)
+        results.check_writable(output, "--output")
     except results.ResultsError as e:
-        cli.fail(str(e).replace("--results", "--output"))
+        cli.fail(str(e))
     settings = QUICK if FLAGS.quick else FULL
     command = "python -m tools.bench" + (" --quick" if FLAGS.quick else "") + (
         f" --output={shlex.quote(output)}" if output != "BENCHMARKS.md" else "")
@@ -197,24 +245,27 @@ def main_bench(argv):
     except data.DataError as e:
         cli.fail(str(e))
     lap("MNIST")
-    keras_setup = None
-    if settings["keras_setup"]:
-        keras_setup = keras_setup_section(datasets, settings)
-        lap("Keras used plainly")
-    speed = speed_section(datasets, settings)
-    lap("speed")
-    kernels = kernels_section(settings)
-    lap("oneDNN off")
-    mem = memory_section(settings)
-    lap("peak memory")
-    host = host_memory_section(settings)
-    lap("host memory")
+    # The bar counts sections, a (N, B) of the speed section each: enough to see where
+    # the bench is and, roughly, how long is left.
+    steps = bool(settings["keras_setup"]) + len(settings["configs"]) + 3
+    with progress.Bar(steps, "bench", unit="measurement") as bar, bar.printing_through():
+        keras_setup, speed, kernels, mem, host = measure(datasets, settings, bar.update, lap)
     targets = bench_targets.evaluate_targets(speed, mem, host, kernels)
     bench_report.print_targets(targets)
+    figure = os.path.splitext(output)[0] + ".png"
+    try:
+        figures.bench_ratios(speed, mem, figure, host)
+        drawn = os.path.basename(figure)
+    except ValueError as e:  # nothing measured that a figure could show
+        drawn = None
+        print(f"{figure} not drawn: {e}")
+    except OSError as e:
+        cli.fail(f"{figure}: cannot write the figure ({e.strerror or e})")
     text = bench_report.render(command, settings, speed, keras_setup, mem, host, targets,
-                               time.perf_counter() - start, kernels)
+                               time.perf_counter() - start, kernels, figure=drawn)
     results.atomic_write_text(output, text)
-    print(f"\nWrote {output} in {(time.perf_counter() - start) / 60:.1f} minutes.")
+    print(f"\nWrote {output}" + (f" and {figure}" if drawn else "")
+          + f" in {(time.perf_counter() - start) / 60:.1f} minutes.")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ def _ms_ratio(row, label):
     return f"{row['median_ms'][label]:.1f} ms, {r['ratio']:.2f}x"
 
 
-def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, kernels=None):
+def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, kernels=None,
+           figure=None):
+    """The markdown; `figure`: the file name of the ratios' PNG next to it, linked, or None."""
     lines = ["# Benchmarks: gradient accumulation, speed and memory", "",
              f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
              f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
@@ -34,6 +36,12 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
     if whys:
         lines += ["", "### Why targets were missed", ""]
         lines += [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys]
+    if figure:
+        lines += ["", f"![Speed and memory ratios]({figure})", "",
+                  "Left: time per update against the direct batch of N*B (median of the "
+                  "per-round ratios, whiskers their quartiles; below the dashed line is "
+                  "faster). Middle: peak memory of each strategy against B alone and against "
+                  "the direct batch. Right: host memory as N grows."]
     if speed:
         labels = (["direct"] + list(strategies.STRATEGIES)
                   + list(bench_contenders.KERAS_CONTENDERS) + ["tf2"])
