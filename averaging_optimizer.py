@@ -179,6 +179,17 @@ class AveragingOptimizer(v1.train.Optimizer):
           ValueError: no variable has a gradient, or `weight` is not a scalar.
           RuntimeError: this optimizer already built its op in this graph.
         """
+        return self._build(grads_and_vars, global_step, name, weight, apply_when_full=True)
+
+    def accumulate_gradients(self, grads_and_vars, global_step=None, name=None, weight=None):
+        """As apply_gradients, but the op only adds the mini-batch: `flush_op()` applies.
+
+        For a loop that decides itself when a window ends (strategies.GraphAverager runs
+        it N times, then flush_op); `global_step` is the one flush_op advances.
+        """
+        return self._build(grads_and_vars, global_step, name, weight, apply_when_full=False)
+
+    def _build(self, grads_and_vars, global_step, name, weight, apply_when_full):
         grads_and_vars = list(grads_and_vars)  # a zip is read twice below
         pairs = [(g, v) for g, v in grads_and_vars if g is not None]
         if not pairs:
@@ -194,7 +205,7 @@ class AveragingOptimizer(v1.train.Optimizer):
                 raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
         sparse = {v: isinstance(g, tf.IndexedSlices) for g, v in pairs}
         with v1.name_scope(name, self.get_name()) as scope:
-            if self._n == 1:
+            if self._n == 1 and apply_when_full:
                 window = self._windows[graph] = _Window(scope, [], {})
                 with tf.init_scope(), v1.name_scope(scope):
                     window.flush_op = tf.no_op(name="flush")
@@ -206,9 +217,12 @@ class AveragingOptimizer(v1.train.Optimizer):
                 tf.constant(1, tf.float64) if weight is None else tf.cast(weight, tf.float64),
                 read_value=False))
             with tf.control_dependencies(accumulate):
-                full = window.count.assign_add(1) >= self._n
-                applied = tf.cond(full, lambda: self._apply_window(window, global_step),
-                                  tf.no_op)
+                if apply_when_full:
+                    full = window.count.assign_add(1) >= self._n
+                    applied = tf.cond(full, lambda: self._apply_window(window, global_step),
+                                      tf.no_op)
+                else:
+                    applied = window.count.assign_add(1, read_value=False)
             train_op = tf.group(applied, name=scope)
         # Built now, not in flush_op(): the graph may be finalized by then.
         with tf.init_scope(), v1.name_scope(scope):
@@ -229,6 +243,11 @@ class AveragingOptimizer(v1.train.Optimizer):
     def skipped_windows(self):
         """int64 variable: windows discarded by check_finite in this graph."""
         return self._window("skipped_windows").skipped_windows
+
+    @property
+    def window_count(self):
+        """int64 variable: mini-batches in the open window (None with N == 1: no window)."""
+        return getattr(self._window("window_count"), "count", None)
 
     def get_slot(self, var, name):
         """The wrapped optimizer's slots, plus "accumulator" (and "touched" for sparse)."""

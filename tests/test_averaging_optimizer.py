@@ -162,6 +162,31 @@ def test_flush_op_applies_a_partial_window_and_is_a_noop_on_an_empty_one():
     assert step == 1  # the window was applied and reset by the 3rd run: nothing to flush
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_accumulate_gradients_only_adds_and_flush_op_applies_any_window(weighted):
+    """The loop decides when a window ends (strategies' `graph`): 5 mini-batches with
+    N=3 stay open until flushed, then update as the direct batch of 5 (weighted: 5 of
+    unequal sizes)."""
+    feeds = minibatches([4, 6, 4, 3, 5] if weighted else [4] * 5)
+    with tf.Graph().as_default():
+        model = mlp()
+        global_step = v1.train.get_or_create_global_step()
+        opt = AveragingOptimizer(OPTIMIZERS["adam"](), 3)
+        weight = tf.cast(tf.shape(model.x)[0], tf.float64) if weighted else None
+        accumulate = opt.accumulate_gradients(
+            opt.compute_gradients(model.loss), global_step=global_step, weight=weight)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for x, y in feeds:
+                sess.run(accumulate, {model.x: x, model.y: y})
+            assert sess.run([opt.window_count, global_step]) == [5, 0]
+            sess.run(opt.flush_op())
+            assert sess.run([opt.window_count, global_step]) == [0, 1]
+            accumulated = sess.run(model.variables)
+    direct, _ = train(OPTIMIZERS["adam"], concatenated(feeds, 5))
+    assert_close(accumulated, direct)
+
+
 # ---------------------------------------------------------------- bad use
 
 def test_bad_use_gets_one_clear_error():
