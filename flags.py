@@ -57,7 +57,8 @@ cli.define("bool", "verbose", False, "Print loss and accuracy at every evaluatio
 cli.define("enum", "accumulate", "stack",
         "Where the window of gradients lives: stack (the post's numpy stack), running "
         "(numpy running sum), graph (accumulator variables), fused (one session call "
-        "per update).", enum_values=list(strategies.STRATEGIES))
+        "per update), optimizer (trainer.AveragingOptimizer's train op, one run per "
+        "mini-batch).", enum_values=list(strategies.STRATEGIES))
 cli.define("enum", "model", "convnet",
         "convnet: the post's LeNet-like network; mlp: a 784-4096-4096-10 dense network.",
         enum_values=sorted(model.MODELS))

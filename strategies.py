@@ -2,8 +2,9 @@
 
 Each applies exactly the post's update (trainer.GradientAverager, `stack`) and differs
 only in where the window is kept: a numpy running sum (`running`), accumulator
-variables in the graph (`graph`), or the window's inputs, run as one session call per
-update (`fused`). They are siblings of GradientAverager with its protocol:
+variables in the graph, applied by a run of its own (`graph`) or by the Nth mini-batch's
+run (`optimizer`, trainer.AveragingOptimizer's train op), or the window's inputs, run as
+one session call per update (`fused`). They are siblings of GradientAverager with its protocol:
 `step(sess, feed_dict)` and `flush(sess)` return (losses, closed) where closed is
 None, trainer.APPLIED or trainer.DISCARDED; `window_size()`; `window_state()` and
 `restore_window(state, graph)` for checkpoints; the `updates` and `skipped_windows`
@@ -14,10 +15,11 @@ import numpy as np
 import tensorflow as tf
 
 import trainer
+from averaging_optimizer import LOW_PRECISION
 
 v1 = tf.compat.v1
 
-STRATEGIES = ("stack", "running", "graph", "fused")
+STRATEGIES = ("stack", "running", "graph", "fused", "optimizer")
 # Micro-batches the fused loop runs at once. With 1, small kernels leave a core idle;
 # with 2, one micro-batch's forward pass overlaps the previous one's backward pass:
 # measured here, fused trained N=5 x B=20 in 1.25x to 1.4x direct's time, against 1.8x
@@ -43,7 +45,8 @@ def make_averager(strategy, loss, optimizer, num_batches, var_list=None, global_
             raise ValueError("the fused strategy needs loss_fn and inputs")
         return FusedAverager(loss_fn, inputs, optimizer, num_batches, var_list, global_step,
                              check_finite)
-    cls = RunningSumAverager if strategy == "running" else GraphAverager
+    cls = {"running": RunningSumAverager, "graph": GraphAverager,
+           "optimizer": OptimizerAverager}[strategy]
     return cls(loss, optimizer, num_batches, var_list, global_step, check_finite)
 
 
@@ -57,7 +60,9 @@ class RunningSumAverager:
     """`running`: the post's graph, the window one numpy sum per variable (O(params)).
 
     The ops are a GradientAverager's (`grad_op`, the placeholders, `apply_op`); only the
-    window differs: each mini-batch's gradients are added into the sum as they come.
+    window differs: each mini-batch's gradients are added into the sum as they come;
+    float16 and bfloat16 gradients into a float32 sum, which 20 gradients of 4e3 do not
+    overflow.
     """
 
     def __init__(self, loss, optimizer, num_batches, var_list=None, global_step=None,
@@ -66,14 +71,16 @@ class RunningSumAverager:
         self.num_batches = num_batches
         self.post = trainer.GradientAverager(loss, optimizer, num_batches, var_list,
                                              global_step, check_finite)
+        self._sum_types = [np.float32 if g.dtype in LOW_PRECISION else g.dtype.as_numpy_dtype
+                           for g in self.post.grad_op]
         self.updates = self.skipped_windows = 0
         self._sum, self._count, self._bad = None, 0, False
 
     def step(self, sess, feed_dict):
         post = self.post
         loss, grads, finite = sess.run([post.loss, post.grad_op, post.finite], feed_dict)
-        if self._sum is None:
-            self._sum = grads  # fresh arrays from sess.run, ours to update in place
+        if self._sum is None:  # fresh arrays from sess.run (or casts), ours to update
+            self._sum = [np.asarray(g, t) for g, t in zip(grads, self._sum_types)]
         else:
             for total, g in zip(self._sum, grads):
                 np.add(total, g, out=total)
@@ -86,8 +93,10 @@ class RunningSumAverager:
     def _close(self, sess):
         finite = not self._bad
         if finite:
-            mean = [total / np.asarray(self._count, total.dtype) for total in self._sum]
-            sess.run(self.post.apply_op, feed_dict=dict(zip(self.post.grad_placeholders, mean)))
+            placeholders = self.post.grad_placeholders
+            mean = [(total / np.asarray(self._count, total.dtype)).astype(
+                p.dtype.as_numpy_dtype, copy=False) for total, p in zip(self._sum, placeholders)]
+            sess.run(self.post.apply_op, feed_dict=dict(zip(placeholders, mean)))
         self._sum, self._count, self._bad = None, 0, False
         return trainer.count_window(self, finite)
 
@@ -108,77 +117,90 @@ class RunningSumAverager:
 
 
 class GraphAverager:
-    """`graph`: accumulator variables in the graph; no gradient leaves it.
+    """`graph`: the window in variables (trainer.AveragingOptimizer's); N + 1 runs.
 
-    Each mini-batch runs `[loss, accumulate_op]` (assign_add into the accumulators);
-    `apply_op` applies accumulators / count and resets them, in one op. Being
-    variables, the accumulators are saved with the model by a tf.train.Saver.
+    Each mini-batch runs `[loss, accumulate_op]`, which adds its gradients to the
+    accumulators (float32 for float16 and bfloat16 gradients); after N, `apply_op`
+    applies their mean and resets them. The window (accumulators, count, weight sum,
+    discarded windows) is variables in a name scope of their own, so two averagers
+    share a graph under any variable scope or reuse, a Saver keeps the open window, and
+    the count a step closes on is the variable's, read after the run: what a checkpoint
+    restored. With check_finite a window whose mean holds a NaN or Inf is discarded.
     """
+
+    APPLIES_IN_STEP = False
 
     def __init__(self, loss, optimizer, num_batches, var_list=None, global_step=None,
                  check_finite=False):
         _check_window(num_batches)
         self.num_batches, self.loss = num_batches, loss
         self.updates = self.skipped_windows = 0
-        pairs = trainer.gradients_and_variables(loss, optimizer, var_list)
-        self.variables = [v for _, v in pairs]
-        self.grad_op = [g for g, _ in pairs]
-        self.finite = trainer.finite_check([loss] + self.grad_op, check_finite)
-        with v1.variable_scope("gradient_accumulators"):
-            self.accumulators = [
-                v1.get_variable(v.op.name.replace("/", "_"), shape=g.shape, dtype=g.dtype,
-                                initializer=v1.zeros_initializer(), trainable=False)
-                for g, v in pairs]
-            self.count = v1.get_variable("count", shape=[], dtype=tf.int32,
-                                         initializer=v1.zeros_initializer(), trainable=False)
-        self.accumulate_op = tf.group(
-            [a.assign_add(g) for a, g in zip(self.accumulators, self.grad_op)]
-            + [self.count.assign_add(1)])
-        self.reset_op = tf.group([a.assign(tf.zeros_like(a)) for a in self.accumulators]
-                                 + [self.count.assign(0)])
-        mean = [a / tf.cast(self.count, a.dtype) for a in self.accumulators]
-        applied = optimizer.apply_gradients(zip(mean, self.variables), global_step=global_step)
-        with tf.control_dependencies([applied]):
-            self.apply_op = tf.group([a.assign(tf.zeros_like(a)) for a in self.accumulators]
-                                     + [self.count.assign(0)])
-        self._count, self._bad = 0, False  # _count mirrors `count` without a session call
+        self.optimizer = trainer.AveragingOptimizer(optimizer, num_batches, check_finite)
+        pairs = optimizer.compute_gradients(loss, var_list=var_list)
+        if self.APPLIES_IN_STEP:
+            step_op = self.optimizer.apply_gradients(pairs, global_step=global_step)
+        else:
+            step_op = self.optimizer.accumulate_gradients(pairs, global_step=global_step)
+        # (mini-batches in the window, windows discarded), read after the op has run
+        self.step_op = self._then_read_window(step_op)
+        self.apply_op = self._then_read_window(self.optimizer.flush_op())
+        self._count = 0  # the window's count as last read
+
+    def _then_read_window(self, op):
+        with tf.control_dependencies([op]):
+            return [self.optimizer.window_count.read_value(),
+                    self.optimizer.skipped_windows.read_value()]
 
     def step(self, sess, feed_dict):
-        loss, _, finite = sess.run([self.loss, self.accumulate_op, self.finite], feed_dict)
-        self._count += 1
-        self._bad = self._bad or not finite
-        if self._count == self.num_batches:
-            return [loss], self._close(sess)
-        return [loss], None
+        loss, window = sess.run([self.loss, self.step_op], feed_dict)
+        closed = self._closed(window)
+        if self._count >= self.num_batches:
+            closed = self._closed(sess.run(self.apply_op))
+        return [loss], closed
 
-    def _close(self, sess):
-        finite = not self._bad
-        sess.run(self.apply_op if finite else self.reset_op)
-        self._count, self._bad = 0, False
-        return trainer.count_window(self, finite)
+    def _closed(self, window):
+        """None while the window is open; else APPLIED or DISCARDED, counted."""
+        count, skipped = window
+        self._count = int(count)
+        if self._count:
+            return None
+        return trainer.count_window(self, skipped == self.skipped_windows)
 
     def flush(self, sess):
-        return [], (self._close(sess) if self._count else None)
+        return [], (self._closed(sess.run(self.apply_op)) if self._count else None)
 
     def window_size(self):
         return self._count
 
     def window_state(self):
-        # The sums are variables, in the Saver's file.
-        return {"count": np.array(self._count), "bad": np.array(self._bad)}
+        # The window is variables, in the Saver's file; the count only for window_size
+        # until the next step reads it back.
+        return {"count": np.array(self._count), "bad": np.array(False)}
 
     def restore_window(self, state, unused_graph):
-        self._count, self._bad = int(state["count"]), bool(state["bad"])
+        self._count = int(state["count"])
+
+
+class OptimizerAverager(GraphAverager):
+    """`optimizer`: trainer.AveragingOptimizer's train op as it is: N runs per update.
+
+    Each mini-batch runs `[loss, train_op]`; the Nth run also applies the mean and
+    resets the window, as in a user's TF1 loop; `flush` runs its flush_op.
+    """
+
+    APPLIES_IN_STEP = True
 
 
 class FusedAverager:
     """`fused`: one session call per update, an in-graph loop over the micro-batches.
 
-    The N micro-batches are fed together, stacked on a new leading axis; a
-    `tf.while_loop` (FUSED_PARALLEL_ITERATIONS micro-batches in flight, so peak
-    activation memory is that of two micro-batches, not of N) computes each
-    micro-batch's gradients and adds them up, in order; the mean is applied in the same
-    call. Host memory holds only the window's inputs.
+    The N micro-batches are fed together, stacked on a new leading axis (shorter ones
+    padded); a `tf.while_loop` (FUSED_PARALLEL_ITERATIONS micro-batches in flight, so
+    peak activation memory is that of two micro-batches, not of N) computes each
+    micro-batch's gradients with the optimizer's own compute_gradients and adds them up,
+    in order, float16 and bfloat16 into float32 sums; the mean is applied in the same
+    call. Micro-batches of unequal sizes n_k are weighted: sum(n_k g_k) / sum(n_k).
+    Host memory holds only the window's inputs.
     """
 
     def __init__(self, loss_fn, inputs, optimizer, num_batches, var_list=None,
@@ -186,9 +208,12 @@ class FusedAverager:
         """Builds the ops in the default graph.
 
         Args:
-          loss_fn: maps tensors shaped like `inputs` (one micro-batch) to a scalar loss;
-            it must reuse the model's variables (e.g. get_variable with AUTO_REUSE).
-          inputs: the per-micro-batch placeholders that `step`'s feed_dict fills;
+          loss_fn: maps tensors shaped like `inputs` (one micro-batch) to a scalar loss,
+            building the model again: variables it creates with tf.Variable are the
+            model's existing ones, handed out in creation order; get_variable must reuse
+            (e.g. AUTO_REUSE).
+          inputs: the per-micro-batch placeholders that `step`'s feed_dict fills; those
+            with an unknown leading dimension hold the samples (counted for the weights);
             other keys of the feed_dict (e.g. a `training` flag) are passed through.
           optimizer, num_batches, var_list, global_step, check_finite: as for
             trainer.GradientAverager.
@@ -198,26 +223,39 @@ class FusedAverager:
         self.updates = self.skipped_windows = 0
         self.inputs = list(inputs)
         self.variables = list(v1.trainable_variables() if var_list is None else var_list)
+        existing = v1.global_variables()
         self.window_inputs = [
             v1.placeholder(p.dtype, [None] + p.shape.as_list(), name="window_" + p.op.name)
             for p in self.inputs]
-        num_micro = tf.shape(self.window_inputs[0])[0]
+        self._batched = [bool(p.shape.rank) and tf.compat.dimension_value(p.shape[0]) is None
+                         for p in self.inputs]
+        # Samples per micro-batch; weights n_k / max(n): exactly 1.0 where all are equal.
+        self.sizes = v1.placeholder(tf.int32, [None], name="window_sizes")
+        num_micro = tf.shape(self.sizes)[0]
+        weights = tf.cast(self.sizes, tf.float64) / tf.cast(tf.reduce_max(self.sizes),
+                                                            tf.float64)
         no_gradient = []
 
         def body(i, losses, sums):
-            loss = loss_fn(*[w[i] for w in self.window_inputs])
-            grads = tf.gradients(loss, self.variables)
-            no_gradient[:] = [g is None for g in grads]
-            grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                     for g, v in zip(grads, self.variables)]
-            return i + 1, losses.write(i, loss), [s + g for s, g in zip(sums, grads)]
+            micro = [w[i][:self.sizes[i]] if batched else w[i]
+                     for w, batched in zip(self.window_inputs, self._batched)]
+            with _reusing(existing):
+                loss = loss_fn(*micro)
+            pairs = optimizer.compute_gradients(loss * tf.cast(weights[i], loss.dtype),
+                                                var_list=self.variables)
+            no_gradient[:] = [g is None for g, _ in pairs]
+            grads = [tf.zeros_like(s) if g is None else tf.cast(tf.convert_to_tensor(g), s.dtype)
+                     for (g, _), s in zip(pairs, sums)]
+            return (i + 1, losses.write(i, tf.cast(loss, tf.float32)),
+                    [s + g for s, g in zip(sums, grads)])
 
-        zeros = [tf.zeros(v.shape, v.dtype.base_dtype) for v in self.variables]
+        zeros = [tf.zeros(v.shape, _sum_type(v)) for v in self.variables]
         _, losses, sums = tf.while_loop(
             lambda i, *_: i < num_micro, body,
             [tf.constant(0), tf.TensorArray(tf.float32, size=num_micro), zeros],
             parallel_iterations=FUSED_PARALLEL_ITERATIONS)
-        pairs = [(s / tf.cast(num_micro, s.dtype), v)
+        weight_sum = tf.reduce_sum(weights)
+        pairs = [(tf.cast(s / tf.cast(weight_sum, s.dtype), v.dtype.base_dtype), v)
                  for s, v, none in zip(sums, self.variables, no_gradient) if not none]
         if not pairs:
             raise ValueError("no variable receives a gradient from the loss")
@@ -245,13 +283,21 @@ class FusedAverager:
         return [], None
 
     def _run_window(self, sess):
-        feed = dict(self._window[-1])
-        for p, w in zip(self.inputs, self.window_inputs):
-            del feed[p]
-            feed[w] = aligned_stack([f[p] for f in self._window])
-        losses, _, finite = sess.run([self.losses, self.apply_op, self.finite], feed)
-        self._window = []
+        try:  # whatever happens, the next step starts a new window
+            feed = dict(self._window[-1])
+            for p, w in zip(self.inputs, self.window_inputs):
+                del feed[p]
+                feed[w] = aligned_stack([f[p] for f in self._window])
+            feed[self.sizes] = self._sizes()
+            losses, _, finite = sess.run([self.losses, self.apply_op, self.finite], feed)
+        finally:
+            self._window = []
         return list(losses), trainer.count_window(self, finite)
+
+    def _sizes(self):
+        """Samples of each micro-batch: the leading dimension of its first batched input."""
+        batched = [p for p, b in zip(self.inputs, self._batched) if b]
+        return np.array([len(f[batched[0]]) if batched else 1 for f in self._window], np.int32)
 
     def flush(self, sess):
         return self._run_window(sess) if self._window else ([], None)
@@ -275,17 +321,57 @@ class FusedAverager:
             self._window[int(k)][graph.get_tensor_by_name(tensor_name)] = value
 
 
+def _sum_type(var):
+    dtype = var.dtype.base_dtype
+    return tf.float32 if dtype in LOW_PRECISION else dtype
+
+
+def _reusing(existing):
+    """A scope in which creating a variable returns the next of `existing` instead.
+
+    So a loss_fn that builds its model with tf.Variable (which ignores variable-scope
+    reuse) trains the model's variables: each creation takes the first unused variable
+    of `existing` (in creation order) with its trainability, dtype and shape.
+    """
+    unused = list(existing)
+
+    def creator(unused_next_creator, **kwargs):
+        initial = kwargs.get("initial_value")
+        shape = kwargs.get("shape")
+        if shape is None and initial is not None and not callable(initial):
+            shape = tf.convert_to_tensor(initial).shape
+        dtype = kwargs.get("dtype")
+        trainable = kwargs.get("trainable") in (None, True)
+        for var in unused:
+            if (var.trainable == trainable
+                    and (dtype is None or var.dtype.base_dtype == tf.as_dtype(dtype).base_dtype)
+                    and (shape is None or tf.TensorShape(shape).is_compatible_with(var.shape))):
+                unused.remove(var)
+                return var
+        raise ValueError(f"loss_fn creates a variable ({kwargs.get('name')}, shape {shape}) "
+                         "that the model built before it does not have")
+
+    return tf.variable_creator_scope(creator)
+
+
 def aligned_stack(arrays):
-    """np.stack into a FEED_ALIGNMENT-aligned buffer.
+    """np.stack into a FEED_ALIGNMENT-aligned buffer; shorter arrays zero-padded.
 
     A session copies a fed array that is not so aligned (numpy's usually is not); fed
     aligned, the window's inputs are not copied again (measured: at N=128 x B=128, a
     window of 51 MB of images, the fused run's peak RSS fell from +230 MB to +142 MB).
     """
-    first = np.asarray(arrays[0])
-    shape = (len(arrays),) + first.shape
+    arrays = [np.asarray(a) for a in arrays]
+    first = arrays[0]
+    length = max(len(a) for a in arrays) if first.ndim else None
+    shape = (len(arrays),) + ((length,) + first.shape[1:] if first.ndim else ())
     nbytes = int(np.prod(shape)) * first.dtype.itemsize
     raw = np.empty(nbytes + FEED_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % FEED_ALIGNMENT
     out = raw[start:start + nbytes].view(first.dtype).reshape(shape)
-    return np.stack(arrays, out=out)
+    if all(a.shape == first.shape for a in arrays):
+        return np.stack(arrays, out=out)
+    out[...] = 0
+    for k, a in enumerate(arrays):
+        out[k, :len(a)] = a
+    return out

@@ -45,9 +45,15 @@ def average_gradients(window):
         variable i, shaped like variable i.
 
     Returns:
-      A list with one array per variable: np.stack([w[i] for w in window]).mean(0).
+      A list with one array per variable: np.stack([w[i] for w in window]).mean(0),
+      summed in float32 for float16 and bfloat16 (numpy does so for float16 only).
     """
-    return [np.stack(grads, axis=0).mean(axis=0) for grads in zip(*window)]
+    return [np.stack(grads, axis=0).mean(axis=0, dtype=_sum_type(grads[0])).astype(
+        grads[0].dtype, copy=False) for grads in zip(*window)]
+
+
+def _sum_type(array):
+    return np.float32 if array.dtype.itemsize < 4 else array.dtype
 
 
 class GradientAverager:

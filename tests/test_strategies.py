@@ -127,3 +127,157 @@ def test_fused_window_is_stacked_into_a_buffer_a_session_feeds_without_a_copy():
         np.testing.assert_array_equal(stacked, np.stack(arrays))
         assert stacked.dtype == arrays[0].dtype and stacked.flags.c_contiguous
         assert stacked.ctypes.data % strategies.FEED_ALIGNMENT == 0
+
+
+# ---------------------------------------------------------------- TF1 code as users write it
+# A tiny float64 model built with tf.Variable, as the TF1 tutorial builds mnist.inference:
+# "exact" is allclose at rtol 1e-10, only the order of the sums differs.
+
+RNG = np.random.RandomState(1)
+X, Y = RNG.randn(200, 4), RNG.randn(200, 2)
+W1, W2 = RNG.randn(4, 5), RNG.randn(5, 2)
+RTOL, ATOL = 1e-10, 1e-12
+
+
+class HalvingSGD(v1.train.GradientDescentOptimizer):
+    """A wrapper's compute_gradients (as loss scaling or clipping wrappers have one)."""
+
+    def compute_gradients(self, loss, **kwargs):
+        return [(None if g is None else 0.5 * g, v)
+                for g, v in super().compute_gradients(loss, **kwargs)]
+
+
+OPTIMIZERS = {"sgd": lambda: v1.train.GradientDescentOptimizer(0.1),
+              "adam": lambda: v1.train.AdamOptimizer(0.05),
+              "halving_sgd": lambda: HalvingSGD(0.1)}
+
+
+def tiny_loss(x, y):
+    """x [B, 4] -> tanh(5) -> 2, mean squared error over the mini-batch."""
+    w1, w2 = tf.Variable(W1, name="w1"), tf.Variable(W2, name="w2")
+    return tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(x, w1)), w2) - y))
+
+
+def tiny_graph(strategy, make_optimizer, n):
+    x = v1.placeholder(tf.float64, [None, 4], "x")
+    y = v1.placeholder(tf.float64, [None, 2], "y")
+    averager = strategies.make_averager(
+        strategy, tiny_loss(x, y), make_optimizer(), n, loss_fn=tiny_loss, inputs=[x, y],
+        global_step=v1.train.get_or_create_global_step(), check_finite=True)
+    return x, y, averager
+
+
+def tiny_batches(sizes):
+    bounds = np.cumsum([0] + list(sizes))
+    return [(X[a:b], Y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def train_tiny(strategy, make_optimizer, sizes, n):
+    """The weights after training the mini-batches of `sizes`, N at a time, flushed."""
+    with tf.Graph().as_default():
+        x, y, averager = tiny_graph(strategy, make_optimizer, n)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for images, labels in tiny_batches(sizes):
+                averager.step(sess, {x: images, y: labels})
+            averager.flush(sess)
+            return sess.run(v1.trainable_variables())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_trains_a_tf_variable_model_weighting_unequal_minibatches(name):
+    """A float64 loss, a model of tf.Variables built again by loss_fn, the optimizer's own
+    compute_gradients, and a short last mini-batch weighted by its samples: windows of
+    25, 25, 25, 7 and 10, 10, 10, 10 train exactly as direct batches of 82 and 40."""
+    fused = train_tiny("fused", OPTIMIZERS[name], [25, 25, 25, 7, 10, 10, 10, 10], 4)
+    direct = train_tiny("stack", OPTIMIZERS[name], [82, 40], 1)
+    assert not np.allclose(direct[0], W1)
+    for f, d in zip(fused, direct):
+        np.testing.assert_allclose(f, d, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("strategy", ["graph", "optimizer"])
+def test_two_variable_windows_share_a_graph_under_auto_reuse(strategy):
+    """A GAN's two averagers, N=2 and N=3, in one reusing scope: each keeps its own
+    window, so both train bit for bit as two `stack` averagers do."""
+    def train(kind):
+        with tf.Graph().as_default():
+            x = v1.placeholder(tf.float64, [None, 4])
+            y = v1.placeholder(tf.float64, [None, 2])
+            with v1.variable_scope("gan", reuse=v1.AUTO_REUSE):
+                d = v1.get_variable("d", initializer=W1)
+                g = v1.get_variable("g", initializer=W2)
+                loss = tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(x, d)), g) - y))
+                averagers = [strategies.make_averager(kind, sign * loss,
+                                                      v1.train.AdamOptimizer(0.05), n,
+                                                      var_list=[var])
+                             for sign, n, var in ((1.0, 2, d), (-1.0, 3, g))]
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                for images, labels in tiny_batches([8] * 6):
+                    for averager in averagers:
+                        averager.step(sess, {x: images, y: labels})
+                assert [a.updates for a in averagers] == [3, 2]
+                return sess.run([d, g])
+
+    expected = train("stack")
+    for a, e in zip(train(strategy), expected):
+        assert not np.array_equal(a, W1) and not np.array_equal(a, W2)
+        np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("strategy", ["graph", "optimizer"])
+def test_a_saver_alone_restores_the_open_window_and_its_count(tmp_path, strategy):
+    """Saved after 2 mini-batches of a window of 3 and restored by a plain Saver (no
+    restore_window): the 3rd mini-batch closes the window, as uninterrupted."""
+    sizes, path = [8] * 8, str(tmp_path / "model.ckpt")
+
+    def run(feeds, restore):
+        with tf.Graph().as_default():
+            x, y, averager = tiny_graph(strategy, OPTIMIZERS["adam"], 3)
+            saver = v1.train.Saver()
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                if restore:
+                    saver.restore(sess, path)
+                closed = [averager.step(sess, {x: a, y: b})[1] for a, b in feeds]
+                saver.save(sess, path)
+                return closed, averager.flush(sess)[1], sess.run(v1.trainable_variables())
+
+    feeds = tiny_batches(sizes)
+    run(feeds[:2], restore=False)
+    closed, flushed, resumed = run(feeds[2:], restore=True)
+    assert closed == ["applied", None, None, "applied", None, None] and flushed == "applied"
+    uninterrupted = run(feeds, restore=False)[2]
+    direct = train_tiny("stack", OPTIMIZERS["adam"], [24, 24, 16], 1)
+    for r, u, d in zip(resumed, uninterrupted, direct):
+        np.testing.assert_array_equal(r, u)
+        np.testing.assert_allclose(r, d, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize("strategy", strategies.STRATEGIES)
+def test_low_precision_gradients_sum_in_float32_and_nonfinite_ones_are_caught(strategy,
+                                                                             dtype):
+    """20 gradients of about 4e3: their float16 sum (8e4) would overflow 65504. A window
+    with a real Inf is discarded whole."""
+    with tf.Graph().as_default():
+        grad = v1.placeholder(dtype, [3])
+        w = tf.Variable(tf.zeros([3], dtype))
+
+        def loss_fn(g):
+            return tf.reduce_sum(w * g)  # its gradient is g
+
+        averager = strategies.make_averager(
+            strategy, loss_fn(grad), v1.train.GradientDescentOptimizer(1.0), 20,
+            loss_fn=loss_fn, inputs=[grad], check_finite=True)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for _ in range(20):
+                averager.step(sess, {grad: [4000.0, 4096.0, 4224.0]})
+            assert sess.run(w).astype(np.float32).tolist() == [-4000.0, -4096.0, -4224.0]
+            for _ in range(19):
+                averager.step(sess, {grad: [1.0, 1.0, 1.0]})
+            assert averager.step(sess, {grad: [1.0, np.inf, 1.0]})[1] == "discarded"
+            assert (averager.updates, averager.skipped_windows) == (1, 1)
+            assert sess.run(w).astype(np.float32).tolist() == [-4000.0, -4096.0, -4224.0]
