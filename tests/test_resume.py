@@ -1,4 +1,6 @@
-"""Long runs: interruption and exact resume, refusal to mix configs, determinism, NaNs."""
+"""Long runs: interruption and exact resume, refusal to mix configs, determinism, NaNs.
+
+Runs compare with each other here, so they evaluate on QUICK_TEST_IMAGES test images."""
 
 import json
 import os
@@ -34,29 +36,29 @@ def stop_at(iteration_to_stop, counter):
 # ---------------------------------------------------------------- exact resume, in process
 
 @pytest.mark.parametrize("strategy", strategies.STRATEGIES)
-def test_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist, strategy):
+def test_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist_quick, strategy):
     cfg = config(accumulate=strategy)
-    uninterrupted = loop.train_once(cfg, mnist, seed=4)
+    uninterrupted = loop.train_once(cfg, mnist_quick, seed=4)
     directory = str(tmp_path / "ckpt")
     with pytest.raises(loop.Stopped, match="3 mini-batches in the open window"):
-        loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory,
+        loop.train_once(cfg, mnist_quick, seed=4, checkpoint_dir=directory,
                               should_stop=stop_at(23, [0]))  # 23 = 4 windows of 5, + 3
     state = json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))
     assert state["iteration"] == 23 and state["updates"] == 4 and not state["finished"]
-    resumed = loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+    resumed = loop.train_once(cfg, mnist_quick, seed=4, checkpoint_dir=directory)
     assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
     for key in ("best_accuracy", "best_iteration", "final_accuracy", "updates"):
         assert resumed[key] == uninterrupted[key]
     # a finished run is kept, not trained again
-    again = loop.train_once(cfg, mnist, seed=4, checkpoint_dir=directory)
+    again = loop.train_once(cfg, mnist_quick, seed=4, checkpoint_dir=directory)
     assert again == resumed
     assert os.listdir(directory) == [checkpoint.STATE_FILE]
 
 
-def test_periodic_checkpoints_keep_only_the_latest_files(tmp_path, mnist):
+def test_periodic_checkpoints_keep_only_the_latest_files(tmp_path, mnist_quick):
     directory = str(tmp_path / "ckpt")
     with pytest.raises(loop.Stopped):
-        loop.train_once(config(average_gradients=2), mnist, seed=0,
+        loop.train_once(config(average_gradients=2), mnist_quick, seed=0,
                               checkpoint_dir=directory, checkpoint_every=3,
                               should_stop=stop_at(41, [0]))
     names = sorted(os.listdir(directory))
@@ -72,15 +74,15 @@ def test_periodic_checkpoints_keep_only_the_latest_files(tmp_path, mnist):
     (dict(accumulate="graph"), "accumulate=stack"),
     (dict(model="mlp"), "model=convnet"),
 ])
-def test_refuses_a_checkpoint_of_another_configuration(tmp_path, mnist, change, named):
+def test_refuses_a_checkpoint_of_another_configuration(tmp_path, mnist_quick, change, named):
     directory = str(tmp_path / "ckpt")
     with pytest.raises(loop.Stopped):
-        loop.train_once(config(), mnist, seed=0, checkpoint_dir=directory,
+        loop.train_once(config(), mnist_quick, seed=0, checkpoint_dir=directory,
                               should_stop=stop_at(7, [0]))
     with pytest.raises(checkpoint.CheckpointError, match=named):
-        loop.train_once(config(**change), mnist, seed=0, checkpoint_dir=directory)
+        loop.train_once(config(**change), mnist_quick, seed=0, checkpoint_dir=directory)
     with pytest.raises(checkpoint.CheckpointError, match="seed=0"):
-        loop.train_once(config(), mnist, seed=1, checkpoint_dir=directory)
+        loop.train_once(config(), mnist_quick, seed=1, checkpoint_dir=directory)
 
 
 def one_line_error(capsys, *args, code=2):
@@ -93,9 +95,11 @@ def one_line_error(capsys, *args, code=2):
     return errors[0]
 
 
-def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, capsys):
+def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, capsys,
+                                                                  mnist_quick_dir):
     base = ["--average-gradients=5", "--batch-size=10", "--iterations=30",
-            f"--checkpoint-dir={tmp_path}", "--checkpoint-every=2", "--eval-every=0"]
+            f"--checkpoint-dir={tmp_path}", "--checkpoint-every=2", "--eval-every=0",
+            f"--data-dir={mnist_quick_dir}"]
     state_path = tmp_path / "rep-0" / checkpoint.STATE_FILE
     run_main_in_process(*base)
     assert "Training finished" in capsys.readouterr().out
@@ -109,15 +113,17 @@ def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, ca
 
 
 @pytest.mark.parametrize("victim", ["model.ckpt-20.data-00000-of-00001", "window-20.npz"])
-def test_truncated_checkpoint_files_give_one_line(tmp_path, capsys, mnist, victim):
+def test_truncated_checkpoint_files_give_one_line(tmp_path, capsys, mnist_quick, mnist_quick_dir,
+                                                  victim):
     directory = tmp_path / "rep-0"
     with pytest.raises(loop.Stopped):
-        loop.train_once(config(), mnist, seed=0, checkpoint_dir=str(directory),
+        loop.train_once(config(), mnist_quick, seed=0, checkpoint_dir=str(directory),
                               should_stop=stop_at(20, [0]))
     path = directory / victim
     path.write_bytes(path.read_bytes()[:100])
     error = one_line_error(capsys, "--average-gradients=5", "--batch-size=10",
-                           "--iterations=60", "--eval-every=20", f"--checkpoint-dir={tmp_path}")
+                           "--iterations=60", "--eval-every=20", f"--checkpoint-dir={tmp_path}",
+                           f"--data-dir={mnist_quick_dir}")
     assert "is corrupt" in error
 
 
@@ -145,26 +151,42 @@ def wait_for_line(proc, needle, timeout=120):
     raise AssertionError(f"never saw {needle!r}; got {lines}")
 
 
+# Windows of 7 mini-batches of 10, evaluated every 30; stopped after iteration 30 (4 updates
+# and 2 mini-batches in the open window), 180 iterations before the end.
+KILLED_ARGS = ("--average-gradients=7", "--batch-size=10", "--iterations=210",
+               "--eval-every=30", "--verbose")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, mnist_quick_dir):
+    """Two reps of KILLED_ARGS in one process, never stopped: their result records."""
+    path = tmp_path_factory.mktemp("uninterrupted") / "full.json"
+    proc = run_cli(*KILLED_ARGS, "--reps=2", f"--data-dir={mnist_quick_dir}",
+                   f"--results={path}")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(path.read_text())["runs"]
+
+
 @pytest.mark.parametrize("signum,reps", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
-def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, signum, reps):
-    args = ["--average-gradients=7", "--batch-size=10", "--iterations=210", f"--reps={reps}",
-            "--eval-every=30", "--verbose"]
-    full = tmp_path / "full.json"
-    assert run_cli(*args, f"--results={full}").returncode == 0
+def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted,
+                                                         mnist_quick_dir, signum, reps):
     part = tmp_path / "part.json"
-    resumable = args + [f"--checkpoint-dir={tmp_path / 'ckpt'}", f"--results={part}"]
+    resumable = [*KILLED_ARGS, f"--reps={reps}", f"--data-dir={mnist_quick_dir}",
+                 f"--checkpoint-dir={tmp_path / 'ckpt'}", f"--results={part}"]
     proc = start(resumable)
-    seen = wait_for_line(proc, "Training finished") if reps > 1 else []
-    seen += wait_for_line(proc, "Iteration 60:")
+    if reps > 1:
+        wait_for_line(proc, "Training finished")
+    wait_for_line(proc, "Iteration 30:")
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, err
     assert f"interrupted by {signal.Signals(signum).name}" in err and "Traceback" not in err
+    assert "stopped at iteration" in err and "Training finished" not in out
     if reps > 1:  # the finished rep was written before the interruption
         assert len(json.loads(part.read_text())["runs"]) == 1
     resumed = run_cli(*resumable)
     assert resumed.returncode == 0, resumed.stderr
-    expected = json.loads(full.read_text())["runs"]
+    expected = uninterrupted[:reps]
     got = json.loads(part.read_text())["runs"]
     assert [r["weights_sha256"] for r in got] == [r["weights_sha256"] for r in expected]
     assert [r["final_accuracy"] for r in got] == [r["final_accuracy"] for r in expected]
@@ -172,63 +194,67 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, signum, reps)
 
 # ---------------------------------------------------------------- determinism
 
-def test_same_flags_same_bits_twice(tmp_path):
-    args = ["--average-gradients=3", "--batch-size=16", "--iterations=45", "--reps=1",
-            "--eval-every=15"]
-    first, second = tmp_path / "a.json", tmp_path / "b.json"
-    for path in (first, second):
-        assert run_cli(*args, f"--results={path}").returncode == 0
-    a, b = (json.loads(p.read_text())["runs"][0] for p in (first, second))
-    assert a["weights_sha256"] == b["weights_sha256"]
-    assert (a["best_accuracy"], a["final_accuracy"]) == (b["best_accuracy"], b["final_accuracy"])
+def test_same_flags_same_bits_twice(tmp_path, uninterrupted, mnist_quick_dir):
+    """Another process, the same flags as `uninterrupted`: the same bits and accuracies."""
+    path = tmp_path / "again.json"
+    proc = run_cli(*KILLED_ARGS, "--reps=2", f"--data-dir={mnist_quick_dir}",
+                   f"--results={path}")
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads(path.read_text())["runs"]
+    for a, b in zip(uninterrupted, again, strict=True):
+        assert a["weights_sha256"] == b["weights_sha256"]
+        assert (a["best_accuracy"], a["final_accuracy"]) == (b["best_accuracy"],
+                                                             b["final_accuracy"])
+    assert uninterrupted[0]["weights_sha256"] != uninterrupted[1]["weights_sha256"]
 
 
-def test_dropout_masks_follow_the_seed_not_the_process(mnist):
-    a = loop.train_once(config(iterations=20), mnist, seed=2)
-    b = loop.train_once(config(iterations=20), mnist, seed=2)
-    c = loop.train_once(config(iterations=20), mnist, seed=3)
+def test_dropout_masks_follow_the_seed_not_the_process(mnist_quick):
+    a = loop.train_once(config(iterations=20), mnist_quick, seed=2)
+    b = loop.train_once(config(iterations=20), mnist_quick, seed=2)
+    c = loop.train_once(config(iterations=20), mnist_quick, seed=3)
     assert a["weights_sha256"] == b["weights_sha256"] != c["weights_sha256"]
 
 
 # ---------------------------------------------------------------- non-finite numbers
 
 @pytest.mark.parametrize("strategy", strategies.STRATEGIES)
-def test_a_nonfinite_window_is_discarded_whole(mnist, strategy):
+def test_a_nonfinite_window_is_discarded_whole(mnist_quick, strategy):
     poisoned = loop.train_once(config(accumulate=strategy, inject_nonfinite=(12,)),
-                                     mnist, seed=0)
+                                     mnist_quick, seed=0)
     assert poisoned["skipped_windows"] == 1 and poisoned["updates"] == 11
     assert np.isfinite(poisoned["final_accuracy"])
     # the same as a run of the stack strategy: the discarded window changed nothing else
-    reference = loop.train_once(config(inject_nonfinite=(14,)), mnist, seed=0)
+    reference = loop.train_once(config(inject_nonfinite=(14,)), mnist_quick, seed=0)
     assert poisoned["weights_sha256"] == reference["weights_sha256"]
-    clean = loop.train_once(config(accumulate=strategy), mnist, seed=0)
+    clean = loop.train_once(config(accumulate=strategy), mnist_quick, seed=0)
     assert clean["skipped_windows"] == 0 and clean["updates"] == 12
 
 
-def test_nonfinite_at_n_equals_one_is_not_applied(mnist):
+def test_nonfinite_at_n_equals_one_is_not_applied(mnist_quick):
     run = loop.train_once(config(average_gradients=1, iterations=15,
-                                       inject_nonfinite=(3,)), mnist, seed=0)
+                                       inject_nonfinite=(3,)), mnist_quick, seed=0)
     assert run["skipped_windows"] == 1 and run["updates"] == 14
 
 
-def test_abort_and_max_bad_windows_stop_with_a_checkpoint(tmp_path, mnist):
+def test_abort_and_max_bad_windows_stop_with_a_checkpoint(tmp_path, mnist_quick):
     directory = str(tmp_path / "ckpt")
     with pytest.raises(loop.Stopped, match="iterations 11-15 and on_nonfinite=abort"):
-        loop.train_once(config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist,
+        loop.train_once(config(on_nonfinite="abort", inject_nonfinite=(12,)), mnist_quick,
                               seed=0, checkpoint_dir=directory)
     assert json.load(open(os.path.join(directory, checkpoint.STATE_FILE)))["iteration"] == 15
     with pytest.raises(loop.Stopped, match="2 consecutive windows"):
-        loop.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)), mnist,
+        loop.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 6, 7)), mnist_quick,
                               seed=0)
     # windows in between reset the count
-    run = loop.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 13)), mnist,
+    run = loop.train_once(config(max_bad_windows=2, inject_nonfinite=(3, 13)), mnist_quick,
                                 seed=0)
     assert run["skipped_windows"] == 2
 
 
-def test_cli_reports_skipped_windows_and_aborts_with_one_line(tmp_path, capsys):
+def test_cli_reports_skipped_windows_and_aborts_with_one_line(tmp_path, capsys, mnist_quick_dir):
     results = tmp_path / "r.json"
-    base = ["--average-gradients=5", "--batch-size=10", "--iterations=30"]
+    base = ["--average-gradients=5", "--batch-size=10", "--iterations=30",
+            f"--data-dir={mnist_quick_dir}"]
     run_main_in_process(*base, "--inject-nonfinite=7", f"--results={results}")
     assert json.loads(results.read_text())["runs"][0]["skipped_windows"] == 1
     error = one_line_error(capsys, *base, "--inject-nonfinite=7", "--on-nonfinite=abort",

@@ -138,7 +138,8 @@ def test_partial_window_applies_the_mean_of_what_it_holds(mnist):
 
 def test_works_on_a_users_graph_and_skips_variables_without_gradient():
     rng = np.random.default_rng(0)
-    xs, ys = rng.normal(size=(64, 3)).astype(np.float32), rng.normal(size=(64, 1)).astype(np.float32)
+    xs = rng.normal(size=(64, 3)).astype(np.float32)
+    ys = rng.normal(size=(64, 1)).astype(np.float32)
     with tf.Graph().as_default():
         x = v1.placeholder(tf.float32, [None, 3])
         y = v1.placeholder(tf.float32, [None, 1])
@@ -170,7 +171,7 @@ def test_rejects_n_below_one_and_unknown_strategies():
             strategies.make_averager("magic", loss, v1.train.GradientDescentOptimizer(1.0), 2)
 
 
-def test_every_strategy_ends_with_the_same_bits_with_dropout_on(mnist):
+def test_every_strategy_ends_with_the_same_bits_with_dropout_on(mnist_quick):
     """Same samples, same stateless dropout masks, sums in the same order: same weights.
 
     This is what lets `make reproduce` use the fastest strategy without changing a number.
@@ -179,7 +180,7 @@ def test_every_strategy_ends_with_the_same_bits_with_dropout_on(mnist):
     for strategy in strategies.STRATEGIES:
         config = loop.Config(average_gradients=4, batch_size=10, iterations=42,
                                    eval_every=0, dropout=0.5, accumulate=strategy)
-        digests[strategy] = loop.train_once(config, mnist, seed=5)["weights_sha256"]
+        digests[strategy] = loop.train_once(config, mnist_quick, seed=5)["weights_sha256"]
     assert len(set(digests.values())) == 1, digests
-    other_seed = loop.train_once(config, mnist, seed=6)["weights_sha256"]
+    other_seed = loop.train_once(config, mnist_quick, seed=6)["weights_sha256"]
     assert other_seed != digests["stack"]
