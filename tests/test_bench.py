@@ -107,7 +107,7 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for heading in ("## Targets", "## Speed", "## Profile", "## The same on Eigen kernels",
-                    "## Peak memory at 512 samples", "## Host memory", "## Method"):
+                    "## Peak memory at 512 samples", "## Method"):
         assert heading in text, heading
     assert f"`python -m tools.bench --quick --output={out}`" in text and "TensorFlow 2." in text
     rows = [line.split(" | ") for line in text.splitlines()

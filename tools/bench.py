@@ -1,7 +1,7 @@
 """Benchmarks the accumulation strategies and writes BENCHMARKS.md.
 
     python -m tools.bench            # the full benchmark, 7 to 10 minutes on 2 cores
-    python -m tools.bench --quick    # every section, scaled down: a smoke test (< 1 minute)
+    python -m tools.bench --quick    # a smoke test: every section scaled down, no host sweep
 
 Accumulation exists to save memory, so it must not cost speed; this measures both, in
 one run, on this machine:
@@ -56,11 +56,15 @@ CONFIGS = ((1, 100), (5, 20), (10, 10), (20, 5))  # the post's (N, B)
 FULL = dict(configs=CONFIGS, updates=20, repeats=7, keras_setup=True, mem_samples=16384,
             mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64), host_strategies=strategies.STRATEGIES,
             mem_strategies=strategies.STRATEGIES, probe_jobs=1)
+# Quick: a smoke test of every code path, each fresh process (~8 s of TensorFlow and MNIST
+# start-up on 2 cores) counted; no host-memory sweep (its probe is the memory probes' code
+# on another model).
 QUICK = dict(configs=((5, 20),), updates=1, repeats=2, keras_setup=False, mem_samples=512,
-             mem_batch=128, host_ns=(2,), host_strategies=("stack",),
+             mem_batch=128, host_ns=(), host_strategies=("stack",),
              mem_strategies=("fused",), probe_jobs=3)
 
-cli.define("bool", "quick", False, "Every section, scaled down (a smoke test, < 1 minute).")
+cli.define("bool", "quick", False,
+           "Every section scaled down, without the host-memory sweep (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")
 cli.define("string", "probe", None, "Internal: one memory measurement, as JSON; prints JSON.")
 
@@ -110,27 +114,17 @@ def speed_section(datasets, settings, measured=lambda: None):
     return rows
 
 
-def start_kernels_probe(settings):
-    """Starts the fused/direct comparison again, on TensorFlow's Eigen kernels instead of
-    oneDNN's (TF_ENABLE_ONEDNN_OPTS=0 only acts at start-up: a fresh process).
-
-    Returns:
-      (spec, process) for kernels_section, or None: no configuration has a fused target.
-    """
+def kernels_section(settings):
+    """The fused/direct comparison again, on TensorFlow's Eigen kernels instead of
+    oneDNN's (TF_ENABLE_ONEDNN_OPTS=0 only acts at start-up: a fresh process)."""
     configs = [c for c in settings["configs"] if c in bench_targets.FUSED_LIMITS]
     if not configs:
         return None
     spec = {"kernels": True, "configs": configs, "updates": settings["updates"],
             "repeats": settings["repeats"]}
-    return spec, bench_probes.spawn_probe(spec, {"TF_ENABLE_ONEDNN_OPTS": "0"})
-
-
-def kernels_section(started):
-    """The result of start_kernels_probe's process, once it ends; None without one."""
-    if started is None:
-        return None
     print("Fused against direct with oneDNN off", flush=True)
-    result = bench_probes.probe_result(*started)
+    result = bench_probes.probe_result(
+        spec, bench_probes.spawn_probe(spec, {"TF_ENABLE_ONEDNN_OPTS": "0"}))
     print("  " + (result.get("error") or ", ".join(
         f"N={r['n']} x B={r['b']}: {r['ratio']:.2f}x" for r in result["kernels"])), flush=True)
     return result
@@ -192,23 +186,16 @@ def measure(datasets, settings, measured, lap):
         measured()
     speed = speed_section(datasets, settings, measured)
     lap("speed")
-    # Quick (probes in parallel): the Eigen-kernels timing shares the machine with the
-    # memory probes, which a smoke test can afford; the full bench times it alone.
-    overlap = settings["probe_jobs"] > 1
-    started = start_kernels_probe(settings) if overlap else None
-    if not overlap:
-        kernels = kernels_section(start_kernels_probe(settings))
-        lap("oneDNN off")
-        measured()
+    kernels = kernels_section(settings)
+    lap("oneDNN off")
+    measured()
     mem = memory_section(settings)
     lap("peak memory")
     measured()
-    host = host_memory_section(settings)
-    lap("host memory")
-    measured()
-    if overlap:
-        kernels = kernels_section(started)
-        lap("oneDNN off, beside the memory probes")
+    host = None
+    if settings["host_ns"]:
+        host = host_memory_section(settings)
+        lap("host memory")
         measured()
     return keras_setup, speed, kernels, mem, host
 
@@ -247,7 +234,8 @@ def main_bench(argv):
     lap("MNIST")
     # The bar counts sections, a (N, B) of the speed section each: enough to see where
     # the bench is and, roughly, how long is left.
-    steps = bool(settings["keras_setup"]) + len(settings["configs"]) + 3
+    steps = (bool(settings["keras_setup"]) + len(settings["configs"]) + 2
+             + bool(settings["host_ns"]))
     with progress.Bar(steps, "bench", unit="measurement") as bar, bar.printing_through():
         keras_setup, speed, kernels, mem, host = measure(datasets, settings, bar.update, lap)
     targets = bench_targets.evaluate_targets(speed, mem, host, kernels)
