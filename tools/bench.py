@@ -54,7 +54,8 @@ FLAGS = flags.FLAGS
 CONFIGS = ((1, 100), (5, 20), (10, 10), (20, 5))  # the post's (N, B)
 # Speed: a measurement is a block of UPDATES updates, after one untimed block.
 FULL = dict(configs=CONFIGS, updates=20, repeats=7, keras_setup=True, mem_samples=16384,
-            mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64), host_strategies=strategies.STRATEGIES,
+            mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64),
+            host_strategies=strategies.STRATEGIES + ("tf2",),
             mem_strategies=strategies.STRATEGIES, probe_jobs=1)
 # Quick: a smoke test of every code path, each fresh process (~8 s of TensorFlow and MNIST
 # start-up on 2 cores) counted; no host-memory sweep (its probe is the memory probes' code

@@ -51,9 +51,10 @@ def run_probe(spec):
     (170 MB as float32) do not hide what the strategies change; then it measures the peak
     RSS while training `updates` updates, against the RSS just before.
     """
+    tf2 = spec["strategy"] == "tf2"  # the tf2 engine, its window buffered as inputs
     config = loop.Config(average_gradients=spec["n"], batch_size=spec["b"],
-                               accumulate=spec["strategy"], model=spec["model"],
-                               iterations=spec["n"] * spec["updates"])
+                         accumulate="stack" if tf2 else spec["strategy"], model=spec["model"],
+                         iterations=spec["n"] * spec["updates"], engine="tf2" if tf2 else "tf1")
     import_mb = _status_mb("VmRSS")  # TensorFlow imported, nothing else yet
     datasets = data.load_mnist()
     samples = spec["n"] * spec["b"] * spec["updates"]
@@ -61,7 +62,11 @@ def run_probe(spec):
                             bench_contenders.SEED).next_indices(samples)
     train = data.Split(datasets.train.images[idx], datasets.train.labels[idx])
     del datasets  # the full MNIST must not count in the peak
-    engine = engine_tf1.Engine(config, bench_contenders.SEED)
+    if tf2:
+        import engine_tf2  # Keras loads only in a tf2 probe
+        engine = engine_tf2.Engine(config, bench_contenders.SEED, data.Datasets(train, train, train))
+    else:
+        engine = engine_tf1.Engine(config, bench_contenders.SEED)
     try:
         batches = engine.batches(train, config.batch_size, 0, config.iterations)
         baseline = _status_mb("VmRSS")
@@ -78,8 +83,9 @@ def run_probe(spec):
     return dict(spec, import_mb=import_mb, baseline_mb=baseline, peak_mb=peak,
                 increment_mb=peak - baseline, exact_peak=exact,
                 seconds_per_update=seconds / spec["updates"],
-                parameters=sum(v.shape.num_elements() for v in
-                               engine.run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
+                parameters=engine.net.count_params() if tf2 else sum(
+                    v.shape.num_elements() for v in
+                    engine.run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
 
 
 def run_kernels_probe(spec):

@@ -214,7 +214,7 @@ def host_targets(host):
     """Flat in N: less than FLAT_GRADIENTS_PER_N gradients more per added micro-batch
     (a strategy that keeps the window's gradients adds at least one per micro-batch)."""
     out = []
-    for s in ("running", "graph", "fused"):
+    for s in ("running", "graph", "fused", "tf2"):
         if s not in host["strategies"]:
             continue
         slope = host_slope(host, s)
