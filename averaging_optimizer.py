@@ -24,7 +24,8 @@ v1 = tf.compat.v1
 LOW_PRECISION = (tf.float16, tf.bfloat16)
 
 
-def _accumulator_dtype(var):
+def accumulator_dtype(var):
+    """The dtype a sum of `var`'s (a variable's or a gradient's) values is kept in."""
     dtype = var.dtype.base_dtype
     return tf.float32 if dtype in LOW_PRECISION else dtype
 
@@ -71,7 +72,7 @@ class _Window:
             for var in variables:
                 with tf.device(var.device):
                     self.accumulators[var] = _window_variable(
-                        tf.zeros(var.shape, _accumulator_dtype(var)),
+                        tf.zeros(var.shape, accumulator_dtype(var)),
                         var.op.name + "/accumulator")
                     if sparse[var]:
                         self.touched[var] = _window_variable(

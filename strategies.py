@@ -15,7 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 import trainer
-from averaging_optimizer import LOW_PRECISION
+from averaging_optimizer import accumulator_dtype
 
 v1 = tf.compat.v1
 
@@ -71,8 +71,7 @@ class RunningSumAverager:
         self.num_batches = num_batches
         self.post = trainer.GradientAverager(loss, optimizer, num_batches, var_list,
                                              global_step, check_finite)
-        self._sum_types = [np.float32 if g.dtype in LOW_PRECISION else g.dtype.as_numpy_dtype
-                           for g in self.post.grad_op]
+        self._sum_types = [accumulator_dtype(g).as_numpy_dtype for g in self.post.grad_op]
         self.updates = self.skipped_windows = 0
         self._sum, self._count, self._bad = None, 0, False
 
@@ -249,7 +248,7 @@ class FusedAverager:
             return (i + 1, losses.write(i, tf.cast(loss, tf.float32)),
                     [s + g for s, g in zip(sums, grads)])
 
-        zeros = [tf.zeros(v.shape, _sum_type(v)) for v in self.variables]
+        zeros = [tf.zeros(v.shape, accumulator_dtype(v)) for v in self.variables]
         _, losses, sums = tf.while_loop(
             lambda i, *_: i < num_micro, body,
             [tf.constant(0), tf.TensorArray(tf.float32, size=num_micro), zeros],
@@ -319,11 +318,6 @@ class FusedAverager:
             while len(self._window) <= int(k):
                 self._window.append({})
             self._window[int(k)][graph.get_tensor_by_name(tensor_name)] = value
-
-
-def _sum_type(var):
-    dtype = var.dtype.base_dtype
-    return tf.float32 if dtype in LOW_PRECISION else dtype
 
 
 def _reusing(existing):
