@@ -60,6 +60,31 @@ def test_targets_are_judged_from_the_ratios_and_missed_ones_explained():
     assert all(t["status"] in STATUSES for t in targets.values())
 
 
+def test_tf2_targets_pair_each_round_with_fused_and_keras():
+    fast, slow = _row(5, 20, 1.10, {}), _row(20, 5, 1.30, {})
+    fast["times"]["tf2"] = [t * r for t, r in zip(fast["times"]["fused"], (1.2, 1.0, 1.1))]
+    slow["times"]["tf2"] = [t * r for t, r in zip(slow["times"]["fused"], (1.1, 1.3, 1.25))]
+    slow["times"]["keras"] = [t * 1.2 for t in slow["times"]["tf2"][:2]] + [0.001]
+    for row in (fast, slow):
+        row["profiles"]["tf2"] = _profile(15.0, 9.0, 30)
+        row["median_ms"]["tf2"] = 1e3 * statistics.median(row["times"]["tf2"])
+    targets = {t["target"]: t for t in bench_targets.tf2_targets([fast, slow])}
+    assert targets["tf2 <= 1.15x fused at N=5/B=20"]["measured"] == "1.10x"
+    assert targets["tf2 <= 1.15x fused at N=5/B=20"]["status"] == "met"
+    missed = targets["tf2 <= 1.15x fused at N=20/B=5"]
+    assert missed["status"] == "missed" and missed["measured"] == "1.25x"
+    assert missed["why"].startswith("Missed by 9% (paired rounds, quartiles 1.18-1.27).")
+    keras = targets["tf2 faster than Keras's accumulation with steps_per_execution=N (N > 1)"]
+    # the median of the paired rounds, not the ratio of medians: one fast Keras round
+    # does not decide it
+    assert keras["status"] == "met" and keras["measured"] == "worst 0.83x Keras at N=20/B=5"
+    slow["times"]["keras"] = [t * 0.9 for t in slow["times"]["tf2"]]
+    targets = {t["target"]: t for t in bench_targets.tf2_targets([fast, slow])}
+    assert targets[keras["target"]]["status"] == "missed"
+    without = {t["target"]: t["status"] for t in bench_targets.tf2_targets([_row(5, 20, 1, {})])}
+    assert set(without.values()) == {"not measured"}
+
+
 def test_noise_floor_comes_from_the_identical_graphs_at_n_1():
     same = _row(1, 100, 1.0, {"running": [1.1, 1.12, 1.2], "graph": [1.0] * 3}, stack=1.0)
     slower = _row(20, 5, 1.8, {"running": [1.02, 1.05, 1.08], "graph": [1.15, 1.2, 1.3]})

@@ -190,23 +190,13 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted
     got = json.loads(part.read_text())["runs"]
     assert [r["weights_sha256"] for r in got] == [r["weights_sha256"] for r in expected]
     assert [r["final_accuracy"] for r in got] == [r["final_accuracy"] for r in expected]
+    if reps > 1:  # rep 1 ran whole in another process: the same flags give the same bits
+        assert (got[0]["best_accuracy"], got[0]["best_iteration"]) == (
+            expected[0]["best_accuracy"], expected[0]["best_iteration"])
+        assert got[0]["weights_sha256"] != got[1]["weights_sha256"]  # each seed its own
 
 
 # ---------------------------------------------------------------- determinism
-
-def test_same_flags_same_bits_twice(tmp_path, uninterrupted, mnist_quick_dir):
-    """Another process, the same flags as `uninterrupted`: the same bits and accuracies."""
-    path = tmp_path / "again.json"
-    proc = run_cli(*KILLED_ARGS, "--reps=2", f"--data-dir={mnist_quick_dir}",
-                   f"--results={path}")
-    assert proc.returncode == 0, proc.stderr
-    again = json.loads(path.read_text())["runs"]
-    for a, b in zip(uninterrupted, again, strict=True):
-        assert a["weights_sha256"] == b["weights_sha256"]
-        assert (a["best_accuracy"], a["final_accuracy"]) == (b["best_accuracy"],
-                                                             b["final_accuracy"])
-    assert uninterrupted[0]["weights_sha256"] != uninterrupted[1]["weights_sha256"]
-
 
 def test_dropout_masks_follow_the_seed_not_the_process(mnist_quick):
     a = loop.train_once(config(iterations=20), mnist_quick, seed=2)

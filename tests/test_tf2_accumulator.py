@@ -279,6 +279,8 @@ print(json.dumps({
         one_call.window_step.get_concrete_function(xs, ys, sizes)),
     "apply": tf2_accumulator.count_all_reduces(per_micro.apply_step.get_concrete_function()),
     "check": tf2_accumulator.count_all_reduces(per_micro.check_step.get_concrete_function()),
+    "micro": tf2_accumulator.count_all_reduces(per_micro.micro_step.get_concrete_function()),
+    "variables": len(per_micro.variables),
     "discarded": not one_call.apply_window(poisoned),
     "unchanged": all(np.array_equal(a, b) for a, b in zip(before, one_call.model.get_weights())),
     "updates": int(one_call.optimizer.iterations.numpy())}))
@@ -286,14 +288,19 @@ print(json.dumps({
 
 
 def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
-    """Logical devices must be set before TensorFlow starts: a fresh process."""
+    """Logical devices must be set before TensorFlow starts: a fresh process. Both paths,
+    one call per window and a call per micro-batch: the same bits, one all-reduce per
+    update, and a NaN on one replica discards the window for all."""
     path = tmp_path / "mirrored_window.py"
     path.write_text(MIRRORED_SCRIPT % (ROOT, str(ROOT) + "/tests"))
     proc = run_cli(script=str(path), timeout=180, env=CPU_ONLY)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["replicas"] == 2 and result["same"]
-    # The optimizer's all-reduce of the applied mean and the non-finite vote (summed
-    # locally by AddN here, one collective across workers), nothing per micro-batch.
-    assert result["apply"] >= 1 and result["window"] == result["apply"] + result["check"]
+    # The optimizer's all-reduce of the applied mean (at most one per variable and replica)
+    # and the non-finite vote (one scalar, summed locally by AddN here, one collective
+    # across workers); nothing per micro-batch, in either path.
+    assert result["micro"] == 0 and result["check"] <= 1
+    assert 1 <= result["apply"] <= result["replicas"] * result["variables"]
+    assert result["window"] == result["apply"] + result["check"]
     assert result["discarded"] and result["unchanged"] and result["updates"] == 3

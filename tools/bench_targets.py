@@ -5,13 +5,16 @@ explained from its profile: what it asks, what was measured, met / within noise 
 import numpy as np
 
 import strategies
+from tools import bench_contenders
 from tools import bench_probes
+from tools.bench_contenders import paired_ratio
 
 # The issue's targets.
 FUSED_LIMITS = {(5, 20): 1.15, (20, 5): 1.5}
 KERAS_SPEEDUP = 2.0
 ACCUMULATED_VS_SMALL, ACCUMULATED_VS_DIRECT = 1.25, 0.25
 FLAT_GRADIENTS_PER_N = 0.1  # host memory "flat in N": what one more micro-batch may add
+TF2_VS_FUSED = 1.15  # the tf2 engine's window against tf1's fused, at the FUSED_LIMITS configs
 
 
 def _classes_delta(slow, fast):
@@ -164,11 +167,42 @@ def evaluate_targets(speed, mem, host, kernels=None):
             why=None if ok else f"Missed by {1 - r['ratio'] / KERAS_SPEEDUP:.0%} at "
             f"N={worst['n']}/B={worst['b']} (Keras as `{worst['keras_best']}`, the faster "
             f"there). " + explain_keras(worst)))
+    targets += tf2_targets(speed)
     if mem:
         targets += memory_targets(mem)
     if host:
         targets += host_targets(host)
     return targets
+
+
+def tf2_targets(speed):
+    """The tf2 engine against tf1's fused (paired rounds) and against Keras's faster
+    accumulation, in the same run."""
+    rows = {(r["n"], r["b"]): r for r in speed if "tf2" in r["times"]}
+    out = []
+    for n, b in FUSED_LIMITS:
+        name = f"tf2 <= {TF2_VS_FUSED}x fused at N={n}/B={b}"
+        if (n, b) not in rows:
+            out.append(dict(target=name, measured="not measured", status="not measured"))
+            continue
+        row = rows[(n, b)]
+        r = paired_ratio(row["times"], "tf2", "fused")
+        out.append(_judged(name, f"{r['ratio']:.2f}x", r["ratio"] <= TF2_VS_FUSED,
+                           f"Missed by {r['ratio'] / TF2_VS_FUSED - 1:.0%} (paired rounds, "
+                           f"quartiles {r['q1']:.2f}-{r['q3']:.2f}). "
+                           + explain_profile(row, "tf2", "fused")))
+    accumulating = [r for r in rows.values() if r["n"] > 1]
+    if accumulating:
+        # Keras's accumulation with steps_per_execution=N: one compiled call per update.
+        keras = bench_contenders.KERAS_CONTENDERS_BY_MODE["fit, steps_per_execution=N"]
+        worst = max(accumulating, key=lambda r: paired_ratio(r["times"], "tf2", keras)["ratio"])
+        r = paired_ratio(worst["times"], "tf2", keras)
+        out.append(_judged(
+            "tf2 faster than Keras's accumulation with steps_per_execution=N (N > 1)",
+            f"worst {r['ratio']:.2f}x Keras at N={worst['n']}/B={worst['b']}", r["ratio"] < 1.0,
+            f"tf2 took {r['ratio']:.2f}x Keras's time at N={worst['n']}/B={worst['b']}. "
+            + explain_profile(worst, "tf2", keras)))
+    return out
 
 
 def memory_targets(mem):
