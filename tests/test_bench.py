@@ -3,6 +3,10 @@
 import os
 import statistics
 
+import pytest
+from absl.testing import flagsaver
+
+import cli
 from conftest import ROOT, run_cli
 import strategies
 from tools import bench_contenders
@@ -151,12 +155,20 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     assert after == before  # --output went elsewhere
 
 
-def test_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path):
+def test_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path, capsys):
+    """In this process (tools.bench's flags beside main.py's); the quick bench above
+    runs it as a process."""
+    from tools import bench
     for args, message in [
             ([f"--output={tmp_path}/missing/b.md", "--quick"],
              f"--output {tmp_path}/missing/b.md: directory"),
-            (["--probe=not json"], "--probe: not JSON")]:
-        proc = run_cli(*args, module="tools.bench", timeout=120)
-        assert proc.returncode != 0, args
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and message in lines[0], (args, proc.stderr[-500:])
+            (["--probe=not json"], "--probe: not JSON"),
+            (["--quick=maybe"], "--quick")]:
+        with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_info:
+            bench.main_bench(cli.parse_flags(["bench", *args]))
+        assert exit_info.value.code not in (0, None), args
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+            (args, captured.err[-500:])
+        assert not os.path.exists(tmp_path / "missing"), args

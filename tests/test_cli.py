@@ -64,11 +64,12 @@ def test_n_by_b_ends_exactly_like_one_batch_of_n_times_b(tmp_path, capsys, mnist
     assert seed1 != seed0  # and another seed starts elsewhere: the equality can fail
 
 
-def test_a_short_real_run_learns(capsys, mnist_dir):
-    """100 updates of 2 x 50 reach 90.5% with dropout off (dropout on needs 4 times as many:
+def test_a_short_real_run_learns(capsys, mnist_quick_dir):
+    """100 updates of 2 x 50 pass 85% with dropout off (dropout on needs 4 times as many:
     test_trainer.py checks its masks instead)."""
     run_main_in_process("--average-gradients=2", "--batch-size=50", "--iterations=200",
-                        "--dropout=0", "--verbose", "--eval-every=100", f"--data-dir={mnist_dir}")
+                        "--dropout=0", "--verbose", "--eval-every=100",
+                        f"--data-dir={mnist_quick_dir}")
     out = capsys.readouterr().out
     assert final_accuracies(out)[0] > 85.0
     assert len(re.findall(r"^Iteration (100|200): loss [\d.]+, accuracy [\d.]+$", out, re.M)) == 2

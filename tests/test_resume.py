@@ -15,6 +15,7 @@ import pytest
 
 import checkpoint
 import loop
+import main
 import strategies
 from conftest import ROOT, run_cli, run_main_in_process
 
@@ -167,33 +168,51 @@ def uninterrupted(tmp_path_factory, mnist_quick_dir):
     return json.loads(path.read_text())["runs"]
 
 
-@pytest.mark.parametrize("signum,reps", [(signal.SIGTERM, 2), (signal.SIGINT, 1)])
 def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted,
-                                                         mnist_quick_dir, signum, reps):
+                                                         mnist_quick_dir):
+    """Ctrl-C in the second rep of a real process, then the same command again.
+
+    SIGTERM takes the same handler (test_sigterm_and_a_second_signal_are_handled)."""
+    signum, reps = signal.SIGINT, 2
     part = tmp_path / "part.json"
     resumable = [*KILLED_ARGS, f"--reps={reps}", f"--data-dir={mnist_quick_dir}",
                  f"--checkpoint-dir={tmp_path / 'ckpt'}", f"--results={part}"]
     proc = start(resumable)
-    if reps > 1:
-        wait_for_line(proc, "Training finished")
+    wait_for_line(proc, "Training finished")  # rep 1, whole
     wait_for_line(proc, "Iteration 30:")
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, err
     assert f"interrupted by {signal.Signals(signum).name}" in err and "Traceback" not in err
     assert "stopped at iteration" in err and "Training finished" not in out
-    if reps > 1:  # the finished rep was written before the interruption
-        assert len(json.loads(part.read_text())["runs"]) == 1
+    # the finished rep was written before the interruption
+    assert len(json.loads(part.read_text())["runs"]) == 1
     resumed = run_cli(*resumable)
     assert resumed.returncode == 0, resumed.stderr
     expected = uninterrupted[:reps]
     got = json.loads(part.read_text())["runs"]
     assert [r["weights_sha256"] for r in got] == [r["weights_sha256"] for r in expected]
     assert [r["final_accuracy"] for r in got] == [r["final_accuracy"] for r in expected]
-    if reps > 1:  # rep 1 ran whole in another process: the same flags give the same bits
-        assert (got[0]["best_accuracy"], got[0]["best_iteration"]) == (
-            expected[0]["best_accuracy"], expected[0]["best_iteration"])
-        assert got[0]["weights_sha256"] != got[1]["weights_sha256"]  # each seed its own
+    # rep 1 ran whole in another process: the same flags give the same bits
+    assert (got[0]["best_accuracy"], got[0]["best_iteration"]) == (
+        expected[0]["best_accuracy"], expected[0]["best_iteration"])
+    assert got[0]["weights_sha256"] != got[1]["weights_sha256"]  # each seed its own
+
+
+def test_sigterm_and_a_second_signal_are_handled():
+    """The first SIGINT or SIGTERM asks the loop to stop; a second ends the process."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        before = signal.getsignal(signum)
+        with main.StopSignals() as stop:
+            assert stop() is None
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)  # Python runs the handler between bytecodes
+            assert stop() == signal.Signals(signum).name
+            with pytest.raises(SystemExit) as exit_info:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.01)
+            assert exit_info.value.code == 128 + signum
+        assert signal.getsignal(signum) == before  # restored
 
 
 # ---------------------------------------------------------------- determinism
