@@ -24,9 +24,10 @@ v1 = tf.compat.v1
 LOW_PRECISION = (tf.float16, tf.bfloat16)
 
 
-def accumulator_dtype(var):
-    """The dtype a sum of `var`'s (a variable's or a gradient's) values is kept in."""
-    dtype = var.dtype.base_dtype
+def accumulator_dtype(value):
+    """The dtype a sum of `value`'s (a variable's, a gradient's or a numpy array's) values
+    is kept in."""
+    dtype = tf.as_dtype(value.dtype).base_dtype
     return tf.float32 if dtype in LOW_PRECISION else dtype
 
 

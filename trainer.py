@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from averaging_optimizer import AveragingOptimizer  # noqa: F401  (trainer.AveragingOptimizer)
+from averaging_optimizer import accumulator_dtype
 
 v1 = tf.compat.v1
 
@@ -48,12 +49,12 @@ def average_gradients(window):
       A list with one array per variable: np.stack([w[i] for w in window]).mean(0),
       summed in float32 for float16 and bfloat16 (numpy does so for float16 only).
     """
-    return [np.stack(grads, axis=0).mean(axis=0, dtype=_sum_type(grads[0])).astype(
-        grads[0].dtype, copy=False) for grads in zip(*window)]
-
-
-def _sum_type(array):
-    return np.float32 if array.dtype.itemsize < 4 else array.dtype
+    means = []
+    for grads in zip(*window):
+        sum_type = accumulator_dtype(grads[0]).as_numpy_dtype
+        mean = np.stack(grads, axis=0).mean(axis=0, dtype=sum_type)
+        means.append(mean.astype(grads[0].dtype, copy=False))
+    return means
 
 
 class GradientAverager:

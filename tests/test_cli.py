@@ -49,7 +49,7 @@ def test_posts_command_line_end_to_end(tmp_path):
     assert doc["std_accuracy"] == pytest.approx(abs(best[0] - best[1]) / 2)
 
 
-def test_n_by_b_ends_exactly_like_one_batch_of_n_times_b(tmp_path, capsys, mnist_dir):
+def test_n_by_b_ends_exactly_like_one_batch_of_n_times_b(capsys, mnist_dir):
     """Property 7 through the flag parser, with the underscore spelling for one of the runs.
 
     Every strategy's bits equal the stack strategy's (test_trainer.py), so this run of the

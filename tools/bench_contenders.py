@@ -112,7 +112,6 @@ def keras_modes(n, updates):
 # The Keras contenders of the speed section, by label; a target takes the faster one.
 KERAS_CONTENDERS = {"keras": "fit, steps_per_execution=N",
                     "keras_long": "fit, steps_per_execution=N*U"}
-KERAS_CONTENDERS_BY_MODE = {mode: label for label, mode in KERAS_CONTENDERS.items()}
 
 
 # ---------------------------------------------------------------- timing
