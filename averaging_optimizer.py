@@ -15,6 +15,7 @@ counts updates, not mini-batches.
 """
 
 import functools
+import numbers
 
 import tensorflow as tf
 
@@ -31,7 +32,33 @@ def accumulator_dtype(value):
     return tf.float32 if dtype in LOW_PRECISION else dtype
 
 
-def _all_finite(tensors):
+def check_average_gradients(value, name="average_gradients"):
+    """N, mini-batches per update, checked once for every caller (library, flags, engines).
+
+    Args:
+      value: the N given; an int >= 1 (a numpy integer too; not a bool, not a float).
+      name: the argument's name, for the error message.
+
+    Returns:
+      `value` as a Python int.
+
+    Raises:
+      TypeError: `value` is not an integer (None, a bool, a float, a string...).
+      ValueError: `value` < 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1 (mini-batches per update), "
+                        f"got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (mini-batches per update), got {value}")
+    return int(value)
+
+
+def all_finite(tensors):
+    """A scalar bool tensor: no NaN or Inf in any of `tensors` (dense tensors)."""
+    tensors = list(tensors)
+    if not tensors:
+        return tf.constant(True)
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
@@ -129,11 +156,9 @@ class AveragingOptimizer(v1.train.Optimizer):
         if not isinstance(optimizer, v1.train.Optimizer):
             raise ValueError(f"optimizer must be a tf.compat.v1.train.Optimizer, got "
                              f"{type(optimizer).__name__}")
-        if int(average_gradients) != average_gradients or average_gradients < 1:
-            raise ValueError(f"average_gradients must be an int >= 1, got {average_gradients}")
         super().__init__(use_locking=False, name=name or "Averaging" + optimizer.get_name())
         self._optimizer = optimizer
-        self._n = int(average_gradients)
+        self._n = check_average_gradients(average_gradients)
         self._check_finite = check_finite
         self._transform = transform_gradients
         self._windows = {}  # graph -> _Window
@@ -339,5 +364,5 @@ class AveragingOptimizer(v1.train.Optimizer):
         def skip():
             return tf.group(*reset(), window.skipped_windows.assign_add(1, read_value=False))
 
-        finite = _all_finite([_values(g) for g, _ in averaged + pairs if g is not None])
+        finite = all_finite([_values(g) for g, _ in averaged + pairs if g is not None])
         return tf.cond(finite, apply, skip)

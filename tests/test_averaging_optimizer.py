@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import trainer
-from averaging_optimizer import AveragingOptimizer
+from averaging_optimizer import AveragingOptimizer, all_finite, check_average_gradients
 
 v1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,9 +190,15 @@ def test_accumulate_gradients_only_adds_and_flush_op_applies_any_window(weighted
 # ---------------------------------------------------------------- bad use
 
 def test_bad_use_gets_one_clear_error():
-    for n in (0, -1, 2.5):
-        with pytest.raises(ValueError, match="average_gradients"):
+    for n, error in ((0, ValueError), (-1, ValueError), (2.5, TypeError), (2.0, TypeError),
+                     (True, TypeError), (None, TypeError), ("4", TypeError)):
+        with pytest.raises(error, match=r"^average_gradients must be an int >= 1"):
             AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1), n)
+    assert AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1),
+                              np.int64(3)).average_gradients == 3
+    assert check_average_gradients(np.int32(2), "n") == 2
+    with pytest.raises(TypeError, match=r"^--average-gradients must be an int >= 1.*False"):
+        check_average_gradients(False, "--average-gradients")
     with pytest.raises(ValueError, match="v1.train.Optimizer"):
         AveragingOptimizer(tf.keras.optimizers.SGD(0.1), 2)
     with tf.Graph().as_default():
@@ -592,3 +598,12 @@ def test_legacy_v1_behavior():
                           env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "legacy ok" in done.stdout
+
+
+def test_all_finite_is_one_scalar_over_every_tensor():
+    with tf.Graph().as_default(), v1.Session() as sess:
+        ok = all_finite([tf.ones([2, 3]), tf.constant(1.0, tf.float64)])
+        nan = all_finite([tf.ones([2]), tf.constant([1.0, np.nan])])
+        inf = all_finite([tf.constant([-np.inf], tf.float16)])
+        assert ok.shape == () and ok.dtype == tf.bool
+        assert sess.run([ok, nan, inf, all_finite([])]) == [True, False, False, True]
