@@ -128,6 +128,8 @@ def train_reps(config, datasets, settings, record=None, should_stop=None, log=No
     """
     log = log or _print
     runs = []
+    # The reps' bars share it, to show an ETA for all of them beside each run's own.
+    clock = progress.RunsClock(settings.reps) if settings.reps > 1 else None
     for rep in range(settings.reps):
         seed = settings.seed + rep
         try:
@@ -137,7 +139,7 @@ def train_reps(config, datasets, settings, record=None, should_stop=None, log=No
                 checkpoint_dir=settings.checkpoint_dir and os.path.join(
                     settings.checkpoint_dir, f"rep-{rep}"),
                 checkpoint_every=settings.checkpoint_every, should_stop=should_stop,
-                run_index=rep + 1, runs=settings.reps)
+                run_index=rep + 1, runs=settings.reps, clock=clock)
         except Stopped as e:
             raise Stopped(f"run {rep + 1} of {settings.reps}: {e}") from None
         runs.append(run)
@@ -166,7 +168,7 @@ def is_chief(config):
 
 def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
                checkpoint_dir=None, checkpoint_every=CHECKPOINT_EVERY, should_stop=None,
-               run_index=1, runs=1):
+               run_index=1, runs=1, clock=None):
     """Trains one run with config.engine (resuming it from `checkpoint_dir`) and tests it.
 
     Evaluates every `config.eval_every` iterations (mini-batches), or every
@@ -182,6 +184,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
       should_stop: called after every mini-batch; a non-empty return (e.g. "SIGTERM")
         saves a checkpoint and raises Stopped.
       run_index, runs: this run's number (from 1) and how many there are, for the bar.
+      clock: the progress.RunsClock of all the runs, for the bar's ETA of all of them.
 
     Returns:
       dict with seed, best_accuracy, best_iteration, final_accuracy, updates,
@@ -208,7 +211,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
         if verbose and engine.summary():
             log(engine.summary())
         run = _Run(config, datasets, seed, engine, ckpt, checkpoint_every, writer, verbose,
-                   log, (run_index, runs))
+                   log, (run_index, runs, clock))
         if saved:
             run.restore(saved)
         result = run.train(should_stop)
@@ -225,12 +228,12 @@ class _Run:
     """One run's loop and the state a checkpoint must hold to continue it."""
 
     def __init__(self, config, datasets, seed, engine, ckpt, checkpoint_every, writer,
-                 verbose, log, position=(1, 1)):
+                 verbose, log, position=(1, 1, None)):
         self.config, self.datasets, self.seed = config, datasets, seed
         self.engine, self.ckpt, self.checkpoint_every = engine, ckpt, checkpoint_every
         self.writer = writer
         self.verbose, self.log = verbose, log
-        self.position = position  # (run index from 1, runs): the bar's "run r/R"
+        self.position = position  # (run index from 1, runs, RunsClock or None): the bar's
         self.bar = None  # a progress.RunProgress while train() runs
         self.iteration = 0
         self.best_accuracy, self.best_iteration = -1.0, 0
@@ -286,7 +289,8 @@ class _Run:
         """The run, with its bar on stderr while it trains (a terminal only; the chief
         only): the log's lines and the warnings are written with the bar cleared around
         them, so they reach the terminal, and any pipe, unchanged."""
-        bar = progress.RunProgress(self.config.iterations, *self.position,
+        run_index, runs, clock = self.position
+        bar = progress.RunProgress(self.config.iterations, run_index, runs, clock=clock,
                                    enabled=None if is_chief(self.config) else False,
                                    initial=self.iteration)
         log, self.bar, self.log = self.log, bar, bar.wrap(self.log)

@@ -7,13 +7,15 @@ function made by `wrap`, or any output inside `paused()`): the bar is cleared fi
 redrawn after, so the terminal is not garbled, and the line itself is written unchanged by
 the caller's own log function.
 
-The callers never see tqdm: the run loop drives a `RunProgress`, the tools a `Bar`.
+The callers never see tqdm: the run loop drives a `RunProgress` (and, for several runs, a
+`RunsClock` they share), the tools a `Bar`.
 """
 
 import contextlib
 import os
 import sys
 import threading
+import time
 
 import tqdm
 
@@ -28,6 +30,11 @@ FALLBACK_COLUMNS, FALLBACK_ROWS = 100, 24
 # Without tqdm's rate and unit: used when the caller supplies its own estimate of the time left.
 FORMAT_WITH_REMAINING = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " \
                         "[{elapsed}<{remaining}{postfix}]"
+# A run's bar with the elapsed time and ETA of all the runs beside the run's own, and before
+# the postfix (a narrow terminal cuts the line's end): `run 1/10:  36%|##   | 364/1000
+# [00:20<00:36, all runs 00:21<07:12, updates=364, accuracy=94.10%]` (no rate: no room).
+FORMAT_WITH_ALL_RUNS = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " \
+                       "[{elapsed}<{remaining}, all runs {all_elapsed}<{all_remaining}{postfix}]"
 
 
 def terminal_size(stream):
@@ -50,12 +57,15 @@ def is_terminal(stream):
 
 
 class _Tqdm(tqdm.tqdm):
-    """tqdm whose ETA can come from the caller: `seconds_left`, when not None."""
+    """tqdm whose ETA can come from the caller (`seconds_left`, when not None) and whose
+    line can carry more fields (`extra_fields`: a function of the bar giving a dict, read
+    at every draw, for its bar_format)."""
 
     monitor_interval = 0  # no monitor thread: our own ticker redraws
 
-    def __init__(self, *args, seconds_left=None, **kwargs):
-        self.seconds_left = seconds_left  # before tqdm's first draw, which reads it
+    def __init__(self, *args, seconds_left=None, extra_fields=None, **kwargs):
+        # Both before tqdm's first draw, which reads them.
+        self.seconds_left, self.extra_fields = seconds_left, extra_fields
         super().__init__(*args, **kwargs)
 
     @property
@@ -65,6 +75,8 @@ class _Tqdm(tqdm.tqdm):
             # tqdm derives the time left as (total - n) / rate: give it the rate that makes
             # that the caller's estimate (and 0 once everything is done).
             values["rate"] = max(self.total - self.n, 1e-9) / max(self.seconds_left, 1e-9)
+        if self.extra_fields:
+            values.update(self.extra_fields(self))
         return values
 
 
@@ -72,7 +84,7 @@ class _Progress:
     """One bar on `stream`, or nothing at all when `stream` is not a terminal."""
 
     def __init__(self, total, description, stream=None, enabled=None, unit="it", initial=0,
-                 remaining=None):
+                 remaining=None, bar_format=None, extra_fields=None):
         stream = sys.stderr if stream is None else stream
         self.enabled = is_terminal(stream) if enabled is None else enabled
         self._stream = stream
@@ -84,8 +96,9 @@ class _Progress:
         self._bar = _Tqdm(total=total, desc=description, file=stream, unit=unit,
                           initial=initial, mininterval=MININTERVAL, smoothing=0,
                           ncols=columns, nrows=rows, leave=True,
-                          bar_format=FORMAT_WITH_REMAINING if remaining else None,
-                          seconds_left=remaining() if remaining else None)
+                          bar_format=bar_format or (FORMAT_WITH_REMAINING if remaining else None),
+                          seconds_left=remaining() if remaining else None,
+                          extra_fields=extra_fields)
         self._remaining = remaining
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
@@ -183,11 +196,44 @@ class _LineWriter:
             self._pending = ""
 
 
+class RunsClock:
+    """The time of all the runs of one command (its reps), shared by their bars, for an ETA
+    over all of them: the seconds per iteration so far (training, evaluations and each
+    run's set-up, all since the clock started) times the iterations left in all runs."""
+
+    def __init__(self, runs, clock=time.monotonic):
+        """
+        Args:
+          runs: how many runs there are in all (each of the same iterations).
+          clock: seconds from a fixed point (a test passes its own).
+        """
+        self.runs, self._clock = runs, clock
+        self._start = clock()
+        self._trained = 0  # iterations trained by the bars already closed
+
+    def fields(self, run_index, total, n, trained):
+        """The bar's all-runs fields while run `run_index` (from 1) of `total` iterations is
+        at iteration `n`, having trained `trained` of them under this clock."""
+        elapsed = self._clock() - self._start
+        done = self._trained + trained
+        left = (total - n) + (self.runs - run_index) * total
+        remaining = elapsed / done * left if done else None
+        return {"all_elapsed": tqdm.tqdm.format_interval(elapsed),
+                "all_remaining": "?" if remaining is None
+                else tqdm.tqdm.format_interval(remaining)}
+
+    def run_closed(self, trained):
+        """A run's bar closed after training `trained` iterations."""
+        self._trained += trained
+
+
 class RunProgress(_Progress):
     """The bar of one training run: `run r/R`, iteration / total, updates applied, the last
-    evaluated accuracy, elapsed time and ETA (from the run's average iteration rate)."""
+    evaluated accuracy, elapsed time and ETA (from the run's average iteration rate), and,
+    given a RunsClock, the elapsed time and ETA of all the runs."""
 
-    def __init__(self, total, run_index, runs, stream=None, enabled=None, initial=0):
+    def __init__(self, total, run_index, runs, stream=None, enabled=None, initial=0,
+                 clock=None):
         """
         Args:
           total: the run's iterations (mini-batches).
@@ -196,8 +242,16 @@ class RunProgress(_Progress):
           stream: where the bar goes (default: sys.stderr at the time of the call).
           enabled: draw the bar; default: whether `stream` is a terminal.
           initial: the iteration a resumed run starts from (its ETA counts only new ones).
+          clock: the RunsClock of all the runs, or None: then the bar shows this run only.
         """
-        super().__init__(total, f"run {run_index}/{runs}", stream, enabled, initial=initial)
+        self._clock, self._initial = clock, initial
+
+        def all_runs(bar):
+            return clock.fields(run_index, bar.total, bar.n, bar.n - initial)
+
+        super().__init__(total, f"run {run_index}/{runs}", stream, enabled, initial=initial,
+                         bar_format=FORMAT_WITH_ALL_RUNS if clock else None,
+                         extra_fields=all_runs if clock else None)
         self._updates, self._accuracy = None, None
 
     def advance(self, iteration, updates):
@@ -219,6 +273,14 @@ class RunProgress(_Progress):
     def _postfix(self):
         accuracy = "-" if self._accuracy is None else f"{self._accuracy:.2f}%"
         return f"updates={self._updates or 0}, accuracy={accuracy}"
+
+    def close(self):
+        """Draws the bar a last time, leaves it on its line and tells the RunsClock what
+        this run trained; idempotent."""
+        trained = None if self._bar is None else self._bar.n - self._initial
+        super().close()  # its last draw still counts this run's iterations as the current run's
+        if trained is not None and self._clock is not None:
+            self._clock.run_closed(trained)
 
 
 class Bar(_Progress):

@@ -16,6 +16,7 @@ import progress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ELAPSED_AND_ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d")
+ALL_RUNS_ELAPSED_AND_ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d, all runs \d\d:\d\d<\d\d:\d\d, ")
 # A short "training run" in a child process, printing the post's kind of lines through the
 # bar; its stderr is whatever the test gives it.
 CHILD = """
@@ -70,6 +71,24 @@ def test_run_bar_on_a_pseudo_terminal_shows_run_counts_accuracy_elapsed_and_eta(
     assert "200/200" in last and "100%" in last
     assert "updates=40" in last and "accuracy=95.25%" in last
     assert ELAPSED_AND_ETA.search(last), last
+
+
+def test_all_runs_eta_is_the_seconds_per_iteration_so_far_times_the_iterations_left():
+    now = [100.0]
+    clock = progress.RunsClock(3, clock=lambda: now[0])
+    now[0] += 10.0  # 50 iterations of run 1 in 10 s (set-up included); 50 + 2 x 100 left
+    assert clock.fields(1, 100, 50, 50) == {"all_elapsed": "00:10", "all_remaining": "00:50"}
+    assert clock.fields(1, 100, 0, 0)["all_remaining"] == "?"  # nothing trained yet
+    stream = TerminalStream()
+    with progress.RunProgress(100, 1, 3, stream=stream, clock=clock) as bar:
+        bar.advance(100, 100)
+        now[0] += 10.0
+    last = stream.getvalue().split("\r")[-1]
+    assert "run 1/3" in last and "100/100" in last and ", all runs 00:20<00:40," in last
+    # Its bar told the clock run 1 trained 100. Run 2 resumed at 40, trained 10 more in 5 s:
+    # 110 iterations in 25 s, 50 + 100 left.
+    now[0] += 5.0
+    assert clock.fields(2, 100, 50, 10)["all_remaining"] == "00:34"
 
 
 def test_accuracy_shows_a_dash_before_the_first_evaluation():
@@ -254,3 +273,26 @@ def test_main_shows_a_bar_on_a_terminal_and_its_lines_are_those_of_a_pipe(
     assert [line.split(":")[0] for line in with_terminal.splitlines()] == [
         "Iteration 20", "Iteration 40", "Training finished. Best accuracy",
         "mean accuracy (1 runs)"]
+    assert "all runs" not in bar  # one run: its own ETA is the whole
+
+
+def test_main_with_two_runs_shows_the_eta_of_all_runs_beside_each_runs_own(
+        monkeypatch, capsys, mnist_quick_dir):
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "w", closefd=False) as terminal:
+            monkeypatch.setattr(sys, "stderr", terminal)
+            run_main_in_process("--iterations=5", "--batch-size=10", "--eval-every=0",
+                                "--reps=2", f"--data-dir={mnist_quick_dir}")
+            monkeypatch.undo()
+        bar = read_all(master)
+    finally:
+        os.close(master)
+        os.close(slave)
+    assert "mean accuracy (2 runs)" in capsys.readouterr().out
+    # Each run's bar as it was last drawn (each is left on its own line).
+    drawn = [line.split("\r")[-1] for line in bar.replace("\r\n", "\n").split("\n") if line]
+    first, second = [line for line in drawn if line.startswith(("run 1/2", "run 2/2"))]
+    assert "run 1/2" in first and "5/5" in first and "run 2/2" in second
+    assert ALL_RUNS_ELAPSED_AND_ETA.search(first), first
+    assert re.search(r", all runs \d\d:\d\d<00:00, ", second), second  # all done
