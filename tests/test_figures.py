@@ -1,5 +1,7 @@
 """tools/figures.py: each figure is written as a real PNG from records shaped as the tools
-make them, with the post's marks where given; missing and empty data are handled."""
+make them, with the post's marks where given; missing and empty data are handled; every
+data point lies inside its axes, legends lie outside them, the bench figure reads at
+README width and names each contender."""
 
 import math
 
@@ -80,6 +82,50 @@ def test_accuracy_curves_are_drawn_with_the_posts_marks_when_given(tmp_path, pos
     assert (pixels_of(path, figures.POST) > 100) == post
 
 
+def inside(value, limits):
+    low, high = sorted(limits)
+    return low <= value <= high
+
+
+def assert_legends_off_the_axes(fig, axes):
+    """Every legend of `fig` (the figure's, its subfigures', the axes') covers no axes."""
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    legends = list(fig.legends) + [leg for sub in fig.subfigs for leg in sub.legends]
+    legends += [ax.get_legend() for ax in axes if ax.get_legend()]
+    assert legends
+    for legend in legends:
+        box = legend.get_window_extent(renderer)
+        for ax in axes:
+            assert not box.overlaps(ax.get_window_extent(renderer)), legend
+
+
+def test_every_evaluation_of_every_run_is_inside_its_panels_axes():
+    # N=20's first evaluation (5 updates, 44%) lies far below what the late updates reach:
+    # the axis breaks, and it is drawn in the lower part.
+    curves, _ = figures.runs_to_inputs(pairs())
+    fig, axes_by_n = figures.curves_figure(curves, {1: 95.0, 20: 95.2})
+    assert sorted(axes_by_n) == [1, 5, 20]
+    for n, runs in curves.items():
+        axes = axes_by_n[n]
+        assert len(axes) == 2  # broken: the early points on their own scale below
+        for run in runs:
+            for updates, accuracy in run:
+                assert inside(updates, axes[0].get_xlim())
+                assert any(inside(accuracy, ax.get_ylim()) for ax in axes), (n, accuracy)
+        assert inside(95.2 if n == 20 else 95.0, axes[0].get_ylim()) or n == 5
+        assert axes[0].get_ylim()[0] > 75  # the upper part is zoomed on the end of training
+    assert_legends_off_the_axes(fig, [ax for axes in axes_by_n.values() for ax in axes])
+
+
+def test_curves_close_together_get_one_axis_that_holds_them_all():
+    curves = {1: [[(10, 68.0), (20, 70.0), (30, 72.0)]], 5: [[(10, 67.0), (30, 71.0)]]}
+    _, axes_by_n = figures.curves_figure(curves, None)
+    for n, (run,) in curves.items():
+        (ax,) = axes_by_n[n]
+        assert all(inside(a, ax.get_ylim()) and inside(u, ax.get_xlim()) for u, a in run)
+
+
 def test_accuracy_curves_skip_n_without_evaluations_and_refuse_none(tmp_path):
     old = [(n, run_record(seed, n, with_evaluations=False)) for n in (1, 5) for seed in (0, 1)]
     new = [(20, run_record(0, 20))]
@@ -143,8 +189,45 @@ def test_bench_ratios_draw_speed_and_the_memory_that_was_measured(tmp_path, memo
     path = figures.bench_ratios(speed_rows(), memory_section() if memory else None,
                                 str(tmp_path / "bench.png"), host=host_section() if host else None)
     assert_png(path)
-    width = image.imread(path).shape[1]
-    assert width == pytest.approx(5.2 * figures.DPI * (3 if memory else 1), abs=2)
+    height, width = image.imread(path).shape[:2]
+    assert width <= 1000  # README width, not a strip
+    assert height >= (width if memory else width / 3)
+
+
+def test_bench_figure_shows_every_bar_and_point_names_every_contender_legends_off_data():
+    fig, panels = figures.bench_figure(speed_rows(), memory_section(), host_section())
+    (speed,) = panels["speed"]
+    for row in speed_rows():
+        for v in row["vs_direct"].values():
+            assert inside(v["q3"], speed.get_ylim()) and inside(v["q1"], speed.get_ylim())
+    names = [t.get_text() for sub in fig.subfigs for leg in sub.legends for t in leg.texts]
+    for label in speed_rows()[0]["vs_direct"]:
+        assert any(name.startswith(label + ":") for name in names), (label, names)
+    (memory,) = panels["memory"]
+    assert inside(700.0 / 620.0, memory.get_ylim())  # stack's peak against B alone
+    host = host_section()
+    (ax,) = panels["host"]  # stack at most 1.2x the lowest: one axis
+    assert all(inside(p["peak_mb"], ax.get_ylim()) for p in host["table"].values())
+    assert {t.get_text() for t in ax.texts} == {"stack", "fused"}
+    assert_legends_off_the_axes(fig, [speed, memory, ax])
+
+    # stack climbs far above two lines that lie almost on one another: a broken axis.
+    ns, flat = (1, 2, 4, 8, 16), ("running", "fused")
+    table = {("stack", n): probe(600.0 + 130.0 * n) for n in ns}
+    table.update({(s, n): probe(700.0 + n + 3 * i) for i, s in enumerate(flat) for n in ns})
+    host = dict(host, ns=ns, strategies=("stack", *flat), table=table, skipped={})
+    fig, panels = figures.bench_figure(speed_rows(), memory_section(), host)
+    upper, lower = panels["host"]
+    for (strategy, n), probe_ in host["table"].items():
+        assert inside(n, lower.get_xlim())
+        assert any(inside(probe_["peak_mb"], ax.get_ylim()) for ax in (upper, lower))
+    # Lines lying on one another are told apart by marker and dash, and named at their ends.
+    styles = [(line.get_marker(), line.get_linestyle()) for line in lower.get_lines()
+              if line.get_label() in host["strategies"]]
+    assert len(styles) == 3 and len(set(styles)) == 3
+    assert {t.get_text() for t in upper.texts} == {"stack"}
+    assert {t.get_text() for t in lower.texts} == {"running", "fused"}
+    assert_legends_off_the_axes(fig, [*panels["speed"], *panels["memory"], upper, lower])
 
 
 def test_bench_ratios_refuse_nothing_measured(tmp_path):
@@ -153,3 +236,14 @@ def test_bench_ratios_refuse_nothing_measured(tmp_path):
         figures.bench_ratios([], failed, str(tmp_path / "bench.png"))
     with pytest.raises(ValueError, match="no speed rows"):
         figures.bench_ratios([], None, str(tmp_path / "bench.png"))
+
+
+@pytest.mark.parametrize("scale", [1, 10])
+def test_table_captions_name_the_posts_marks_only_where_they_are_drawn(scale):
+    from tools import reproduce_table  # the captions of the figures above, in table.md
+
+    text = "\n".join(reproduce_table.figure_lines(
+        ["accuracy_curves.png", "best_accuracy.png"], [], scale))
+    assert ("post's mean best accuracy (dashed)" in text) == (scale == 1)
+    assert ("post's mean ± std" in text) == (scale == 1)
+    assert ("the post's numbers are not drawn" in text) == (scale > 1)

@@ -7,19 +7,41 @@ Accuracies are in percent, as main.py records them.
 """
 
 import numpy as np
+from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 DPI = 120
 PANEL_INCHES = (4.0, 3.4)  # one subplot
 OURS, POST = "tab:blue", "tab:red"
-# The curves' y-axis starts below the lowest value seen after this fraction of the updates:
-# the first evaluations (10% to 90%) would otherwise squeeze the ~95% region into a line.
+# The curves' upper part starts below the lowest value seen after this fraction of the
+# updates: the first evaluations (10% to 90%) would otherwise squeeze the ~95% region into
+# a line. Points below it go to a lower part under a marked break, on a compressed scale.
 CURVE_ZOOM_FROM = 0.2
 CURVE_COLUMNS = 2  # panels per row: the post's four N in a 2 x 2 grid that reads in a README
+CURVE_HEIGHTS = (3, 1)  # the part above a break against the part below it
 MARKED_POINTS = 30  # curves with this few evaluations get a marker at each (one is a dot)
 JITTER = 0.08  # half-width of the strip of per-run points, in category widths
 SEED = 0       # the strip's jitter is drawn the same every time
+# The bench figure as it reads at README width (~900 px): speed across the top, the two
+# memory panels under it; 8 x 8.6 inches at DPI, not a strip.
+BENCH_INCHES = (8.0, 8.6)
+# What each bench contender is, named on the figure (bench_contenders.py makes them).
+CONTENDERS = {
+    "direct": "direct: one batch of N*B",
+    "stack": "stack: the post's, numpy",
+    "running": "running: numpy running sum",
+    "graph": "graph: window in variables",
+    "optimizer": "optimizer: AveragingOptimizer",
+    "fused": "fused: one call per update",
+    "keras": "keras: Keras, steps_per_execution=N",
+    "keras_long": "keras_long: Keras, steps_per_execution=N*U",
+    "tf2": "tf2: --engine=tf2",
+}
+# Lines of the host-memory panel: a marker and a dash per strategy, so that lines lying on
+# one another can still be told apart (colour alone cannot).
+MARKERS = "osD^vP*X"
+DASHES = ("-", "--", "-.", ":")
 
 
 def runs_to_inputs(pairs):
@@ -65,9 +87,12 @@ def accuracy_curves(curves_by_n, post_accuracy, path):
 
     Each panel: the mean over the runs (on the common grid of `common_grid`) and a band from
     the lowest to the highest run at each point (no band for a single run), and the post's
-    accuracy for that N as a dashed line. N with no run with evaluations get no panel. The
-    y-axis starts just below the lowest value after the first CURVE_ZOOM_FROM of the updates,
-    so the early evaluations run off the bottom and the end of training is readable.
+    accuracy for that N as a dashed line. N with no run with evaluations get no panel. Every
+    panel has the same y-limits, and every point is inside them: the upper part of a panel
+    starts just below the lowest value after the first CURVE_ZOOM_FROM of the updates, so
+    the end of training is readable; when earlier points lie lower by more than that part
+    spans, they are drawn in a lower part under a marked break (//), on its own compressed
+    scale (otherwise the one axis reaches down to them).
 
     Args:
       curves_by_n: {N: [[(updates, accuracy), ...] per run]}, as `runs_to_inputs` gives.
@@ -79,45 +104,92 @@ def accuracy_curves(curves_by_n, post_accuracy, path):
     Raises:
       ValueError: no run has evaluations.
     """
-    panels = [(n, curves) for n, curves in sorted(curves_by_n.items()) if curves]
+    fig, _ = curves_figure(curves_by_n, post_accuracy)
+    return _save(fig, path)
+
+
+def curves_figure(curves_by_n, post_accuracy):
+    """The figure of `accuracy_curves`, not saved: (Figure, {N: the panel's axes, the upper
+    part first}), for a caller that saves it elsewhere or checks what it shows."""
+    panels = []
+    for n, curves in sorted(curves_by_n.items()):
+        if curves:
+            grid, values = common_grid(curves)
+            post = (post_accuracy or {}).get(n)
+            panels.append((n, len(curves), grid, np.nanmean(values, axis=0),
+                           np.nanmin(values, axis=0), np.nanmax(values, axis=0), post))
     if not panels:
         raise ValueError("accuracy curves: no run has evaluations to draw (runs recorded "
                          "before evaluations were kept have none)")
+    posts = [post for *_, post in panels if post is not None]
+    late = [lo[grid >= grid[0] + CURVE_ZOOM_FROM * (grid[-1] - grid[0])]
+            for _, _, grid, _, lo, _, _ in panels]
+    upper_low = min([*(np.min(values) for values in late), *posts]) - 1.0
+    high = min(100.0, max([*(np.max(hi) for *_, hi, _ in panels), *posts]) + 0.5)
+    lowest = min(np.min(lo) for *_, lo, _, _ in panels)
+    # A break when the early points would take more of one axis than the late ones do.
+    broken = upper_low - lowest > high - upper_low
+    if not broken:
+        upper_low = min(upper_low, lowest - 0.04 * (high - lowest))
+    lower_low = lowest - 0.04 * (upper_low - lowest)
+
     columns = min(len(panels), CURVE_COLUMNS)
     rows = -(-len(panels) // columns)
     fig = _figure(rows, columns)
-    axes = fig.subplots(rows, columns, sharex=True, sharey=True, squeeze=False).ravel()
-    for ax in axes[len(panels):]:
-        ax.set_visible(False)
-    low, high = 100.0, 0.0
-    for ax, (n, curves) in zip(axes, panels):
-        grid, values = common_grid(curves)
-        mean = np.nanmean(values, axis=0)
-        lo, hi = np.nanmin(values, axis=0), np.nanmax(values, axis=0)
-        if len(curves) > 1:
-            ax.fill_between(grid, lo, hi, color=OURS, alpha=0.25, linewidth=0,
-                            label=f"ours: min-max of {len(curves)} runs")
-        ax.plot(grid, mean, color=OURS, linewidth=1.5,
-                label="ours: mean" if len(curves) > 1 else "ours: 1 run",
-                marker="o" if len(grid) <= MARKED_POINTS else None, markersize=3)
-        late = grid >= grid[0] + CURVE_ZOOM_FROM * (grid[-1] - grid[0])
-        low, high = min(low, np.nanmin(lo[late])), max(high, np.nanmax(hi))
-        post = (post_accuracy or {}).get(n)
-        if post is not None:
-            ax.axhline(post, color=POST, linestyle="--", linewidth=1.2,
-                       label=f"post: {post:.1f}% (mean best)")
-            low, high = min(low, post), max(high, post)
-        ax.set_title(f"N={n}")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize="small")
-    for ax in axes[:len(panels)]:
-        ax.xaxis.set_tick_params(labelbottom=True)  # shared axes hide inner labels
-        ax.set_xlabel("updates applied")
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("test accuracy (%)")
-    axes[0].set_ylim(low - 1.0, min(100.0, high + 0.5))
+    cells = fig.add_gridspec(rows, columns)
+    axes_by_n, legend = {}, {}
+    for i, (n, runs, grid, mean, lo, hi, post) in enumerate(panels):
+        cell = cells[i // columns, i % columns]
+        if broken:
+            parts = cell.subgridspec(2, 1, height_ratios=CURVE_HEIGHTS, hspace=0.0)
+            axes = [fig.add_subplot(parts[0])]
+            axes.append(fig.add_subplot(parts[1], sharex=axes[0]))
+        else:
+            axes = [fig.add_subplot(cell)]
+        for ax in axes:
+            if runs > 1:
+                legend["band"] = ax.fill_between(grid, lo, hi, color=OURS, alpha=0.25,
+                                                 linewidth=0)
+            legend["mean"], = ax.plot(grid, mean, color=OURS, linewidth=1.5,
+                                      marker="o" if len(grid) <= MARKED_POINTS else None,
+                                      markersize=3)
+            if post is not None:
+                legend["post"] = ax.axhline(post, color=POST, linestyle="--", linewidth=1.2)
+            ax.grid(alpha=0.3)
+        axes[0].set_ylim(upper_low, high)
+        axes[0].set_title(f"N={n}" + ("" if post is None else f" (post: {post:.1f}%)"))
+        if broken:
+            axes[1].set_ylim(lower_low, upper_low)
+            axes[1].yaxis.set_major_locator(ticker.MaxNLocator(2))
+            _mark_break(*axes)
+        axes[-1].set_xlabel("updates applied")
+        if i % columns == 0:
+            axes[0].set_ylabel("test accuracy (%)")
+        axes_by_n[n] = axes
+    counts = {runs for _, runs, *_ in panels}
+    labels = {"band": "ours: lowest to highest run" + (
+                  f" ({counts.pop()} runs)" if len(counts) == 1 else ""),
+              "mean": "ours: mean of the runs" if "band" in legend else "ours: 1 run",
+              "post": "post: its mean best accuracy"}
+    fig.legend([legend[k] for k in labels if k in legend],
+               [labels[k] for k in labels if k in legend],
+               loc="outside lower center", ncol=3, fontsize="small", title_fontsize="small",
+               title="the y-axis is broken at //: below it, the first evaluations on a scale "
+                     "of their own" if broken else None)
     fig.suptitle("Test accuracy during training")
-    return _save(fig, path)
+    return fig, axes_by_n
+
+
+def _mark_break(upper, lower):
+    """Joins two axes of one panel as one y-axis broken between them, marked // on both
+    sides of the gap."""
+    upper.spines.bottom.set_visible(False)
+    lower.spines.top.set_visible(False)
+    upper.tick_params(axis="x", bottom=False, labelbottom=False)
+    marks = dict(marker=[(-1, -0.5), (1, 0.5)], markersize=9, linestyle="none", color="black",
+                 mec="black", mew=1, clip_on=False)
+    upper.plot([0, 1], [0, 0], transform=upper.transAxes, **marks)
+    lower.plot([0, 1], [1, 1], transform=lower.transAxes, **marks)
 
 
 def best_accuracy_spread(best_by_n, post_mean_std, path):
@@ -171,6 +243,11 @@ def bench_ratios(speed, memory, path, host=None):
     """The bench's ratios: time per update against the direct batch, peak memory against
     the direct batch and B alone, and (given `host`) host memory as N grows.
 
+    Laid out to be read at README width: speed across the top, the memory panels under it,
+    every legend outside the data, each contender named in words, and the host-memory lines
+    told apart by marker and dash and named at their ends (a marked break in the y-axis
+    when one strategy's memory grows far above the others').
+
     Args:
       speed: bench's speed_section rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
         "q3"}}, ...}], "direct" among the labels; bars are the medians of the paired
@@ -185,24 +262,39 @@ def bench_ratios(speed, memory, path, host=None):
     Raises:
       ValueError: nothing to draw.
     """
-    panels = []
-    if speed:
-        panels.append(lambda ax: _speed_panel(ax, speed))
-    usable = _usable_memory(memory)
-    if usable:
-        panels.append(lambda ax: _memory_panel(ax, memory, usable))
-    if host and any("peak_mb" in p for p in host["table"].values()):
-        panels.append(lambda ax: _host_panel(ax, host))
-    if not panels:
-        raise ValueError("bench ratios: no speed rows and no successful memory probe to draw")
-    fig = _figure(1, len(panels), width=5.2)
-    for ax, draw in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
-        draw(ax)
-    fig.suptitle("Gradient accumulation: speed and memory")
+    fig, _ = bench_figure(speed, memory, host)
     return _save(fig, path)
 
 
-def _speed_panel(ax, speed):
+def bench_figure(speed, memory, host=None):
+    """The figure of `bench_ratios`, not saved: (Figure, {"speed", "memory", "host": the
+    panel's axes, upper first; only the panels drawn})."""
+    usable = _usable_memory(memory)
+    lower = []
+    if usable:
+        lower.append(("memory", lambda sub: _memory_panel(sub, memory, usable)))
+    if host and any("peak_mb" in p for p in host["table"].values()):
+        lower.append(("host", lambda sub: _host_panel(sub, host)))
+    if not speed and not lower:
+        raise ValueError("bench ratios: no speed rows and no successful memory probe to draw")
+    width, height = BENCH_INCHES
+    fig = Figure(figsize=(width, height if speed and lower else height / 2),
+                 layout="constrained")
+    FigureCanvasAgg(fig)
+    subfigs = fig.subfigures(2, 1, height_ratios=(1.1, 1)) if speed and lower else [fig]
+    panels = {}
+    if speed:
+        panels["speed"] = [_speed_panel(subfigs[0], speed)]
+    if lower:
+        row = subfigs[-1].subfigures(1, len(lower), squeeze=False)[0]
+        for sub, (name, draw) in zip(row, lower):
+            panels[name] = draw(sub)
+    fig.suptitle("Gradient accumulation: speed and memory (make bench)")
+    return fig, panels
+
+
+def _speed_panel(sub, speed):
+    ax = sub.subplots()
     labels = [k for k in speed[0]["vs_direct"] if k != "direct"]
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
@@ -210,15 +302,22 @@ def _speed_panel(ax, speed):
         r = [row["vs_direct"][label] for row in speed]
         ratio = np.array([v["ratio"] for v in r])
         quartiles = np.array([[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]])
-        ax.bar(x, ratio, width, yerr=np.maximum(quartiles, 0), capsize=2, label=label,
-               color=_colour(i), error_kw={"linewidth": 0.8})
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+        ax.bar(x, ratio, width, yerr=np.maximum(quartiles, 0), capsize=2,
+               label=CONTENDERS.get(label, label), color=_colour(i),
+               error_kw={"linewidth": 0.8})
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--",
+               label=CONTENDERS["direct"] + " (= 1)")
+    top = max(max(v["q3"], v["ratio"]) for row in speed for k, v in row["vs_direct"].items())
+    ax.set_ylim(0, 1.08 * top)
     ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])
-    ax.set_xlabel("N x B (direct: one batch of N*B)")
+    ax.set_xlabel("N x B: N micro-batches of B samples per update")
     ax.set_ylabel("time per update / direct's")
-    ax.set_title("Speed (median ratio, quartiles)")
+    ax.set_title("Speed: median ratio to direct, whiskers the quartiles (lower is faster)",
+                 fontsize="medium")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="x-small", ncol=2)
+    sub.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=3,
+               fontsize="x-small")
+    return ax
 
 
 def _usable_memory(memory):
@@ -228,37 +327,96 @@ def _usable_memory(memory):
     return {s: p for s, p in memory["accumulated"].items() if "peak_mb" in p}
 
 
-def _memory_panel(ax, memory, usable):
+def _memory_panel(sub, memory, usable):
+    ax = sub.subplots()
     strategies = list(usable)
     x = np.arange(len(strategies))
-    references = ((f"/ B={memory['b']} alone", memory["small"]["peak_mb"]),
-                  (f"/ direct (1 x {memory['samples']})", memory["direct"]["peak_mb"]))
+    references = ((f"B={memory['b']} alone", memory["small"]["peak_mb"]),
+                  (f"direct (1 x {memory['samples']})", memory["direct"]["peak_mb"]))
+    top = 1.0
     for i, (label, reference) in enumerate(references):
         ratio = [usable[s]["peak_mb"] / reference for s in strategies]
-        ax.bar(x - 0.2 + 0.4 * i, ratio, 0.4, label="peak " + label, color=_colour(i))
+        ax.bar(x - 0.2 + 0.4 * i, ratio, 0.4, label="peak / peak of " + label,
+               color=_colour(i))
+        top = max(top, *ratio)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(x, strategies)
-    ax.set_xlabel(f"strategy, {memory['n']} x {memory['b']} accumulated")
+    ax.set_ylim(0, 1.1 * top)
+    ax.set_xticks(x, strategies, rotation=30, ha="right", rotation_mode="anchor")
     ax.set_ylabel("peak RSS ratio")
-    ax.set_title(f"Peak memory at {memory['samples']} samples per update")
+    ax.set_title(f"Peak memory, {memory['samples']} samples per update", fontsize="medium")
+    ax.set_xlabel(f"strategy, {memory['n']} x {memory['b']} accumulated")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize="x-small")
+    sub.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
+               fontsize="x-small")
+    return [ax]
 
 
-def _host_panel(ax, host):
-    for i, strategy in enumerate(host["strategies"]):
+def _host_panel(sub, host):
+    lines = {}
+    for strategy in host["strategies"]:
         points = [(n, host["table"][(strategy, n)]["peak_mb"]) for n in host["ns"]
                   if "peak_mb" in host["table"].get((strategy, n), {})]
         if points:
+            lines[strategy] = points
+    values = sorted(mb for points in lines.values() for _, mb in points)
+    # The lines that stay within 1.5x of the lowest value are "flat"; when another line
+    # climbs more than 3 of their spans above them, the axis is broken: the flat lines get
+    # the lower part, every point above it is in the upper part.
+    flat_top = max(max(mb for _, mb in points) for points in lines.values()
+                   if max(mb for _, mb in points) <= 1.5 * values[0])
+    flat_span = max(flat_top - values[0], 1.0)
+    lower_top = flat_top + 0.1 * flat_span
+    above = [mb for mb in values if mb > lower_top]
+    if above and values[-1] > flat_top + 3 * flat_span:
+        parts = sub.subplots(2, 1, sharex=True, height_ratios=(1, 2))
+        parts[1].set_ylim(values[0] - 0.1 * flat_span, lower_top)
+        high_span = max(values[-1] - above[0], flat_span)
+        parts[0].set_ylim(max(lower_top, above[0] - 0.08 * high_span),
+                          values[-1] + 0.08 * high_span)
+    else:
+        parts = [sub.subplots()]
+        span = max(values[-1] - values[0], 1.0)
+        parts[0].set_ylim(values[0] - 0.08 * span, values[-1] + 0.08 * span)
+    for ax in parts:
+        for i, (strategy, points) in enumerate(lines.items()):
             ns, mb = zip(*points)
-            ax.plot(ns, mb, marker="o", markersize=3, label=strategy, color=_colour(i))
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(host["ns"], [str(n) for n in host["ns"]])
-    ax.set_xlabel("N (micro-batches per update)")
-    ax.set_ylabel("peak RSS (MB)")
-    ax.set_title("Host memory as N grows")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="x-small")
+            if ax is not parts[-1] and max(mb) <= lower_top:
+                continue  # a flat line: in the lower part only
+            low, high = ax.get_ylim()
+            inside = [k for k, value in enumerate(mb) if low <= value <= high]
+            ax.plot(ns, mb, color=_colour(i), marker=MARKERS[i % len(MARKERS)], markersize=4,
+                    markevery=inside,  # no half markers where the line leaves through a break
+                    linestyle=DASHES[i % len(DASHES)], linewidth=1.2, label=strategy)
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    ns = [n for points in lines.values() for n, _ in points]
+    parts[-1].set_xlim(min(ns) / 1.25, max(ns) * 3.2)  # room for the names, right of the ends
+    _name_line_ends(parts, lines)
+    if len(parts) == 2:
+        _mark_break(*parts)
+    parts[-1].set_xticks(host["ns"], [str(n) for n in host["ns"]])
+    parts[-1].set_xlabel("N (micro-batches per update)")
+    sub.supylabel("peak RSS (MB)", fontsize="medium")
+    parts[0].set_title("Host memory as N grows", fontsize="medium")
+    return list(parts)
+
+
+def _name_line_ends(parts, lines):
+    """Each line's name just right of its last point, in the part of the axis that holds
+    it; names that would overlap are moved apart vertically."""
+    for ax in parts:
+        low, high = ax.get_ylim()
+        gap = 0.09 * (high - low)  # about one line of small text at this panel's height
+        ends = sorted((points[-1][1], i, strategy) for i, (strategy, points)
+                      in enumerate(lines.items()) if low <= points[-1][1] <= high)
+        placed = []
+        for mb, _, _ in ends:
+            placed.append(max(mb, placed[-1] + gap) if placed else mb)
+        shift = max(0.0, placed[-1] - high) if placed else 0.0  # the top name stays inside
+        for (mb, i, strategy), y in zip(ends, placed):
+            ax.annotate(strategy, (lines[strategy][-1][0], mb), xytext=(8, y - shift),
+                        textcoords=("offset points", "data"), color=_colour(i),
+                        fontsize="x-small", va="center", annotation_clip=False)
 
 
 def _colour(i):

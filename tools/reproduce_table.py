@@ -179,24 +179,27 @@ def _post_verdict(rows, fair):
     return text
 
 
-# What each figure of `make reproduce` shows, by file name (table.md links them).
-FIGURE_CAPTIONS = {
-    "accuracy_curves.png": "Test accuracy against updates applied, per N: the mean over the "
-                           "runs, the band from the lowest to the highest run, and the "
-                           "post's mean best accuracy (dashed).",
-    "best_accuracy.png": "Each run's best accuracy per N (points; the bar is their mean) "
-                         "beside the post's mean ± std of its 10 runs.",
-}
+def figure_caption(name, with_post):
+    """What figure `name` of `make reproduce` shows (table.md links it): only what is drawn,
+    so the post's marks are named only where they are drawn (`with_post`)."""
+    if name == "accuracy_curves.png":
+        return ("Test accuracy against updates applied, per N: the mean over the runs and "
+                "the band from the lowest to the highest run"
+                + (", with the post's mean best accuracy (dashed)." if with_post else "."))
+    if name == "best_accuracy.png":
+        return ("Each run's best accuracy per N (points; the bar is their mean)"
+                + (" beside the post's mean ± std of its 10 runs." if with_post else "."))
+    return ""
 
 
 def figure_lines(drawn, notes, scale):
     """table.md's figures section: each figure as an image link (relative: it lies next to
-    table.md), then what was left out."""
+    table.md) with its caption, then what was left out."""
     if not drawn and not notes:
         return []
     lines = ["", "## Figures", ""]
     for name in drawn:
-        lines += [f"![{name}]({name})", "", FIGURE_CAPTIONS.get(name, ""), ""]
+        lines += [f"![{name}]({name})", "", figure_caption(name, scale == 1), ""]
     if drawn and scale > 1:
         lines += [f"SCALE={scale}: the post's numbers are not drawn (its runs were not "
                   "scaled down).", ""]
