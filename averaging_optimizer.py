@@ -11,9 +11,12 @@ Each run of `train_op` adds its mini-batch's gradients to accumulator variables;
 Nth run also applies their (weighted) mean with the wrapped optimizer and resets the
 window. The window lives only in variables, so a Saver, MonitoredTrainingSession
 checkpoints and hooks see an ordinary one-op-per-step training loop, and `global_step`
-counts updates, not mini-batches.
+counts updates, not mini-batches. A lock makes each run's add-and-maybe-apply atomic, so
+runs from several threads never mix windows; the wrapped optimizer's variables keep the
+names they have without the wrapper, so checkpoints move between plain and wrapped runs.
 """
 
+import contextlib
 import functools
 import numbers
 
@@ -23,6 +26,9 @@ v1 = tf.compat.v1
 
 # Types whose sums overflow or lose precision too soon: they accumulate in float32.
 LOW_PRECISION = (tf.float16, tf.bfloat16)
+# The collection that holds each AveragingOptimizer's flush op, so that a graph imported
+# from a meta graph or a SavedModel finds it (the train op is in GraphKeys.TRAIN_OP).
+FLUSH_OPS = "averaging_optimizer_flush_ops"
 
 
 def accumulator_dtype(value):
@@ -76,8 +82,48 @@ def _zero_rows(acc, touched, rows, summed):
             touched.assign(tf.zeros_like(touched), read_value=False)]
 
 
+def _outermost_graph():
+    """The graph a Session runs: the caller may be inside a cond/while branch's graph."""
+    with tf.init_scope():
+        return v1.get_default_graph()
+
+
+def _absolute(scope):
+    """`scope` (a graph's get_name_scope()) as a string name_scope re-enters as is."""
+    return scope + "/" if scope else ""
+
+
+def _top_level(item, graph):
+    """Whether a collection item can be fetched from `graph` itself: not an op or tensor
+    of a cond/while branch (a function graph, or a v1 control-flow context)."""
+    op = item.op if isinstance(item, tf.Tensor) else item
+    if not isinstance(op, tf.Operation):
+        return True  # variables, v1 control-flow contexts, savers...
+    return op.graph is graph and op._get_control_flow_context() is None  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def _collections_kept_clean(graph):
+    """Drops what the block adds to `graph`'s collections from inside branches.
+
+    cond_v2's branch graphs share the outer graph's collections, so the wrapped
+    optimizer's apply op (added to TRAIN_OP), or a summary made in `after_update`, would
+    name an op the outer graph lacks, and import_meta_graph would fail on it. Variables
+    (slots, beta powers, EMA shadows: made under init_scope in `graph`) stay. TRAIN_OP
+    keeps nothing the block adds: the caller puts the train op itself there.
+    """
+    before = {key: {id(item) for item in graph.get_collection(key)}
+              for key in graph.get_all_collection_keys()}
+    yield
+    for key in graph.get_all_collection_keys():
+        old = before.get(key, set())
+        items = graph.get_collection_ref(key)
+        items[:] = [item for item in items if id(item) in old or (
+            key != v1.GraphKeys.TRAIN_OP and _top_level(item, graph))]
+
+
 class _Window:
-    """One graph's window: accumulators, counters and the flush op, all variables."""
+    """One graph's window: accumulators, counters, its lock and the flush op."""
 
     def __init__(self, scope, variables, sparse):
         """Creates the variables in name scope `scope`, outside any caller context.
@@ -85,18 +131,20 @@ class _Window:
         `tf.Variable` (not get_variable) ignores the caller's variable scope and its
         reuse/AUTO_REUSE, and `scope` is unique in the graph, so two optimizers never
         share a window, and a graph rebuilt the same way gets the same names (which a
-        Saver's checkpoint needs). init_scope drops the caller's control dependencies
-        and cond/while contexts, so the initializers need no feed.
+        Saver's checkpoint needs). The window is the same at every N, so a checkpoint
+        restores into a graph with another N. Call under init_scope: it drops the
+        caller's control dependencies and cond/while contexts, so the initializers need
+        no feed.
 
         Args:
           scope: an absolute name scope, ending in "/".
-          variables: the trained variables; empty with N == 1 (nothing accumulates).
+          variables: the trained variables.
           sparse: var -> whether its gradient is an IndexedSlices.
         """
         self.accumulators = {}  # var -> dense accumulator shaped like var
         self.touched = {}  # var -> bool [rows] (sparse gradients only): rows in the window
         self.flush_op = None
-        with tf.init_scope(), v1.name_scope(scope):
+        with v1.name_scope(scope):
             for var in variables:
                 with tf.device(var.device):
                     self.accumulators[var] = _window_variable(
@@ -105,17 +153,45 @@ class _Window:
                     if sparse[var]:
                         self.touched[var] = _window_variable(
                             tf.zeros(var.shape[:1], tf.bool), var.op.name + "/touched")
-            if variables:
-                self.count = _window_variable(tf.constant(0, tf.int64), "count")
-                # float64 holds sample counts exactly; cast to each accumulator's type.
-                self.weight_sum = _window_variable(tf.constant(0, tf.float64), "weight_sum")
+            self.count = _window_variable(tf.constant(0, tf.int64), "count")
+            # float64 holds sample counts exactly; cast to each accumulator's type.
+            self.weight_sum = _window_variable(tf.constant(0, tf.float64), "weight_sum")
             self.skipped_windows = _window_variable(tf.constant(0, tf.int64),
                                                     "skipped_windows")
+            # Beside the count, so that workers sharing the window on a parameter server
+            # (replica_device_setter) share the lock too.
+            with tf.device(self.count.device):
+                self.mutex = tf.raw_ops.MutexV2(shared_name=scope + "lock", name="lock")
 
     def variables(self):
-        counters = [self.count, self.weight_sum] if self.accumulators else []
-        return (list(self.accumulators.values()) + list(self.touched.values()) + counters
-                + [self.skipped_windows])
+        return (list(self.accumulators.values()) + list(self.touched.values())
+                + [self.count, self.weight_sum, self.skipped_windows])
+
+    @contextlib.contextmanager
+    def locked(self, after, lock=True):
+        """Ops built in the block run holding the window's lock, taken once the tensors
+        in `after` are computed (a mini-batch's gradients: never under the lock).
+
+        The lock is released when its tensor dies, right after the block's ops ran (or
+        the run failed). Yields a _Held: append to its `ops` the ops the release waits
+        for; after the block, its `released` op is the end of the locked work.
+        """
+        held = _Held()
+        if not lock:
+            yield held
+            held.released = tf.group(*held.ops)
+            return
+        with tf.control_dependencies(after):  # placed by the placer beside the mutex
+            lock = tf.raw_ops.MutexLock(mutex=self.mutex)
+        with tf.control_dependencies([lock]):
+            yield held
+        with tf.control_dependencies(held.ops):
+            held.released = tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
+
+
+class _Held:
+    def __init__(self):
+        self.ops, self.released = [], None
 
 
 def _window_variable(initial_value, name):
@@ -128,18 +204,19 @@ class AveragingOptimizer(v1.train.Optimizer):
     """Applies the mean gradient of N mini-batches with any v1 optimizer.
 
     `minimize` / `apply_gradients` return one op, run once per mini-batch with that
-    mini-batch's feed. With N == 1 the gradients go straight to the wrapped optimizer
-    (with `transform_gradients` and `check_finite` still honoured), so training is that
-    of the wrapped optimizer exactly.
+    mini-batch's feed, from one thread or several. With N == 1 the gradients go straight
+    to the wrapped optimizer (with `transform_gradients`, `check_finite` and
+    `after_update` still honoured), so training is that of the wrapped optimizer exactly.
     """
 
     def __init__(self, optimizer, average_gradients, check_finite=False,
-                 transform_gradients=None, name=None):
+                 transform_gradients=None, name=None, after_update=None):
         """Wraps `optimizer`.
 
         Args:
           optimizer: a tf.compat.v1.train.Optimizer; its compute_gradients computes the
-            gradients, its apply_gradients applies the mean (slots placed as usual).
+            gradients, its apply_gradients applies the mean (its variables, slots and
+            Adam's beta powers, get the names they have without the wrapper).
           average_gradients: N, mini-batches per update; an int >= 1.
           check_finite: discard a window (nothing applied, global_step unchanged)
             whose gradients, sums or averaged gradients hold a NaN or Inf, counting it
@@ -149,19 +226,30 @@ class AveragingOptimizer(v1.train.Optimizer):
             norm; it runs once per update, on the mean, not per mini-batch.
           name: name scope of the window's variables; default "Averaging" + the
             wrapped optimizer's name.
+          after_update: optional function of no arguments that builds ops to run once
+            per applied update, after the apply, in the same run (an EMA of the
+            weights: `lambda: ema.apply(var_list)`); it may return an op, a list of ops
+            or None. It is called once for the train op and once for `flush_op`.
 
         Raises:
-          ValueError: N < 1, or `optimizer` is not a v1 Optimizer.
+          ValueError: `optimizer` is not a v1 Optimizer, or N < 1.
+          TypeError: N is not an int (a bool, None, a float...).
         """
         if not isinstance(optimizer, v1.train.Optimizer):
             raise ValueError(f"optimizer must be a tf.compat.v1.train.Optimizer, got "
                              f"{type(optimizer).__name__}")
+        self._n = check_average_gradients(average_gradients)
+        for arg, fn in (("transform_gradients", transform_gradients),
+                        ("after_update", after_update)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"{arg} must be a function or None, got {type(fn).__name__}")
         super().__init__(use_locking=False, name=name or "Averaging" + optimizer.get_name())
         self._optimizer = optimizer
-        self._n = check_average_gradients(average_gradients)
         self._check_finite = check_finite
         self._transform = transform_gradients
-        self._windows = {}  # graph -> _Window
+        self._after_update = after_update
+        self._locked = True  # tools/bench_tf1_wrapper.py turns it off to time the lock
+        self._windows = {}  # outermost graph -> _Window
 
     @property
     def average_gradients(self):
@@ -197,10 +285,12 @@ class AveragingOptimizer(v1.train.Optimizer):
             compute_gradients; pairs whose gradient is None are left out.
           global_step: optional variable, incremented once per applied update.
           name: name of the returned op.
-          weight: as in `minimize`: the update is sum(w_k g_k) / sum(w_k).
+          weight: as in `minimize`: the update is sum(w_k g_k) / sum(w_k); a window
+            whose weights sum to zero or less is skipped (counted in skipped_windows).
 
         Returns:
-          One op to run per mini-batch, with that mini-batch's feed.
+          One op to run per mini-batch, with that mini-batch's feed; also added to
+          GraphKeys.TRAIN_OP, as a plain optimizer's apply op is.
 
         Raises:
           ValueError: no variable has a gradient, or `weight` is not a scalar.
@@ -216,50 +306,10 @@ class AveragingOptimizer(v1.train.Optimizer):
         """
         return self._build(grads_and_vars, global_step, name, weight, apply_when_full=False)
 
-    def _build(self, grads_and_vars, global_step, name, weight, apply_when_full):
-        grads_and_vars = list(grads_and_vars)  # a zip is read twice below
-        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
-        if not pairs:
-            raise ValueError("no variable receives a gradient: check the loss and var_list "
-                             f"({[v.name for _, v in grads_and_vars]})")
-        graph = v1.get_default_graph()
-        if graph in self._windows:
-            raise RuntimeError(f"{self.get_name()} already built its train op in this graph; "
-                               "it holds one window: make one AveragingOptimizer per train op")
-        if weight is not None:
-            weight = tf.convert_to_tensor(weight)
-            if weight.shape.rank not in (None, 0):
-                raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
-        sparse = {v: isinstance(g, tf.IndexedSlices) for g, v in pairs}
-        with v1.name_scope(name, self.get_name()) as scope:
-            if self._n == 1 and apply_when_full:
-                window = self._windows[graph] = _Window(scope, [], {})
-                with tf.init_scope(), v1.name_scope(scope):
-                    window.flush_op = tf.no_op(name="flush")
-                return tf.group(self._apply_or_skip(pairs, window, global_step, reset=list),
-                                name=scope)
-            window = self._windows[graph] = _Window(scope, [v for _, v in pairs], sparse)
-            accumulate = [self._accumulate(window, g, v, weight) for g, v in pairs]
-            accumulate.append(window.weight_sum.assign_add(
-                tf.constant(1, tf.float64) if weight is None else tf.cast(weight, tf.float64),
-                read_value=False))
-            with tf.control_dependencies(accumulate):
-                if apply_when_full:
-                    full = window.count.assign_add(1) >= self._n
-                    applied = tf.cond(full, lambda: self._apply_window(window, global_step),
-                                      tf.no_op)
-                else:
-                    applied = window.count.assign_add(1, read_value=False)
-            train_op = tf.group(applied, name=scope)
-        # Built now, not in flush_op(): the graph may be finalized by then.
-        with tf.init_scope(), v1.name_scope(scope):
-            window.flush_op = tf.group(tf.cond(
-                window.count.read_value() > 0, lambda: self._apply_window(window, global_step),
-                tf.no_op), name="flush")
-        return train_op
-
     def flush_op(self):
         """The op (no feed needed) that applies an open partial window; else a no-op.
+
+        Also in the graph's collection FLUSH_OPS, and named "<window scope>/flush".
 
         Raises:
           RuntimeError: minimize/apply_gradients has not been built in this graph.
@@ -268,39 +318,126 @@ class AveragingOptimizer(v1.train.Optimizer):
 
     @property
     def skipped_windows(self):
-        """int64 variable: windows discarded by check_finite in this graph."""
+        """int64 variable: windows discarded by check_finite, or for a weight sum <= 0."""
         return self._window("skipped_windows").skipped_windows
 
     @property
     def window_count(self):
-        """int64 variable: mini-batches in the open window (None with N == 1: no window)."""
-        return getattr(self._window("window_count"), "count", None)
+        """int64 variable: mini-batches in the open window."""
+        return self._window("window_count").count
+
+    def accumulator(self, var):
+        """The window's (dense) sum of weighted gradients for `var`; None if it has none."""
+        return self._window("accumulator").accumulators.get(var)
+
+    def window_variables(self):
+        """This graph's window: accumulators, touched rows, count, weight sum, skipped.
+
+        A plain run's checkpoint has none of them: restore it with
+        `Saver(var_list=[v for v in global_variables() if v not in window_variables()])`.
+        """
+        return self._window("window_variables").variables()
 
     def get_slot(self, var, name):
-        """The wrapped optimizer's slots, plus "accumulator" (and "touched" for sparse)."""
-        window = self._windows.get(var.graph)
-        if window is not None and name == "accumulator":
-            return window.accumulators.get(var)
-        if window is not None and name == "touched":
-            return window.touched.get(var)
+        """The wrapped optimizer's slot (the window has its own accessors)."""
         return self._optimizer.get_slot(var, name)
 
     def get_slot_names(self):
-        return self._optimizer.get_slot_names() + ["accumulator", "touched"]
+        """The wrapped optimizer's slot names."""
+        return self._optimizer.get_slot_names()
 
     def variables(self):
         """The wrapped optimizer's variables and this graph's window variables."""
-        window = self._windows.get(v1.get_default_graph())
+        window = self._windows.get(_outermost_graph())
         return self._optimizer.variables() + (window.variables() if window else [])
 
     # ------------------------------------------------------------------ the window
 
     def _window(self, what):
-        window = self._windows.get(v1.get_default_graph())
+        window = self._windows.get(_outermost_graph())
         if window is None:
             raise RuntimeError(f"{what}: call minimize or apply_gradients of {self.get_name()} "
                                "in this graph first")
         return window
+
+    def _build(self, grads_and_vars, global_step, name, weight, apply_when_full):
+        grads_and_vars = list(grads_and_vars)  # a zip is read twice below
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        if not pairs:
+            raise ValueError("no variable receives a gradient: check the loss and var_list "
+                             f"({[v.name for _, v in grads_and_vars]})")
+        graph = _outermost_graph()
+        if graph in self._windows:
+            raise RuntimeError(f"{self.get_name()} already built its train op in this graph; "
+                               "it holds one window: make one AveragingOptimizer per train op")
+        if weight is not None:
+            weight = tf.convert_to_tensor(weight)
+            if weight.shape.rank not in (None, 0):
+                raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
+        # The wrapped optimizer is called in the caller's name scope, wherever it is
+        # built, so that its non-slot variables (Adam's beta powers) are named as without
+        # the wrapper.
+        caller_scope = _absolute(v1.get_default_graph().get_name_scope())
+        with tf.init_scope(), v1.name_scope(name, self.get_name()) as scope:
+            window = self._windows[graph] = _Window(
+                scope, [v for _, v in pairs], {v: isinstance(g, tf.IndexedSlices)
+                                               for g, v in pairs})
+        with _collections_kept_clean(graph), v1.name_scope(scope):
+            if self._n == 1 and apply_when_full:
+                train_op = self._direct_or_window(pairs, window, global_step, weight,
+                                                  caller_scope)
+            else:
+                train_op = self._accumulate_then(pairs, window, global_step, weight,
+                                                 caller_scope, apply_when_full)
+            train_op = tf.group(train_op, name="train")
+        # Built now, not in flush_op(): the graph may be finalized by then.
+        with _collections_kept_clean(graph), tf.init_scope(), v1.name_scope(scope):
+            with window.locked([], self._locked) as held:
+                held.ops.append(tf.cond(window.count.read_value() > 0,
+                                        lambda: self._apply_window(window, global_step,
+                                                                   caller_scope),
+                                        tf.no_op))
+            window.flush_op = tf.group(held.released, name="flush")
+            v1.add_to_collection(FLUSH_OPS, window.flush_op)
+        v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train_op)
+        return train_op
+
+    def _accumulate_then(self, pairs, window, global_step, weight, caller_scope,
+                         apply_when_full):
+        """Under the lock: adds the mini-batch, counts it, applies a full window."""
+        inputs = [_values(g) for g, _ in pairs] + ([] if weight is None else [weight])
+        with window.locked(inputs, self._locked) as held:
+            added = [self._accumulate(window, g, v, weight) for g, v in pairs]
+            added.append(window.weight_sum.assign_add(
+                tf.constant(1, tf.float64) if weight is None else tf.cast(weight, tf.float64),
+                read_value=False))
+            with tf.control_dependencies(added):
+                if not apply_when_full:
+                    held.ops.append(window.count.assign_add(1, read_value=False))
+                elif self._n == 1:  # always full
+                    with tf.control_dependencies([window.count.assign_add(1)]):
+                        held.ops.append(self._apply_window(window, global_step, caller_scope))
+                else:
+                    full = window.count.assign_add(1) >= self._n
+                    held.ops.append(tf.cond(
+                        full, lambda: self._apply_window(window, global_step, caller_scope),
+                        tf.no_op))
+        return held.released
+
+    def _direct_or_window(self, pairs, window, global_step, weight, caller_scope):
+        """N == 1: the wrapped optimizer's apply of the gradients as they are (its bits),
+        unless a window is open (restored from a run with another N) or the mini-batch's
+        weight is not positive: then as N > 1 (applied with the open window, or
+        skipped)."""
+        use_window = window.count.read_value() > 0
+        if weight is not None:
+            use_window = tf.logical_or(use_window, tf.cast(weight, tf.float64) <= 0)
+        return tf.cond(
+            use_window,
+            lambda: self._accumulate_then(pairs, window, global_step, weight, caller_scope,
+                                          apply_when_full=True),
+            lambda: self._apply_or_skip(pairs, window, global_step, reset=list,
+                                        caller_scope=caller_scope))
 
     def _accumulate(self, window, grad, var, weight):
         """Adds weight * grad to var's accumulator; sparse rows by scatter_add."""
@@ -316,25 +453,26 @@ class AveragingOptimizer(v1.train.Optimizer):
             touched.scatter_update(tf.IndexedSlices(
                 tf.ones_like(grad.indices, tf.bool), grad.indices)))
 
-    def _apply_window(self, window, global_step):
+    def _apply_window(self, window, global_step, caller_scope):
         """The mean of the window, applied by the wrapped optimizer; then a reset.
 
         Sparse accumulators are applied as IndexedSlices of the touched rows only, so a
         sparse-aware optimizer (Momentum, Adagrad...) leaves the other rows' slots
         alone, as it would for the whole batch at once; only those rows are reset.
         """
+        weight_sum = window.weight_sum.read_value()
         pairs, resets = [], []
         for var, acc in window.accumulators.items():
-            weight_sum = tf.cast(window.weight_sum, acc.dtype)
+            total = tf.cast(weight_sum, acc.dtype)
             if var in window.touched:
                 touched = window.touched[var]
                 rows = tf.where(touched)[:, 0]
                 summed = tf.gather(acc, rows)
-                grad = tf.IndexedSlices(tf.cast(summed / weight_sum, var.dtype.base_dtype),
+                grad = tf.IndexedSlices(tf.cast(summed / total, var.dtype.base_dtype),
                                         rows, tf.shape(var, out_type=tf.int64))
                 resets.append(functools.partial(_zero_rows, acc, touched, rows, summed))
             else:
-                grad = tf.cast(acc / weight_sum, var.dtype.base_dtype)
+                grad = tf.cast(acc / total, var.dtype.base_dtype)
                 resets.append(functools.partial(_zero, acc))
             pairs.append((grad, var))
 
@@ -343,26 +481,32 @@ class AveragingOptimizer(v1.train.Optimizer):
                 window.count.assign(0, read_value=False),
                 window.weight_sum.assign(0, read_value=False)]
 
-        return self._apply_or_skip(pairs, window, global_step, reset)
+        return self._apply_or_skip(pairs, window, global_step, reset, caller_scope,
+                                   positive=weight_sum > 0)
 
-    def _apply_or_skip(self, averaged, window, global_step, reset):
+    def _apply_or_skip(self, averaged, window, global_step, reset, caller_scope,
+                       positive=None):
         """Transforms and applies the `averaged` pairs, then builds `reset()` after it.
 
-        With check_finite, a window with a non-finite value only resets, and counts
-        itself in skipped_windows.
+        A window whose weights sum to zero or less (`positive` false) or, with
+        check_finite, holds a non-finite value, only resets, and counts itself in
+        skipped_windows.
         """
         pairs = list(self._transform(averaged)) if self._transform else averaged
 
         def apply():
-            applied = self._optimizer.apply_gradients(pairs, global_step=global_step)
+            with v1.name_scope(caller_scope):
+                applied = self._optimizer.apply_gradients(pairs, global_step=global_step)
             with tf.control_dependencies([applied]):  # the reads of the means come first
-                return tf.group(*reset())
-
-        if not self._check_finite:
-            return apply()
+                after = self._after_update() if self._after_update else None
+                after = [op for op in tf.nest.flatten(after) if op is not None]
+                return tf.group(applied, *reset(), *after)
 
         def skip():
             return tf.group(*reset(), window.skipped_windows.assign_add(1, read_value=False))
 
-        finite = all_finite([_values(g) for g, _ in averaged + pairs if g is not None])
-        return tf.cond(finite, apply, skip)
+        good = positive
+        if self._check_finite:
+            finite = all_finite([_values(g) for g, _ in averaged + pairs if g is not None])
+            good = finite if good is None else tf.logical_and(good, finite)
+        return apply() if good is None else tf.cond(good, apply, skip)

@@ -9,13 +9,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import trainer
-from averaging_optimizer import AveragingOptimizer, all_finite, check_average_gradients
+from averaging_optimizer import FLUSH_OPS, AveragingOptimizer, all_finite, check_average_gradients
 
 v1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +134,7 @@ def test_adam_slots_and_beta_powers_advance_once_per_update():
                 sess.run(train_op, {model.x: x, model.y: y})
             powers = sess.run([beta1_power, beta2_power])
             count, = [v for v in opt.variables() if v.op.name == "AveragingAdam/count"]
-            window = sess.run([opt.get_slot(model.variables[0], "accumulator"), count])
+            window = sess.run([opt.accumulator(model.variables[0]), count])
     beta = np.float32([0.9, 0.99])  # float32 variables: the initial value times 2 updates
     np.testing.assert_array_equal(powers, beta * beta * beta)
     assert window[1] == 1 and np.any(window[0] != 0)  # the 7th mini-batch waits
@@ -377,7 +378,7 @@ def test_low_precision_gradients_sum_in_float32(dtype):
         model = _linear(dtype)
         opt = AveragingOptimizer(v1.train.GradientDescentOptimizer(1.0), 20)
         train_op = opt.minimize(model.loss)
-        assert opt.get_slot(model.variables[0], "accumulator").dtype.base_dtype == tf.float32
+        assert opt.accumulator(model.variables[0]).dtype.base_dtype == tf.float32
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             for g in grads:
@@ -407,7 +408,7 @@ def test_check_finite_discards_the_window_and_counts_it(bad, n):
             np.testing.assert_array_equal(sess.run(model.variables[0]), np.zeros(3))
             if n > 1:  # reset: nothing of the bad window is left to poison the next
                 np.testing.assert_array_equal(
-                    sess.run(opt.get_slot(model.variables[0], "accumulator")), np.zeros(3))
+                    sess.run(opt.accumulator(model.variables[0])), np.zeros(3))
             for g in grads[n:]:
                 sess.run(train_op, {model.x: g})
             assert sess.run([opt.skipped_windows, global_step]) == [1, 1]
@@ -607,3 +608,194 @@ def test_all_finite_is_one_scalar_over_every_tensor():
         inf = all_finite([tf.constant([-np.inf], tf.float16)])
         assert ok.shape == () and ok.dtype == tf.bool
         assert sess.run([ok, nan, inf, all_finite([])]) == [True, False, False, True]
+
+
+# ---------------------------------------------------------------- export (issue 17, case 1)
+
+def _feeds_xy(feeds):
+    return [{"x:0": x, "y:0": y} for x, y in feeds]
+
+
+def test_meta_graph_and_saved_model_load_and_continue_mid_window_exactly(tmp_path):
+    """Saved with 1 update and 1 mini-batch open; re-imported without the Python code, the
+    train op (GraphKeys.TRAIN_OP) and flush op (FLUSH_OPS) continue to the bits of an
+    uninterrupted run, and the graph serves inference."""
+    feeds = _feeds_xy(minibatches([4] * 9))
+    ckpt, exported = str(tmp_path / "model.ckpt"), str(tmp_path / "saved_model")
+    with tf.Graph().as_default() as graph:
+        model, global_step, train_op = _build_adam()
+        opt_flush, = v1.get_collection(FLUSH_OPS)
+        assert v1.get_collection(v1.GraphKeys.TRAIN_OP) == [train_op]
+        for key in graph.get_all_collection_keys():  # nothing from inside a cond's branch
+            for item in graph.get_collection(key):
+                assert getattr(item, "graph", graph) is graph, (key, item)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for feed in feeds[:4]:
+                sess.run(train_op, feed)
+            v1.train.Saver().save(sess, ckpt)
+            v1.saved_model.simple_save(sess, exported, {"x": model.x}, {"loss": model.loss})
+            for feed in feeds[4:]:
+                sess.run(train_op, feed)
+            sess.run(opt_flush)  # the 9th mini-batch, alone
+            uninterrupted = sess.run(model.variables + [global_step])
+    assert uninterrupted[-1] == 3
+
+    def resume(sess):
+        train, = v1.get_collection(v1.GraphKeys.TRAIN_OP)
+        flush = sess.graph.get_operation_by_name(v1.get_collection(FLUSH_OPS)[0].name)
+        assert flush.name == "AveragingAdam/flush" and train.name == "AveragingAdam/train"
+        loss = sess.run("Mean:0", feeds[0])  # inference: the loss of the restored weights
+        assert np.isfinite(loss)
+        for feed in feeds[4:]:
+            sess.run(train, feed)
+        sess.run(flush)
+        variables = {v.op.name: v for v in v1.global_variables()}
+        return sess.run([variables[k] for k in ("w1", "b1", "w2", "global_step")])
+
+    with tf.Graph().as_default():
+        saver = v1.train.import_meta_graph(ckpt + ".meta")
+        with v1.Session() as sess:
+            saver.restore(sess, ckpt)
+            from_meta = resume(sess)
+    with tf.Graph().as_default():
+        with v1.Session() as sess:
+            v1.saved_model.loader.load(sess, [v1.saved_model.tag_constants.SERVING], exported)
+            from_saved_model = resume(sess)
+    for resumed in (from_meta, from_saved_model):
+        for r, u in zip(resumed, uninterrupted):
+            np.testing.assert_array_equal(r, u)
+
+
+# ---------------------------------------------------------------- threads (case 2)
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_concurrent_runs_never_mix_windows(weighted):
+    """8 threads x 150 runs of one train op (N=2, every gradient 1.0, weights random):
+    each update must be the mean of exactly 2 mini-batches, so with SGD at rate 1 every
+    weight is exactly -updates, and updates * N + the open count is every run. Without
+    the lock, most such trials end with NaN, or a count or mean that is off."""
+    n, threads, runs = 2, 8, 150
+    with tf.Graph().as_default():
+        w = tf.Variable(tf.zeros([256], tf.float64))
+        weight = v1.placeholder(tf.float64, [])
+        global_step = v1.train.get_or_create_global_step()
+        opt = AveragingOptimizer(v1.train.GradientDescentOptimizer(1.0), n)
+        train_op = opt.minimize(tf.reduce_sum(w), global_step=global_step,
+                                weight=weight if weighted else None)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+
+            def work(seed):
+                rng = np.random.RandomState(seed)
+                for _ in range(runs):
+                    sess.run(train_op, {weight: rng.uniform(1, 2)})
+
+            workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+            for t in workers:
+                t.start()
+            for t in workers:
+                t.join()
+            weights, updates, count, skipped = sess.run(
+                [w, global_step, opt.window_count, opt.skipped_windows])
+    assert updates * n + count == threads * runs and skipped == 0
+    np.testing.assert_array_equal(weights, np.full(256, -float(updates)))
+
+
+# ---------------------------------------------------------------- names and slots (case 3)
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_wrapped_optimizer_variables_and_slots_answer_as_without_the_wrapper(name, n):
+    def build(wrap):
+        model = mlp()
+        wrapped = OPTIMIZERS[name]()
+        opt = AveragingOptimizer(wrapped, n) if wrap else wrapped
+        with v1.name_scope("train"):
+            opt.minimize(model.loss, global_step=v1.train.get_or_create_global_step())
+        return model, wrapped, opt
+
+    with tf.Graph().as_default():
+        model, plain, _ = build(wrap=False)
+        plain_names = sorted(v.op.name for v in v1.global_variables())
+        plain_slots = plain.get_slot_names()
+    with tf.Graph().as_default():
+        model, wrapped, opt = build(wrap=True)
+        window = opt.window_variables()
+        assert sorted(v.op.name for v in v1.global_variables() if v not in window) == plain_names
+        assert opt.get_slot_names() == plain_slots
+        for slot in plain_slots:  # Adagrad's own "accumulator" included
+            for var in model.variables:
+                assert opt.get_slot(var, slot) is wrapped.get_slot(var, slot) is not None
+        assert opt.variables() == wrapped.variables() + window
+        assert {v.op.name for v in window} == {
+            f"train/{opt.get_name()}/{leaf}" for leaf in ("count", "weight_sum",
+                                                          "skipped_windows")} | {
+            f"train/{opt.get_name()}/{v.op.name}/accumulator" for v in model.variables}
+        assert opt.accumulator(model.variables[0]) in window
+
+
+def _window_free_saver(opt):
+    """The documented way to read a plain run's checkpoint into a wrapped graph."""
+    window = opt.window_variables()
+    return v1.train.Saver(var_list=[v for v in v1.global_variables() if v not in window])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_checkpoints_move_between_plain_and_wrapped_runs(tmp_path, n):
+    """plain 2 updates -> wrapped 2 updates (N mini-batches each) -> plain 2 updates equals
+    6 plain updates on the direct batches, bit for bit at N=1 (and for Adam's powers)."""
+    feeds = minibatches([4] * (6 * n))
+    direct = concatenated(feeds, n)
+    expected, expected_step = train(OPTIMIZERS["adam"], direct)
+    path = str(tmp_path / "model.ckpt")
+    for part, wrap in enumerate((False, True, False)):
+        with tf.Graph().as_default():
+            model = mlp()
+            global_step = v1.train.get_or_create_global_step()
+            opt = AveragingOptimizer(OPTIMIZERS["adam"](), n) if wrap else OPTIMIZERS["adam"]()
+            train_op = opt.minimize(model.loss, global_step=global_step)
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                if part:
+                    (_window_free_saver(opt) if wrap else v1.train.Saver()).restore(sess, path)
+                for x, y in (feeds[2 * n:4 * n] if wrap else direct[2 * part:2 * part + 2]):
+                    sess.run(train_op, {model.x: x, model.y: y})
+                v1.train.Saver().save(sess, path)
+                weights, step = sess.run(model.variables), sess.run(global_step)
+    assert step == expected_step == 6
+    if n == 1:
+        for w, e in zip(weights, expected):
+            np.testing.assert_array_equal(w, e)
+    assert_close(weights, expected)
+
+
+# ---------------------------------------------------------------- another N (case 4)
+
+@pytest.mark.parametrize("new_n", [1, 2, 5])
+def test_open_window_restored_into_another_n_is_applied_not_dropped(tmp_path, new_n):
+    """N=4 saved with 3 mini-batches open: in a graph with another N the next run (or, for
+    a larger N, flush_op) closes that window with them, as the direct batch of 4 would."""
+    feeds = minibatches([4] * 8)
+    path = str(tmp_path / "model.ckpt")
+    with tf.Graph().as_default():
+        model, global_step, train_op = _build_adam(n=4)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for x, y in feeds[:7]:
+                sess.run(train_op, {model.x: x, model.y: y})
+            v1.train.Saver().save(sess, path)
+    with tf.Graph().as_default():
+        model = mlp()
+        global_step = v1.train.get_or_create_global_step()
+        opt = AveragingOptimizer(OPTIMIZERS["adam"](), new_n)
+        train_op = opt.minimize(model.loss, global_step=global_step)
+        with v1.Session() as sess:
+            v1.train.Saver().restore(sess, path)
+            assert sess.run(opt.window_count) == 3
+            sess.run(train_op, {model.x: feeds[7][0], model.y: feeds[7][1]})
+            sess.run(opt.flush_op())
+            resumed, step = sess.run(model.variables), sess.run(global_step)
+    direct, _ = train(OPTIMIZERS["adam"], concatenated(feeds, 4))
+    assert step == 2
+    assert_close(resumed, direct)
