@@ -49,10 +49,16 @@ reproduce: install
 	  --fair=$(FAIR) --scale=$(SCALE) --verbose=$(VERBOSE) --accumulate=$(ACCUMULATE)
 
 # Two worker processes on 127.0.0.1 (free ports) train one model together with
-# MultiWorkerMirroredStrategy; worker 0 prints. Extra flags: ARGS="--dropout=0".
+# MultiWorkerMirroredStrategy: a line per worker (address, role), then worker 0's lines and
+# its live bar. Extra flags: ARGS="--dropout=0". 100 updates is a tenth of the post's run:
+# measured, it ends at 58.41% (one tf2 process with the same flags: 52.12%, the tf1 engine
+# 38.76%; the masks of dropout differ), on the steep early part of a curve that reaches 95%.
 WORKERS ?= 2
 .PHONY: distributed-demo
 distributed-demo: install
+	@echo "distributed-demo: $(WORKERS) workers, 500 mini-batches of 20 at N=5 = 100 updates," \
+	  "a tenth of the post's 1,000. Expect about 58% test accuracy at the end (the post's" \
+	  "95% takes 1,000 updates): still learning, not a failure. About 1-2 minutes."
 	$(PY) -m tools.launch_workers --workers=$(WORKERS) --timeout=600 -- --average-gradients=5 \
 	  --batch-size=20 --iterations=500 --reps=1 --verbose $(ARGS)
 

@@ -5,9 +5,11 @@
 Each worker is `main.py --engine=tf2 --strategy=multi_worker ARGS` with its own TF_CONFIG
 on 127.0.0.1 (free ports picked here). They train together: every worker reads the same
 global mini-batches and trains on its slice, gradients are all-reduced once per update.
-Worker 0's output is printed; only worker 0 writes `--results` and `--logdir`. If a worker
-fails or the job runs past --timeout, the others are stopped, so nothing is left waiting
-for a peer.
+Before they start, one line per worker gives its address and role. Worker 0 (the chief)
+writes to this terminal as it trains: its lines, and on a terminal its progress bar; only
+worker 0 writes `--results` and `--logdir`. The other workers' output is shown if one
+fails. If a worker fails or the job runs past --timeout, the others are stopped, so
+nothing is left waiting for a peer.
 """
 
 import argparse
@@ -51,23 +53,37 @@ def chief_only(args):
     return kept
 
 
-def launch(args, workers=2, timeout=300, python=sys.executable, env=None):
+def role(index):
+    """What worker `index` does in the job, in a few words."""
+    if index == 0:
+        return "chief: its output follows; writes --results and --logdir"
+    return "worker: trains its slice of each mini-batch; its output is shown if it fails"
+
+
+def launch(args, workers=2, timeout=300, python=sys.executable, env=None, live=False):
     """Runs the workers to completion; returns (exit codes, outputs), worker 0 first.
 
-    `env` adds to (or overrides) this process's environment for every worker.
+    `env` adds to (or overrides) this process's environment for every worker. `live`: first
+    print a line per worker (address, role), then let worker 0 write to this process's
+    stdout and stderr as it runs (its progress bar too, on a terminal); its output is then
+    not captured ("").
     """
     ports = free_ports(workers)
     cluster = {"worker": [f"{HOST}:{p}" for p in ports]}
+    if live:
+        for index, address in enumerate(cluster["worker"]):
+            print(f"worker {index} at {address}: {role(index)}", flush=True)
     procs, logs = [], []
     for index in range(workers):
         worker_env = dict(os.environ, **(env or {}), TF_CONFIG=json.dumps(
             {"cluster": cluster, "task": {"type": "worker", "index": index}}))
         worker_args = args if index == 0 else chief_only(args)
-        log = tempfile.TemporaryFile(mode="w+")
+        log = None if live and index == 0 else tempfile.TemporaryFile(mode="w+")
         logs.append(log)
         procs.append(subprocess.Popen(
             [python, common.MAIN, "--engine=tf2", "--strategy=multi_worker", *worker_args],
-            cwd=common.ROOT, env=worker_env, stdout=log, stderr=subprocess.STDOUT, text=True))
+            cwd=common.ROOT, env=worker_env, stdout=log,
+            stderr=None if log is None else subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):
@@ -82,6 +98,9 @@ def launch(args, workers=2, timeout=300, python=sys.executable, env=None):
                 p.wait()
     outputs = []
     for log in logs:
+        if log is None:  # written as it came
+            outputs.append("")
+            continue
         log.seek(0)
         outputs.append(log.read())
         log.close()
@@ -101,7 +120,7 @@ def main():
         parser.error("--workers must be at least 1")
     if args and args[0] == "--":
         args = args[1:]
-    codes, outputs = launch(args, own.workers, own.timeout)
+    codes, outputs = launch(args, own.workers, own.timeout, live=True)
     print(outputs[0], end="")
     for index, (code, output) in enumerate(zip(codes, outputs)):
         if code != 0 and index > 0:
