@@ -181,11 +181,13 @@ class _Window:
             yield held
             held.released = tf.group(*held.ops)
             return
-        with tf.control_dependencies(after):  # placed by the placer beside the mutex
+        # Both on the mutex's device: a lock cannot travel between devices.
+        graph = v1.get_default_graph()
+        with tf.control_dependencies(after), graph.colocate_with(self.mutex.op):
             lock = tf.raw_ops.MutexLock(mutex=self.mutex)
         with tf.control_dependencies([lock]):
             yield held
-        with tf.control_dependencies(held.ops):
+        with tf.control_dependencies(held.ops), graph.colocate_with(self.mutex.op):
             held.released = tf.raw_ops.ConsumeMutexLock(mutex_lock=lock)
 
 

@@ -5,8 +5,10 @@ Every model here is tiny, dropout-free and float64 (unless the dtype is the poin
 """
 
 import collections
+import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -202,6 +204,9 @@ def test_bad_use_gets_one_clear_error():
         check_average_gradients(False, "--average-gradients")
     with pytest.raises(ValueError, match="v1.train.Optimizer"):
         AveragingOptimizer(tf.keras.optimizers.SGD(0.1), 2)
+    for arg in ("transform_gradients", "after_update"):
+        with pytest.raises(TypeError, match=f"^{arg} must be a function"):
+            AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1), 2, **{arg: [1]})
     with tf.Graph().as_default():
         model = mlp()
         unused = v1.get_variable("unused", [3], tf.float64)
@@ -799,3 +804,149 @@ def test_open_window_restored_into_another_n_is_applied_not_dropped(tmp_path, ne
     direct, _ = train(OPTIMIZERS["adam"], concatenated(feeds, 4))
     assert step == 2
     assert_close(resumed, direct)
+
+
+# ---------------------------------------------------------------- graph contexts (case 5)
+
+def _in_process_cluster():
+    """A parameter server and a worker in this process, on free local ports."""
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            return s.getsockname()[1]
+    cluster = tf.train.ClusterSpec({"ps": [f"localhost:{free_port()}"],
+                                    "worker": [f"localhost:{free_port()}"]})
+    tf.distribute.Server(cluster, job_name="ps", task_index=0)
+    return cluster, tf.distribute.Server(cluster, job_name="worker", task_index=0).target
+
+
+GRAPH_CONTEXTS = ["cond", "while_loop", "loss_scale_outside_dynamic",
+                  "loss_scale_inside_dynamic", "loss_scale_inside_fixed",
+                  "replica_device_setter"]
+
+
+@pytest.mark.parametrize("context", GRAPH_CONTEXTS)
+def test_any_graph_context_trains_like_the_direct_batch(context):
+    """minimize inside a caller's cond or while_loop, inside or outside a loss-scale
+    optimizer, under replica_device_setter: 6 mini-batches with N=4 (the last 2 flushed)
+    update as the direct batches of 4 and 2; variables() holds the window."""
+    dtype = tf.float32 if "loss_scale" in context else tf.float64
+    grads = (np.arange(18).reshape(6, 3) / 7 - 1).astype(dtype.as_numpy_dtype)
+    loss_scale = tf.compat.v1.train.experimental.MixedPrecisionLossScaleOptimizer
+    target, device = "", contextlib.nullcontext
+    if context == "replica_device_setter":
+        cluster, target = _in_process_cluster()
+        device = lambda: v1.device(  # noqa: E731
+            v1.train.replica_device_setter(ps_tasks=1, cluster=cluster))
+
+    def run(direct):
+        with tf.Graph().as_default(), device():
+            c = v1.placeholder(dtype, [None, 3], name="c")
+            w = tf.Variable(tf.ones([3], dtype), name="w")
+            global_step = v1.train.get_or_create_global_step()
+            loss_of = lambda row: tf.reduce_sum(tf.square(w) * row)  # noqa: E731
+            adam = v1.train.AdamOptimizer(0.1)
+            if direct:
+                opt = wrapper = adam
+            elif context == "loss_scale_outside_dynamic":
+                wrapper = AveragingOptimizer(adam, 4)
+                opt = loss_scale(wrapper, "dynamic")
+            else:
+                scale = 128.0 if context == "loss_scale_inside_fixed" else "dynamic"
+                wrapped = loss_scale(adam, scale) if "inside" in context else adam
+                opt = wrapper = AveragingOptimizer(wrapped, 4)
+            if context == "cond" and not direct:
+                train = tf.cond(v1.placeholder_with_default(True, []),
+                                lambda: opt.minimize(loss_of(c[0]), global_step=global_step),
+                                tf.no_op)
+            elif context == "while_loop" and not direct:  # every fed row in one run
+                def body(i):
+                    with tf.control_dependencies([opt.minimize(loss_of(c[i]),
+                                                               global_step=global_step)]):
+                        return i + 1
+                train = tf.while_loop(lambda i: i < tf.shape(c)[0], body, [0])
+            else:
+                train = opt.minimize(loss_of(c[0]), global_step=global_step)
+            with v1.Session(target) as sess:
+                sess.run(v1.global_variables_initializer())
+                if direct:
+                    for rows in (grads[:4], grads[4:]):
+                        sess.run(train, {c: rows.mean(axis=0, keepdims=True)})
+                    return sess.run([w, global_step])
+                for rows in ([grads] if context == "while_loop" else grads[:, None]):
+                    sess.run(train, {c: rows})
+                assert sess.run(wrapper.window_count) == 2
+                sess.run(wrapper.flush_op())
+                assert set(wrapper.window_variables()) <= set(wrapper.variables())
+                if context == "replica_device_setter":
+                    assert {v.device for v in wrapper.variables()} == {w.device}
+                return sess.run([w, global_step])
+
+    (averaged, step), (direct, direct_step) = run(direct=False), run(direct=True)
+    assert step == direct_step == 2
+    np.testing.assert_allclose(averaged, direct, rtol=1e-6 if dtype == tf.float32 else RTOL)
+
+
+# ---------------------------------------------------------------- per-update ops (case 6)
+
+def test_after_update_steps_an_ema_once_per_update_as_the_direct_batch():
+    """An EMA of the weights attached with after_update= (N=3, 8 mini-batches, the last 2
+    flushed) equals the cifar10 idiom's EMA, ema.apply under control_dependencies([train
+    op]), on the 3 direct batches; that idiom on the wrapper's op steps per mini-batch."""
+    feeds = minibatches([4] * 8)
+
+    def shadows(n, attach):
+        with tf.Graph().as_default():
+            model = mlp()
+            global_step = v1.train.get_or_create_global_step()
+            ema = v1.train.ExponentialMovingAverage(0.5)
+            after = (lambda: ema.apply(model.variables)) if attach == "after_update" else None
+            opt = OPTIMIZERS["adam"]() if n is None else AveragingOptimizer(
+                OPTIMIZERS["adam"](), n, after_update=after)
+            train_op = opt.minimize(model.loss, global_step=global_step)
+            if attach == "control_dependencies":
+                with tf.control_dependencies([train_op]):
+                    train_op = ema.apply(model.variables)
+            with v1.Session() as sess:
+                sess.run(v1.global_variables_initializer())
+                for x, y in (feeds if n else concatenated(feeds, 3)):
+                    sess.run(train_op, {model.x: x, model.y: y})
+                if n:
+                    sess.run(opt.flush_op())
+                return sess.run([ema.average(v) for v in model.variables] + [global_step])
+
+    direct = shadows(None, "control_dependencies")
+    attached = shadows(3, "after_update")
+    assert attached[-1] == direct[-1] == 3
+    assert_close(attached, direct)
+    per_minibatch = shadows(3, "control_dependencies")
+    assert not np.allclose(per_minibatch[0], direct[0], rtol=1e-3)
+
+
+# ---------------------------------------------------------------- bad use (case 7)
+
+@pytest.mark.parametrize("n, weights", [(4, [1, -1, 1, -1]), (4, [0, 0, 0, 0]),
+                                        (4, [1, -3, 0.5, 0]), (1, [0]), (1, [-2])])
+def test_window_whose_weights_sum_to_zero_or_less_is_skipped_and_counted(n, weights):
+    grads = np.arange(3 * 2 * n, dtype=np.float64).reshape(2 * n, 3) / 10 + 1
+    good_weights = np.arange(1.0, n + 1)
+    with tf.Graph().as_default():
+        model = _linear(tf.float64)
+        weight = v1.placeholder(tf.float64, [])
+        global_step = v1.train.get_or_create_global_step()
+        opt = AveragingOptimizer(v1.train.GradientDescentOptimizer(1.0), n)
+        train_op = opt.minimize(model.loss, global_step=global_step, weight=weight)
+        with v1.Session() as sess:
+            sess.run(v1.global_variables_initializer())
+            for g, k in zip(grads[:n], weights):
+                sess.run(train_op, {model.x: g, weight: k})
+            assert sess.run([opt.skipped_windows, global_step, opt.window_count]) == [1, 0, 0]
+            np.testing.assert_array_equal(sess.run(model.variables[0]), np.zeros(3))
+            np.testing.assert_array_equal(sess.run(opt.accumulator(model.variables[0])),
+                                          np.zeros(3))
+            for g, k in zip(grads[n:], good_weights):  # the next window is whole
+                sess.run(train_op, {model.x: g, weight: k})
+            assert sess.run([opt.skipped_windows, global_step]) == [1, 1]
+            w = sess.run(model.variables[0])
+    expected = -np.average(grads[n:], axis=0, weights=good_weights)
+    np.testing.assert_allclose(w, expected, rtol=RTOL)
