@@ -1,0 +1,111 @@
+"""examples/: every file runs to the end, in a fresh temporary directory, and writes nothing
+into the repository; the README snippets that stand for an example are that example.
+
+How they run, for speed: in this process with runpy, by default. The test process has
+imported TensorFlow already (conftest.py), so an example then costs only its own work (a
+graph-mode TF1 example: well under a second), where a process of its own pays ~5 s of
+TensorFlow import first. An example that changes the process for good (TF1 behaviour
+switched on, devices or threads configured, a global Keras policy or seed) or that parses absl
+flags of its own (they would clash with main.py's, defined in this process) would spoil
+the tests after it, so it gets a process of its own: PROCESS_WIDE lists what sends it there.
+"""
+
+import glob
+import os
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
+# Calls whose effect outlives the example, or absl flags of its own: a process of its own.
+PROCESS_WIDE = ("disable_v2_behavior", "disable_eager_execution", "enable_v2_behavior",
+                "tf.config.", "set_global_policy", "set_floatx", "set_random_seed",
+                "set_seed", "app.run(", "flags.DEFINE", "TF_CONFIG")
+TIMEOUT = 300  # seconds for an example in a process of its own
+
+
+def runs_alone(path):
+    with open(path) as f:
+        source = f.read()
+    return any(call in source for call in PROCESS_WIDE)
+
+
+def repository_files():
+    """The repository's top level and examples/: where an example must not write."""
+    return set(os.listdir(ROOT)) | {os.path.join("examples", name) for name in
+                                    os.listdir(os.path.join(ROOT, "examples"))}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[os.path.basename(p) for p in EXAMPLES])
+def test_example_runs_in_a_fresh_directory(path, tmp_path, monkeypatch):
+    before = repository_files()
+    if runs_alone(path):
+        proc = subprocess.run(
+            [sys.executable, path], cwd=tmp_path, capture_output=True, text=True,
+            timeout=TIMEOUT,
+            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    else:
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "argv", [path])
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as e:  # an example may end with sys.exit(main())
+            assert e.code in (None, 0), f"{path} exited with {e.code}"
+    assert repository_files() == before, "the example wrote into the repository"
+
+
+def test_there_are_examples_and_readme_links_each_of_mine():
+    names = {os.path.basename(p) for p in EXAMPLES}
+    assert "gradient_averager.py" in names
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert "examples/gradient_averager.py" in f.read()
+
+
+def python_blocks(markdown_path):
+    with open(markdown_path) as f:
+        return re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)
+
+
+def example_body(name):
+    """An example's code after its module docstring, as README shows it."""
+    with open(os.path.join(ROOT, "examples", name)) as f:
+        source = f.read()
+    return source.split('"""\n', 1)[1].strip() + "\n"
+
+
+def test_readmes_mechanism_snippet_is_its_example_verbatim():
+    (snippet,) = [block for block in python_blocks(os.path.join(ROOT, "README.md"))
+                  if "trainer.GradientAverager(" in block]
+    assert snippet == example_body("gradient_averager.py")
+
+
+def documented_flag_errors():
+    """docs/bad-input.md's rows whose input is flags alone and whose line is the parser's
+    (`error: flag ...`, `error: flags ...`, `error: Unknown command line flag ...`)."""
+    with open(os.path.join(ROOT, "docs", "bad-input.md")) as f:
+        rows = re.findall(r"^\| `([^`]*)` \| `(error: [^`]*)` \(exit 2\) \|$", f.read(), re.M)
+    return [(args.split(), message.replace("\\|", "|")) for args, message in rows
+            if all(re.fullmatch(r"--[a-z-]+=\S+", arg) for arg in args.split())
+            and message.startswith(("error: flag ", "error: flags ",
+                                    "error: Unknown command line flag"))]
+
+
+def test_bad_input_doc_shows_the_parsers_real_lines(capsys):
+    """Each flags-only row of docs/bad-input.md, parsed in this process: the line it prints
+    is the one the table shows, and it exits 2."""
+    import cli  # noqa: E402  (main.py's parser)
+    from absl.testing import flagsaver
+
+    cases = documented_flag_errors()
+    assert len(cases) >= 20 and any("--accumulate=magic" in args for args, _ in cases)
+    for args, message in cases:
+        with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_info:
+            cli.parse_flags(["main.py", *args])
+        assert exit_info.value.code == 2, args
+        assert capsys.readouterr().err.strip() == message, args
