@@ -4,10 +4,13 @@ Every model here is tiny, dropout-free and float64 (unless the dtype is the poin
 "exact" means allclose at rtol 1e-10: only the order of the sums differs.
 """
 
+import ast
 import collections
 import contextlib
+import importlib.util
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -950,3 +953,52 @@ def test_window_whose_weights_sum_to_zero_or_less_is_skipped_and_counted(n, weig
             w = sess.run(model.variables[0])
     expected = -np.average(grads[n:], axis=0, weights=good_weights)
     np.testing.assert_allclose(w, expected, rtol=RTOL)
+
+
+# ---------------------------------------------------------------- pip install (case 8)
+
+LIBRARY = {"averaging_optimizer", "tf2_accumulator"}
+
+
+def test_pip_installs_only_the_library_modules(tmp_path):
+    """pyproject.toml, built offline with the venv's setuptools from a copy of the
+    checkout's top level (an in-tree build would write build/ into the checkout), into a
+    target directory: the two library modules, nothing else, importable from there."""
+    source = tmp_path / "checkout"
+    source.mkdir()
+    for name in os.listdir(ROOT):
+        if name.endswith(".py") or name in ("pyproject.toml", "README.md"):
+            shutil.copy(os.path.join(ROOT, name), source)
+    target = tmp_path / "site-packages"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+         "--no-build-isolation", "--disable-pip-version-check", "--target", str(target),
+         str(source)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    modules = {name[:-3] for name in os.listdir(target) if name.endswith(".py")}
+    packages = {name for name in os.listdir(target) if (target / name).is_dir()
+                and not name.endswith((".dist-info", "__pycache__"))}
+    assert modules == LIBRARY and not packages, (modules, packages)
+    metadata, = target.glob("*.dist-info/METADATA")
+    assert "Requires-Dist: tensorflow>=2.16" in metadata.read_text()
+    # The library imports nothing of the experiment's (flags, model, data, loop...).
+    for module in LIBRARY:
+        tree = ast.parse((target / f"{module}.py").read_text())
+        imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                    if isinstance(node, (ast.Import, ast.ImportFrom))
+                    for alias in getattr(node, "names", [])
+                    if isinstance(node, ast.Import)} | {
+            node.module.split(".")[0] for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module}
+        local = {name[:-3] for name in os.listdir(ROOT) if name.endswith(".py")}
+        assert imported & local <= LIBRARY, (module, imported & local)
+    # Loaded from there in this process (TensorFlow is imported already; a fresh process
+    # would spend seconds on it): it needs nothing of the checkout.
+    spec = importlib.util.spec_from_file_location("installed_averaging_optimizer",
+                                                  target / "averaging_optimizer.py")
+    installed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(installed)
+    with tf.Graph().as_default():
+        opt = installed.AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1), 2)
+        opt.minimize(tf.reduce_sum(tf.Variable([1.0])))
+        assert opt.average_gradients == 2 and v1.get_collection(installed.FLUSH_OPS)
