@@ -38,10 +38,11 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
         lines += [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys]
     if figure:
         lines += ["", f"![Speed and memory ratios]({figure})", "",
-                  "Left: time per update against the direct batch of N*B (median of the "
+                  "Top: time per update against the direct batch of N*B (median of the "
                   "per-round ratios, whiskers their quartiles; below the dashed line is "
-                  "faster). Middle: peak memory of each strategy against B alone and against "
-                  "the direct batch. Right: host memory as N grows."]
+                  "faster). Below it, left: peak memory of each strategy against B alone "
+                  "and against the direct batch; right: host memory as N grows (the axis "
+                  "broken at // when one strategy climbs far above the others)."]
     if speed:
         labels = (["direct"] + list(strategies.STRATEGIES)
                   + list(bench_contenders.KERAS_CONTENDERS) + ["tf2"])
