@@ -247,3 +247,11 @@ def test_table_captions_name_the_posts_marks_only_where_they_are_drawn(scale):
     assert ("post's mean best accuracy (dashed)" in text) == (scale == 1)
     assert ("post's mean ± std" in text) == (scale == 1)
     assert ("the post's numbers are not drawn" in text) == (scale > 1)
+
+
+def test_bench_caption_describes_only_the_panels_drawn():
+    assert figures.bench_caption(speed_rows(), memory_section(), host_section()) == " ".join(
+        figures.BENCH_CAPTIONS[name] for name in ("speed", "memory", "host"))
+    assert figures.bench_caption(speed_rows(), None, None) == figures.BENCH_CAPTIONS["speed"]
+    failed = dict(memory_section(), direct={"error": "probe failed (137)"})
+    assert figures.bench_caption([], failed, host_section()) == figures.BENCH_CAPTIONS["host"]

@@ -6,6 +6,7 @@ import strategies
 from tools import bench_contenders
 from tools import bench_targets
 from tools import common
+from tools import figures
 from tools.bench_probes import HOST_BATCH, HOST_MODEL
 from tools.bench_targets import FLAT_GRADIENTS_PER_N
 
@@ -38,11 +39,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
         lines += [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys]
     if figure:
         lines += ["", f"![Speed and memory ratios]({figure})", "",
-                  "Top: time per update against the direct batch of N*B (median of the "
-                  "per-round ratios, whiskers their quartiles; below the dashed line is "
-                  "faster). Below it, left: peak memory of each strategy against B alone "
-                  "and against the direct batch; right: host memory as N grows (the axis "
-                  "broken at // when one strategy climbs far above the others)."]
+                  figures.bench_caption(speed, mem, host)]
     if speed:
         labels = (["direct"] + list(strategies.STRATEGIES)
                   + list(bench_contenders.KERAS_CONTENDERS) + ["tf2"])

@@ -270,12 +270,13 @@ def bench_figure(speed, memory, host=None):
     """The figure of `bench_ratios`, not saved: (Figure, {"speed", "memory", "host": the
     panel's axes, upper first; only the panels drawn})."""
     usable = _usable_memory(memory)
+    drawn = bench_panels(speed, memory, host)
     lower = []
-    if usable:
+    if "memory" in drawn:
         lower.append(("memory", lambda sub: _memory_panel(sub, memory, usable)))
-    if host and any("peak_mb" in p for p in host["table"].values()):
+    if "host" in drawn:
         lower.append(("host", lambda sub: _host_panel(sub, host)))
-    if not speed and not lower:
+    if not drawn:
         raise ValueError("bench ratios: no speed rows and no successful memory probe to draw")
     width, height = BENCH_INCHES
     fig = Figure(figsize=(width, height if speed and lower else height / 2),
@@ -291,6 +292,30 @@ def bench_figure(speed, memory, host=None):
             panels[name] = draw(sub)
     fig.suptitle("Gradient accumulation: speed and memory (make bench)")
     return fig, panels
+
+
+def bench_panels(speed, memory, host=None):
+    """The panels `bench_ratios` draws from these inputs: "speed", "memory", "host"."""
+    return ([name for name, drawn in (
+        ("speed", bool(speed)), ("memory", bool(_usable_memory(memory))),
+        ("host", bool(host) and any("peak_mb" in p for p in host["table"].values())))
+        if drawn])
+
+
+# What each panel of the bench figure shows, by name, for the text under it.
+BENCH_CAPTIONS = {
+    "speed": "Speed: time per update against the direct batch of N*B (the median of the "
+             "per-round ratios, whiskers their quartiles; below the dashed line is faster).",
+    "memory": "Peak memory: each strategy's peak against that of B alone and that of the "
+              "direct batch.",
+    "host": "Host memory: peak RSS as N grows (the axis broken at // when one strategy "
+            "climbs far above the others).",
+}
+
+
+def bench_caption(speed, memory, host=None):
+    """The text under the bench figure: what each panel drawn from these inputs shows."""
+    return " ".join(BENCH_CAPTIONS[name] for name in bench_panels(speed, memory, host))
 
 
 def _speed_panel(sub, speed):
