@@ -1002,3 +1002,29 @@ def test_pip_installs_only_the_library_modules(tmp_path):
         opt = installed.AveragingOptimizer(v1.train.GradientDescentOptimizer(0.1), 2)
         opt.minimize(tf.reduce_sum(tf.Variable([1.0])))
         assert opt.average_gradients == 2 and v1.get_collection(installed.FLUSH_OPS)
+
+
+def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
+    """The snippets that stand for examples/tf1_*.py (README's MonitoredTrainingSession
+    block; docs' "excerpt" blocks, fenced `py`) are those files' lines, in order."""
+    def blocks(path, fence, keep=lambda block: True):
+        """(block, the last examples/tf1_*.py linked before it) for each kept block."""
+        with open(os.path.join(ROOT, path)) as f:
+            text = f.read()
+        return [(m.group(1), re.findall(r"\((?:\.\./)?(examples/tf1_\w+\.py)\)",
+                                        text[:m.start()])[-1])
+                for m in re.finditer(rf"```{fence}\n(.*?)```", text, flags=re.S)
+                if keep(m.group(1))]
+
+    excerpts = blocks("README.md", "python", lambda b: "MonitoredTrainingSession(" in b) \
+        + blocks("docs/tf1-code.md", "py")
+    assert len(excerpts) >= 3
+    for block, example in excerpts:
+        code = lambda line: line.split("  # ")[0].strip()  # noqa: E731  (comments aside)
+        with open(os.path.join(ROOT, example)) as f:
+            lines = [code(line) for line in f]
+        position = 0
+        for line in (code(line) for line in block.splitlines()):
+            if line and line != "...":
+                assert line in lines[position:], (example, line)
+                position = lines.index(line, position) + 1
