@@ -255,3 +255,11 @@ def test_bench_caption_describes_only_the_panels_drawn():
     assert figures.bench_caption(speed_rows(), None, None) == figures.BENCH_CAPTIONS["speed"]
     failed = dict(memory_section(), direct={"error": "probe failed (137)"})
     assert figures.bench_caption([], failed, host_section()) == figures.BENCH_CAPTIONS["host"]
+
+
+def test_host_panel_with_no_flat_line_has_one_axis_holding_every_point():
+    table = {("stack", n): probe(600.0 * n) for n in (1, 2, 4, 8)}
+    host = dict(host_section(), ns=(1, 2, 4, 8), strategies=("stack",), table=table)
+    _, panels = figures.bench_figure(speed_rows(), None, host)
+    (ax,) = panels["host"]
+    assert all(inside(p["peak_mb"], ax.get_ylim()) for p in table.values())

@@ -387,8 +387,8 @@ def _host_panel(sub, host):
     # The lines that stay within 1.5x of the lowest value are "flat"; when another line
     # climbs more than 3 of their spans above them, the axis is broken: the flat lines get
     # the lower part, every point above it is in the upper part.
-    flat_top = max(max(mb for _, mb in points) for points in lines.values()
-                   if max(mb for _, mb in points) <= 1.5 * values[0])
+    flat_top = max((max(mb for _, mb in points) for points in lines.values()
+                    if max(mb for _, mb in points) <= 1.5 * values[0]), default=values[-1])
     flat_span = max(flat_top - values[0], 1.0)
     lower_top = flat_top + 0.1 * flat_span
     above = [mb for mb in values if mb > lower_top]
