@@ -1,13 +1,14 @@
 """Checkpoints of one run: everything it needs to continue exactly where it stopped.
 
 A run's directory holds
-  * `model.ckpt-<iteration>.*`: a tf.compat.v1.train.Saver checkpoint of every global
-    variable (weights, Adam's slots and beta powers, the global step, and the `graph`
-    strategy's accumulators); the tf2 engine writes a tf.train.Checkpoint there instead
-    (weights, dropout's seed states, Adam's slots and iterations, the accumulators);
-  * `window-<iteration>.npz`: the open accumulation window, in the form its strategy
-    keeps it (gradients, running sums, or the fused strategy's buffered inputs; empty
-    for the tf2 engine, whose window is in its checkpointed variables);
+  * `model.ckpt-<iteration>.*`: the engine's variables (Engine.write_variables): the
+    tf1 engine's Saver checkpoint of every global variable (weights, Adam's slots and
+    beta powers, the global step, and the `graph`/`optimizer` strategies' accumulators),
+    or the tf2 engine's tf.train.Checkpoint (weights, dropout's seed states, Adam's
+    slots and iterations, the running loss totals);
+  * `window-<iteration>.npz`: the open accumulation window (Engine.window_arrays), in
+    the form it is kept: gradients, running sums, or buffered inputs (the `fused`
+    strategy's feeds, the tf2 engine's mini-batches);
   * `state.json`: counters, the data position, the best accuracy so far, and the
     identity of the configuration; it names the two files above and is written last,
     atomically, so it only ever points at files that are complete.
@@ -24,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 import results
+import settings
 
 STATE_FILE = "state.json"
 CHECKPOINT_PREFIX = "model.ckpt"
@@ -70,6 +72,8 @@ class RunCheckpoint:
         return state
 
     def _check_identity(self, saved):
+        # A setting renamed since (--strategy is --distribute) still names the same thing.
+        saved = {settings.RENAMED.get(key, key): value for key, value in saved.items()}
         for key, value in self.identity.items():
             if key in saved and saved[key] != value:
                 raise CheckpointError(
@@ -80,37 +84,34 @@ class RunCheckpoint:
             raise CheckpointError(f"checkpoint {self.directory} records other settings "
                                   f"({', '.join(missing)}); use another checkpoint directory")
 
-    def save(self, sess, saver, iteration, state, window):
-        """Saves variables, window and state; returns the state written.
-
-        `saver` is a tf1 Saver, or any object with its save(sess, prefix, global_step,
-        ...) -> path and restore(sess, path) calls (the tf2 engine's, with sess None).
-        """
+    def save(self, engine, iteration, state):
+        """Saves an interfaces.Engine's variables and window, then `state`; returns the
+        state written."""
         os.makedirs(self.directory, exist_ok=True)
-        prefix = saver.save(sess, os.path.join(self.directory, CHECKPOINT_PREFIX),
-                            global_step=iteration, write_meta_graph=False,
-                            write_state=False)
+        prefix = f"{CHECKPOINT_PREFIX}-{iteration}"
+        engine.write_variables(os.path.join(self.directory, prefix))
         window_name = f"window-{iteration}.npz"
         buffer = io.BytesIO()
-        np.savez(buffer, **window)
+        np.savez(buffer, **engine.window_arrays())
         results.atomic_write_bytes(os.path.join(self.directory, window_name),
                                    buffer.getvalue())
         full = dict(state, identity=self.identity, finished=False,
-                    checkpoint=os.path.basename(prefix), window=window_name)
+                    checkpoint=prefix, window=window_name)
         results.atomic_write_json(self.state_path, full)
-        self._remove_stale(keep={os.path.basename(prefix), window_name})
+        self._remove_stale(keep={prefix, window_name})
         return full
 
-    def restore(self, sess, saver, state):
-        """Restores the variables; returns the saved window's arrays.
+    def restore(self, engine, state):
+        """Restores what `save` saved of an interfaces.Engine (variables, then window).
 
         Raises:
           CheckpointError: a checkpoint or window file is truncated or corrupt.
         """
         try:
-            saver.restore(sess, os.path.join(self.directory, state["checkpoint"]))
+            engine.read_variables(os.path.join(self.directory, state["checkpoint"]))
             with np.load(os.path.join(self.directory, state["window"])) as arrays:
-                return {key: arrays[key] for key in arrays.files}
+                window = {key: arrays[key] for key in arrays.files}
+            engine.restore_window(window, state)
         except CheckpointError:
             raise
         except (tf.errors.OpError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:

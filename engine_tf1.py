@@ -1,7 +1,6 @@
 """The tf1 engine: the post's graph, built once, and a session that trains it.
 
-loop.py drives it (as it drives engine_tf2.py) through the same few calls: `batches`,
-`step`, `flush`, `evaluate`, `save` and `restore`, `weights_sha256`.
+loop.py drives it (as it drives engine_tf2.py) through interfaces.Engine.
 """
 
 import numpy as np
@@ -14,12 +13,15 @@ import strategies
 
 v1 = tf.compat.v1
 
-def prepare(unused_config):
+
+def prepare(config):
     """Nothing process-wide to set up: the tf1 engine trains on one device."""
+    del config
 
 
-def identity(unused_config):
+def identity(config):
     """Settings a checkpoint must share beyond the run's Config: none here."""
+    del config
     return {}
 
 
@@ -78,14 +80,14 @@ class RunGraph:
 
 
 class Engine:
-    """One tf1 run: its RunGraph, initialized in a session of its own."""
+    """One tf1 run (an interfaces.Engine): its RunGraph, initialized in a session."""
 
-    def __init__(self, config, seed, unused_datasets=None, optimizer=None):
+    def __init__(self, config, seed, optimizer=None):
         self.config, self.seed = config, seed
-        self.run = RunGraph(config, seed, optimizer)
-        self.averager = self.run.averager
-        self.sess = self.run.session()
-        self.sess.run(self.run.init_op)
+        self.run_graph = RunGraph(config, seed, optimizer)
+        self.averager = self.run_graph.averager
+        self.sess = self.run_graph.session()
+        self.sess.run(self.run_graph.init_op)
         self._loss_sum, self._samples = 0.0, 0  # finite training losses, per sample
 
     def summary(self):
@@ -95,34 +97,19 @@ class Engine:
     def close(self):
         self.sess.close()
 
-    @property
-    def updates(self):
-        return self.averager.updates
-
-    @property
-    def skipped_windows(self):
-        return self.averager.skipped_windows
-
-    def batches(self, split, batch_size, position, count):
-        """`count` mini-batches of `split` from sample `position` of the seed's stream."""
-        stream = data.SampleStream(len(split.labels), self.seed, position)
-        for _ in range(count):
-            yield stream.next_batch(split, batch_size)
-
     def step(self, images, labels, iteration):
-        """Trains one mini-batch; returns None, "applied" or "discarded" for the window."""
-        run = self.run
-        losses, closed = self.averager.step(self.sess, {
-            run.images: images, run.labels: labels, run.training: True,
-            run.dropout_seed: np.array([self.seed, iteration], np.int64)})
+        """Trains one mini-batch, its dropout seeded by (seed, iteration)."""
+        run_graph = self.run_graph
+        losses, outcome = self.averager.step(self.sess, {
+            run_graph.images: images, run_graph.labels: labels, run_graph.training: True,
+            run_graph.dropout_seed: np.array([self.seed, iteration], np.int64)})
         self._add_losses(losses)
-        return closed
+        return outcome
 
     def flush(self):
-        """Applies a trailing partial window; returns what happened to it (None: empty)."""
-        losses, closed = self.averager.flush(self.sess)
+        losses, outcome = self.averager.flush(self.sess)
         self._add_losses(losses)
-        return closed
+        return outcome
 
     def _add_losses(self, losses):
         for loss in losses:  # each the mean over one mini-batch of batch_size
@@ -134,27 +121,32 @@ class Engine:
         return self.averager.window_size()
 
     def loss_totals(self):
-        """(sum of finite per-sample training losses, their samples) so far."""
         return self._loss_sum, self._samples
 
     def evaluate(self, split):
-        return self.run.evaluate(self.sess, split)
+        return self.run_graph.evaluate(self.sess, split)
 
     def weights_sha256(self):
         return checkpoint.digest_arrays(self.sess.run(
-            self.run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
+            self.run_graph.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
 
-    def save(self, ckpt, iteration, state):
-        """Saves the variables, the open window and `state` in a checkpoint.RunCheckpoint."""
-        with self.run.graph.as_default():  # a Saver works in graph mode only
-            ckpt.save(self.sess, self.run.saver, iteration, state,
-                      self.averager.window_state())
+    # ---------------------------------------------------------------- checkpoints
 
-    def restore(self, ckpt, state):
-        """Restores what `save` saved, counters included."""
-        with self.run.graph.as_default():
-            window = ckpt.restore(self.sess, self.run.saver, state)
-        self.averager.restore_window(window, self.run.graph)
-        self.averager.updates = state["updates"]
-        self.averager.skipped_windows = state["skipped_windows"]
+    def write_variables(self, path):
+        """Every global variable (weights, Adam's slots, the global step, the `graph`
+        strategy's window), by the RunGraph's Saver."""
+        with self.run_graph.graph.as_default():  # a Saver works in graph mode only
+            self.run_graph.saver.save(self.sess, path, write_meta_graph=False,
+                                      write_state=False)
+
+    def read_variables(self, path):
+        with self.run_graph.graph.as_default():
+            self.run_graph.saver.restore(self.sess, path)
+
+    def window_arrays(self):
+        """The strategy's open window (gradients, sums or fed inputs)."""
+        return self.averager.window_state()
+
+    def restore_window(self, arrays, state):
+        self.averager.restore_window(self.sess, arrays)
         self._loss_sum, self._samples = state["loss_totals"]

@@ -1,7 +1,7 @@
 """The tf2 engine: the post's ConvNet as a Keras model, trained one compiled call per
 window on MNIST in the tf1 engine's sample order, tf.distribute set-up.
 
-loop.py drives it through the same calls as engine_tf1.py. The accumulation itself,
+loop.py drives it, as engine_tf1.py, through interfaces.Engine. The accumulation itself,
 usable on your own Keras model, is tf2_accumulator.py.
 """
 
@@ -15,6 +15,7 @@ import tensorflow as tf
 import checkpoint
 import data
 import model as tf1_model
+from interfaces import Outcome
 from tf2_accumulator import GradientAccumulator
 
 
@@ -107,7 +108,7 @@ def sparse_cross_entropy(labels, logits):
 # ---------------------------------------------------------------- the engine
 
 _SETUP = {}  # this process's set-up: TensorFlow allows one per process
-DEFAULT_SETUP = ("none", 0, 0)  # (strategy, replicas, threads) that changes nothing
+DEFAULT_SETUP = ("none", 0, 0)  # (distribute, replicas, threads) that changes nothing
 
 
 def prepare(config):
@@ -123,12 +124,12 @@ def prepare(config):
       ConfigError: the devices or TF_CONFIG do not allow this configuration, or the
         process was already set up otherwise.
     """
-    if config.strategy == "multi_worker":
+    if config.distribute == "multi_worker":
         _check_tf_config()
-    setup = (config.strategy, config.replicas, config.threads)
+    setup = (config.distribute, config.replicas, config.threads)
     if _SETUP:
         if _SETUP["setup"] != setup:
-            raise ConfigError("this process is already set up as strategy=%s replicas=%d "
+            raise ConfigError("this process is already set up as distribute=%s replicas=%d "
                               "threads=%d; TensorFlow allows one set-up per process"
                               % _SETUP["setup"])
         return _SETUP["strategy"]
@@ -138,14 +139,14 @@ def prepare(config):
         if config.threads:
             tf.config.threading.set_intra_op_parallelism_threads(config.threads)
             tf.config.threading.set_inter_op_parallelism_threads(config.threads)
-        if config.strategy == "mirrored":
+        if config.distribute == "mirrored":
             strategy = tf.distribute.MirroredStrategy(_mirrored_devices(config.replicas))
-        elif config.strategy == "multi_worker":
+        elif config.distribute == "multi_worker":
             strategy = tf.distribute.MultiWorkerMirroredStrategy()
         else:
             strategy = tf.distribute.get_strategy()
     except RuntimeError as e:  # TensorFlow's runtime already started
-        raise ConfigError(f"strategy={config.strategy} replicas={config.replicas} "
+        raise ConfigError(f"distribute={config.distribute} replicas={config.replicas} "
                           f"threads={config.threads} must be set up before TensorFlow "
                           f"starts: {str(e).splitlines()[0]}") from None
     _SETUP.update(setup=setup, strategy=strategy)
@@ -189,21 +190,22 @@ def identity(config):
     Raises:
       ConfigError: multi_worker, where every worker would write the same files.
     """
-    if config.strategy == "multi_worker":
-        raise ConfigError("checkpoints do not work with strategy=multi_worker (every "
+    if config.distribute == "multi_worker":
+        raise ConfigError("checkpoints do not work with distribute=multi_worker (every "
                           "worker would write the same files)")
-    return {"strategy": config.strategy, "replicas": prepare(config).num_replicas_in_sync}
+    return {"distribute": config.distribute, "replicas": prepare(config).num_replicas_in_sync}
 
 
 class Engine:
-    """One tf2 run: the Keras model, Adam and a GradientAccumulator, under the strategy.
+    """One tf2 run (an interfaces.Engine): the Keras model, Adam and a
+    GradientAccumulator, under the tf.distribute strategy.
 
     A window trains in one compiled call (GradientAccumulator.apply_stacked): `step`
     copies each mini-batch into a window buffer, and the N-th runs the window. The open
     window is therefore the buffered inputs, which a checkpoint saves as arrays.
     """
 
-    def __init__(self, config, seed, datasets):
+    def __init__(self, config, seed):
         self.config, self.seed = config, seed
         self.strategy = prepare(config)
         with self.strategy.scope():
@@ -213,23 +215,21 @@ class Engine:
                 config.lr_decay_rate))
         self.accumulator = GradientAccumulator(self.net, self.optimizer, sparse_cross_entropy,
                                                self.strategy)
-        train = datasets.train
         n, b = config.average_gradients, config.batch_size
-        self._images = np.zeros((n, b) + train.images.shape[1:], train.images.dtype)
-        self._labels = np.zeros((n, b), train.labels.dtype)
+        self._images = np.zeros((n, b) + data.IMAGE_SHAPE, data.IMAGE_DTYPE)
+        self._labels = np.zeros((n, b), data.LABEL_DTYPE)
         self._sizes = np.zeros(n, np.int32)
         self._open = 0  # mini-batches buffered in the open window
         # Compiled now, out of the timed loop (and every worker must run it).
         self.accumulator.build_window(self._images, self._labels, self._sizes)
-        self.updates = self.skipped_windows = 0
         # Everything a resumed run needs beside the buffered window: the weights with
         # dropout's seed-generator states (net.variables holds both), Adam's slots and
         # iterations, and the running loss totals (each replica's copy apart).
         totals = [local for v in (self.accumulator.loss_total, self.accumulator.samples_total)
                   for local in self.strategy.experimental_local_results(v)]
-        self.files = _CheckpointFiles(model=list(self.net.variables),
-                                      optimizer=list(self.optimizer.variables),
-                                      loss_totals=totals)
+        self.variables = tf.train.Checkpoint(model=list(self.net.variables),
+                                             optimizer=list(self.optimizer.variables),
+                                             loss_totals=totals)
 
         @tf.function
         def num_correct(images, labels):
@@ -239,25 +239,19 @@ class Engine:
         self._num_correct = num_correct
 
     def summary(self):
-        """A line for the verbose log: the strategy and its replicas."""
+        """A line for the verbose log: the tf.distribute strategy and its replicas."""
         replicas = self.strategy.num_replicas_in_sync
-        return f"Strategy {self.config.strategy}: {replicas} replica{'s' * (replicas != 1)} in sync"
+        return (f"--distribute={self.config.distribute}: {replicas} "
+                f"replica{'s' * (replicas != 1)} in sync")
 
     def close(self):
         """Nothing to release: the model lives as long as the engine."""
 
-    def batches(self, split, batch_size, position, count):
-        """`count` mini-batches of `split` from sample `position` of the seed's stream,
-        as numpy arrays: the tf1 engine's samples in its order."""
-        stream = data.SampleStream(len(split.labels), self.seed, position)
-        for _ in range(count):
-            yield stream.next_batch(split, batch_size)
+    def step(self, images, labels, iteration):
+        """Buffers one mini-batch; the N-th trains the window.
 
-    def step(self, images, labels, unused_iteration):
-        """Buffers one mini-batch; the N-th trains the window. Returns None, "applied"
-        or "discarded" for the window.
-
-        Dropout draws from the model's seed generators, saved with the checkpoint.
+        Dropout draws from the model's seed generators (saved with the checkpoint), not
+        from `iteration` as the tf1 engine's does.
         """
         size = len(labels)
         self._images[self._open, :size] = images
@@ -265,7 +259,7 @@ class Engine:
         self._sizes[self._open] = size
         self._open += 1
         if self._open < self.config.average_gradients:
-            return None
+            return Outcome.NONE
         return self._train_window()
 
     def _train_window(self):
@@ -273,13 +267,11 @@ class Engine:
         applied = self.accumulator.apply_stacked(self._images[:open_], self._labels[:open_],
                                                  self._sizes[:open_])
         self._open = 0
-        self.updates += applied
-        self.skipped_windows += not applied
-        return "applied" if applied else "discarded"
+        return Outcome.closed(applied)
 
     def flush(self):
-        """Trains a trailing partial window, weighted by its samples (None: empty)."""
-        return self._train_window() if self._open else None
+        """Trains a trailing partial window, weighted by its samples."""
+        return self._train_window() if self._open else Outcome.NONE
 
     def window_size(self):
         return self._open
@@ -298,55 +290,46 @@ class Engine:
     def weights_sha256(self):
         return weights_digest(self.net)
 
-    def save(self, ckpt, iteration, state):
-        """Saves the variables, the buffered window and `state` in a RunCheckpoint."""
-        open_ = self._open
-        ckpt.save(None, self.files, iteration, state,
-                  window={"images": self._images[:open_], "labels": self._labels[:open_],
-                          "sizes": self._sizes[:open_]})
+    # ---------------------------------------------------------------- checkpoints
 
-    def restore(self, ckpt, state):
-        """Restores what `save` saved, the buffered window and the counters included.
+    def write_variables(self, path):
+        """The weights with dropout's seed-generator states, Adam's slots and iterations,
+        and the running loss totals, as a tf.train.Checkpoint."""
+        self.variables.write(path)
+
+    def read_variables(self, path):
+        try:
+            self.variables.read(path).assert_consumed()
+        # What TensorFlow raises for a truncated, corrupt or foreign checkpoint.
+        except (tf.errors.OpError, AssertionError, ValueError, IndexError, OSError) as e:
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise checkpoint.CheckpointError(f"{path}: unusable checkpoint ({message})") \
+                from None
+
+    def window_arrays(self):
+        """The buffered mini-batches of the open window."""
+        open_ = self._open
+        return {"images": self._images[:open_], "labels": self._labels[:open_],
+                "sizes": self._sizes[:open_]}
+
+    def restore_window(self, arrays, state):
+        """Buffers the saved window again.
 
         Raises:
-          checkpoint.CheckpointError: the window file does not hold the open window.
+          ValueError: the arrays do not hold state's open window.
         """
-        window = ckpt.restore(None, self.files, state)
         open_ = state["open_window"]
         try:
-            sizes = window["sizes"]
+            sizes = arrays["sizes"]
             if len(sizes) != open_:
                 raise ValueError(f"{len(sizes)} buffered mini-batches, the state says {open_}")
             self._sizes[:open_] = sizes
             for i, size in enumerate(sizes):
-                self._images[i, :size] = window["images"][i, :size]
-                self._labels[i, :size] = window["labels"][i, :size]
-        except (KeyError, ValueError, IndexError) as e:
-            raise checkpoint.CheckpointError(
-                f"checkpoint {ckpt.directory}: its window file does not hold the open window "
-                f"({e}); delete it to start this run again") from None
+                self._images[i, :size] = arrays["images"][i, :size]
+                self._labels[i, :size] = arrays["labels"][i, :size]
+        except (KeyError, ValueError, IndexError) as e:  # RunCheckpoint names the file
+            raise ValueError(f"its window file does not hold the open window ({e})") from None
         self._open = open_
-        self.updates, self.skipped_windows = state["updates"], state["skipped_windows"]
-
-
-class _CheckpointFiles:
-    """A tf.train.Checkpoint behind the two calls RunCheckpoint makes of a tf1 Saver."""
-
-    def __init__(self, **objects):
-        self.checkpoint = tf.train.Checkpoint(**objects)
-
-    def save(self, unused_sess, prefix, global_step, **unused_saver_options):
-        return self.checkpoint.write(f"{prefix}-{global_step}")
-
-    def restore(self, unused_sess, prefix):
-        try:
-            self.checkpoint.read(prefix).assert_consumed()
-        # What TensorFlow raises for a truncated, corrupt or foreign checkpoint.
-        except (tf.errors.OpError, AssertionError, ValueError, IndexError, OSError) as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise checkpoint.CheckpointError(f"{prefix}: unusable checkpoint ({message})") \
-                from None
-
 
 
 def weights_digest(net):

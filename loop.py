@@ -3,25 +3,14 @@
 Engine-neutral: the evaluation cadence, the counters, the best accuracy, checkpoints
 and resume, the verdicts on non-finite windows, TensorBoard events and the result
 record live here once; an engine (engine_tf1.py, engine_tf2.py) only trains, evaluates,
-and saves its variables. It takes plain values (`Config`, `Settings`), never the
-command-line flags, so that a test or a script can run it directly.
+and saves its variables. It takes plain values (settings.Config, settings.Runs), never
+the command-line flags, so that a test or a script can run it directly.
 
-The engine interface, as loop.py uses it (`engine_tf1.Engine` is the reference):
-  Engine(config, seed, datasets); summary() -> a line or None; close();
-  batches(split, batch_size, position, count) -> iterator of (images, labels);
-  step(images, labels, iteration) -> None, "applied" or "discarded": what happened to
-    the window, as the strategy or accumulator reports it; flush() -> the same for a
-    trailing partial window (None where there was none);
-  window_size(); updates; skipped_windows; loss_totals() -> (sum of finite per-sample
-    training losses, samples), running totals; evaluate(split) -> accuracy in percent;
-  save(ckpt, iteration, state), restore(ckpt, state): a checkpoint.RunCheckpoint;
-  weights_sha256().
-An engine module also has prepare(config) (process-wide set-up, before TensorFlow
-starts) and identity(config) (settings a checkpoint must share beyond Config's).
+The engine's contract is interfaces.Engine (and interfaces.EngineModule for its module);
+registry.ENGINES names the engines and loads one on use.
 """
 
 import dataclasses
-import importlib
 import json
 import logging
 import os
@@ -31,55 +20,17 @@ import numpy as np
 import tensorflow as tf
 
 import checkpoint
+import data
 import progress
+import registry
 import results
+from interfaces import Outcome, WindowCounts
+from settings import IDENTITY_FIELDS, Config, Runs, evaluation_due  # noqa: F401 (loop.Config)
 
-APPLIED, DISCARDED = "applied", "discarded"
-ENGINES = {"tf1": "engine_tf1", "tf2": "engine_tf2"}  # module per engine, loaded on use
-CHECKPOINT_EVERY = 100  # updates
-# What a resumed run must share with the checkpoint it resumes (and the seed).
-IDENTITY_FIELDS = ("engine", "model", "average_gradients", "batch_size", "iterations",
-                   "learning_rate", "dropout", "accumulate", "lr_schedule",
-                   "lr_decay_steps", "lr_decay_rate")
+CHECKPOINT_EVERY = Runs().checkpoint_every  # updates
 # The warning for a discarded window: (where, windows discarded so far).
 DISCARDED_WINDOW = "non-finite loss or gradient in %s: the window was discarded, not applied " \
                    "(%d so far)"
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """The shape of one run: what a checkpoint or a results file must record."""
-    average_gradients: int = 1
-    batch_size: int = 100
-    iterations: int = 1000
-    learning_rate: float = 1e-3
-    dropout: float = 0.5
-    eval_every: int = 100  # iterations; 0: only at the end (or by eval_every_updates)
-    eval_every_updates: int = 0
-    accumulate: str = "stack"
-    model: str = "convnet"
-    threads: int = 0
-    engine: str = "tf1"
-    lr_schedule: str = "constant"
-    lr_decay_steps: int = 100
-    lr_decay_rate: float = 0.96
-    strategy: str = "none"
-    replicas: int = 0
-    on_nonfinite: str = "skip"  # or "abort"
-    max_bad_windows: int = 10
-    inject_nonfinite: tuple = ()  # iterations whose batch is made NaN (a testing aid)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """How the reps of a configuration run and where their output goes."""
-    reps: int = 1
-    seed: int = 0  # rep r uses seed + r
-    verbose: bool = False
-    logdir: str = None  # TensorBoard events under LOGDIR/<config>/seed<S>
-    checkpoint_dir: str = None  # rep r saves to and resumes from CHECKPOINT_DIR/rep-<r>
-    checkpoint_every: int = CHECKPOINT_EVERY
-    results_path: str = None  # the results JSON, rewritten after every rep
 
 
 class Stopped(Exception):
@@ -88,7 +39,7 @@ class Stopped(Exception):
 
 def engine_module(name):
     """The engine's module; Keras and tf.distribute load only for the tf2 engine."""
-    return importlib.import_module(ENGINES[name])
+    return registry.ENGINES[name].load()
 
 
 def prepare(config):
@@ -158,7 +109,7 @@ def _print(line):
 def is_chief(config):
     """Whether this process is the one that reports: not a multi_worker worker other than
     task 0 (every worker trains the same run; one progress bar on a shared terminal)."""
-    if config.strategy != "multi_worker":
+    if config.distribute != "multi_worker":
         return True
     try:
         return json.loads(os.environ.get("TF_CONFIG") or "{}")["task"]["index"] == 0
@@ -205,7 +156,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
         saved = ckpt.load()
         if saved and saved["finished"]:
             return saved["result"]
-    engine = module.Engine(config, seed, datasets)
+    engine = module.Engine(config, seed)
     writer = _EventWriter(logdir) if logdir else None
     try:
         if verbose and engine.summary():
@@ -236,6 +187,7 @@ class _Run:
         self.position = position  # (run index from 1, runs, RunsClock or None): the bar's
         self.bar = None  # a progress.RunProgress while train() runs
         self.iteration = 0
+        self.counts = WindowCounts()  # the run's updates and discarded windows
         self.best_accuracy, self.best_iteration = -1.0, 0
         self.evaluations = []
         self.train_seconds = self.eval_seconds = 0.0
@@ -248,32 +200,27 @@ class _Run:
 
     # ------------------------------------------------ checkpoint state
 
+    # What a checkpoint keeps of the loop, beside the counts and the engine's part.
+    SAVED = ("iteration", "consecutive_bad", "last_bad", "window_start", "best_accuracy",
+             "best_iteration", "evaluations", "train_seconds", "eval_seconds", "eval_mark",
+             "update_mark")
+
     def state(self):
-        engine = self.engine
-        return {"iteration": self.iteration,
-                "position": self.iteration * self.config.batch_size,
-                "updates": engine.updates, "skipped_windows": engine.skipped_windows,
-                "open_window": engine.window_size(), "loss_totals": engine.loss_totals(),
-                "consecutive_bad": self.consecutive_bad, "last_bad": self.last_bad,
-                "window_start": self.window_start,
-                "best_accuracy": self.best_accuracy, "best_iteration": self.best_iteration,
-                "evaluations": self.evaluations,
-                "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
-                "eval_mark": self.eval_mark, "update_mark": self.update_mark}
+        return dict({name: getattr(self, name) for name in self.SAVED},
+                    **dataclasses.asdict(self.counts),
+                    position=self.iteration * self.config.batch_size,
+                    open_window=self.engine.window_size(),
+                    loss_totals=self.engine.loss_totals())
 
     def restore(self, state):
-        self.engine.restore(self.ckpt, state)
-        self.iteration = state["iteration"]
-        self.consecutive_bad, self.last_bad = state["consecutive_bad"], state["last_bad"]
-        self.window_start = state["window_start"]
-        self.best_accuracy, self.best_iteration = state["best_accuracy"], state["best_iteration"]
-        self.evaluations = state["evaluations"]
-        self.train_seconds, self.eval_seconds = state["train_seconds"], state["eval_seconds"]
-        self.eval_mark, self.update_mark = tuple(state["eval_mark"]), tuple(state["update_mark"])
+        self.ckpt.restore(self.engine, state)
+        for name in self.SAVED:
+            setattr(self, name, state[name])
+        self.counts = WindowCounts(state["updates"], state["skipped_windows"])
 
     def save(self):
         if self.ckpt:
-            self.engine.save(self.ckpt, self.iteration, self.state())
+            self.ckpt.save(self.engine, self.iteration, self.state())
 
     def stop(self, reason):
         """Saves a checkpoint and raises Stopped, saying where."""
@@ -302,9 +249,9 @@ class _Run:
 
     def _train(self, should_stop):
         config, engine = self.config, self.engine
-        batches = engine.batches(self.datasets.train, config.batch_size,
-                                 self.iteration * config.batch_size,
-                                 config.iterations - self.iteration)
+        batches = data.batches(self.datasets.train, self.seed, config.batch_size,
+                               self.iteration * config.batch_size,
+                               config.iterations - self.iteration)
         while self.iteration < config.iterations:
             self.iteration += 1
             start = time.perf_counter()
@@ -312,13 +259,14 @@ class _Run:
             if self.iteration in config.inject_nonfinite:
                 images = np.array(images)
                 images[0] = np.nan
-            closed = engine.step(images, labels, self.iteration)
+            closed = self.counts.count(engine.step(images, labels, self.iteration))
             self.train_seconds += time.perf_counter() - start
             self.close_window(closed)
-            self.bar.advance(self.iteration, engine.updates)
-            if self.eval_due(closed):
+            self.bar.advance(self.iteration, self.counts.updates)
+            if evaluation_due(config, self.iteration, self.counts.updates,
+                              closed is Outcome.APPLIED):
                 self.evaluate()
-            if closed == APPLIED and engine.updates % self.checkpoint_every == 0:
+            if closed is Outcome.APPLIED and self.counts.updates % self.checkpoint_every == 0:
                 self.save()
             reason = should_stop() if should_stop else None
             if reason:
@@ -326,11 +274,11 @@ class _Run:
 
         held = engine.window_size()
         start = time.perf_counter()
-        closed = engine.flush()
+        closed = self.counts.count(engine.flush())
         self.train_seconds += time.perf_counter() - start
         self.close_window(closed)
-        self.bar.advance(self.iteration, engine.updates)
-        if closed == APPLIED:
+        self.bar.advance(self.iteration, self.counts.updates)
+        if closed is Outcome.APPLIED:
             with self.bar.paused():
                 logging.warning("iterations=%d is not a multiple of average_gradients=%d: "
                                 "the last %d mini-batches were applied as one update of "
@@ -338,20 +286,20 @@ class _Run:
         final_accuracy = self.evaluate()
         return {"seed": self.seed, "best_accuracy": self.best_accuracy,
                 "best_iteration": self.best_iteration, "final_accuracy": final_accuracy,
-                "updates": engine.updates, "skipped_windows": engine.skipped_windows,
+                "updates": self.counts.updates, "skipped_windows": self.counts.skipped_windows,
                 "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
                 "weights_sha256": engine.weights_sha256(), "evaluations": self.evaluations}
 
     def close_window(self, closed):
-        """Accounts for a window the engine just closed (None: none was), and stops
+        """Accounts for a window the engine just closed (Outcome.NONE: none was); stops
         where the non-finite windows say so."""
-        if closed is None:
+        if closed is Outcome.NONE:
             return
-        if closed == DISCARDED:
+        if closed is Outcome.DISCARDED:
             self.consecutive_bad += 1
             self.last_bad = f"iterations {self.window_start}-{self.iteration}"
             with self.bar.paused():
-                logging.warning(DISCARDED_WINDOW, self.last_bad, self.engine.skipped_windows)
+                logging.warning(DISCARDED_WINDOW, self.last_bad, self.counts.skipped_windows)
             if self.writer:  # the next update's loss leaves this window out
                 self.update_mark = self.engine.loss_totals()
         else:
@@ -359,7 +307,7 @@ class _Run:
             if self.writer:
                 loss, self.update_mark = self._mean_loss_since(self.update_mark)
                 if loss is not None:
-                    self.writer.scalar("train/loss", loss, self.engine.updates)
+                    self.writer.scalar("train/loss", loss, self.counts.updates)
         self.window_start = self.iteration + 1
         verdict = bad_windows_verdict(self.config, self.consecutive_bad, self.last_bad)
         if verdict:
@@ -371,20 +319,11 @@ class _Run:
         samples = totals[1] - mark[1]
         return ((totals[0] - mark[0]) / samples if samples else None), totals
 
-    def eval_due(self, closed):
-        config = self.config
-        if self.iteration >= config.iterations:
-            return False  # the final evaluation follows the flush
-        if config.eval_every and self.iteration % config.eval_every == 0:
-            return True
-        return bool(config.eval_every_updates and closed == APPLIED
-                    and self.engine.updates % config.eval_every_updates == 0)
-
     def evaluate(self):
         start = time.perf_counter()
         accuracy = self.engine.evaluate(self.datasets.test)
         self.eval_seconds += time.perf_counter() - start
-        updates = self.engine.updates
+        updates = self.counts.updates
         self.evaluations.append({"iteration": self.iteration, "updates": updates,
                                  "accuracy": accuracy})
         if accuracy > self.best_accuracy:

@@ -7,22 +7,13 @@ import logging as std_logging
 import signal
 import sys
 
-import cli  # no TensorFlow at import
+from absl import app
+from absl import logging
 
-cli.import_tensorflow_quietly()
-
-from absl import app  # noqa: E402
-from absl import flags as absl_flags  # noqa: E402
-from absl import logging  # noqa: E402
-
-import checkpoint  # noqa: E402
-import data  # noqa: E402
-import flags  # noqa: E402
-import loop  # noqa: E402
-import results  # noqa: E402
+import cli  # none of these three imports TensorFlow: the flags are checked first
+import flags
 
 FLAGS = flags.FLAGS
-absl_flags.adopt_module_key_flags(flags)  # --help lists this project's flags
 
 
 class StopSignals:
@@ -58,37 +49,51 @@ class StopSignals:
 def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    config, settings = flags.train_config(), flags.settings()
+    # The training modules import TensorFlow: only now, with every flag good.
+    import checkpoint
+    import data
+    import loop
+    import results
+
+    config, runs = flags.train_config(), flags.runs()
     try:
         loop.prepare(config)  # devices are fixed once TensorFlow's runtime starts
     except ValueError as e:  # the engine cannot run this configuration here
         cli.fail(str(e))
     try:
-        if settings.results_path:
-            results.check_writable(settings.results_path)
-        if settings.logdir:
-            results.check_directory(settings.logdir, "--logdir")
-        if settings.checkpoint_dir:
-            results.check_directory(settings.checkpoint_dir, "--checkpoint-dir")
+        if runs.results_path:
+            results.check_writable(runs.results_path)
+        if runs.logdir:
+            results.check_directory(runs.logdir, "--logdir")
+        if runs.checkpoint_dir:
+            results.check_directory(runs.checkpoint_dir, "--checkpoint-dir")
         datasets = data.load_mnist(flags.data_dir())
     except (data.DataError, results.ResultsError) as e:
         cli.fail(str(e))
 
     with StopSignals() as stop:
         try:
-            loop.train_reps(config, datasets, settings, flags.all_values(), stop)
+            loop.train_reps(config, datasets, runs, flags.all_values(), stop)
         except checkpoint.CheckpointError as e:
             cli.fail(str(e))
         except loop.Stopped as e:
             cli.fail(str(e), code=128 + stop.received if stop.received else 3)
 
 
+def parse_flags_then_import_tensorflow(argv):
+    """app.run's flags_parser: help and bad flags are answered (and exit) before the
+    slow TensorFlow import; then TensorFlow, quietly and deterministic."""
+    args = cli.parse_flags(argv)
+    cli.import_tensorflow_quietly()
+    import tensorflow as tf
+    tf.config.experimental.enable_op_determinism()  # same flags, same bits (on CPU)
+    return args
+
+
 def run():
     logging.set_verbosity(logging.WARNING)
     logging.get_absl_handler().setFormatter(std_logging.Formatter("%(levelname)s: %(message)s"))
-    import tensorflow as tf
-    tf.config.experimental.enable_op_determinism()  # same flags, same bits (on CPU)
-    app.run(main, flags_parser=cli.parse_flags)
+    app.run(main, flags_parser=parse_flags_then_import_tensorflow)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ INPUT_DROPOUT_CAP = 0.2
 ModelOps = collections.namedtuple("ModelOps", ["logits", "loss", "num_correct", "accuracy"])
 
 
-def _dense_params(name, shape, seed):
+def _weights_and_biases(name, shape, seed):
+    """A layer's kernel (a conv's or a dense layer's, `shape`), Glorot-uniform with op seed
+    `seed`, and its zero biases."""
     with v1.variable_scope(name):
         w = v1.get_variable("weights", shape, initializer=v1.glorot_uniform_initializer(seed=seed))
         b = v1.get_variable("biases", shape[-1:], initializer=v1.zeros_initializer())
@@ -43,7 +45,7 @@ def conv_net(images, training, dropout_seed, dropout=0.5):
     """The post's LeNet-5-like ConvNet (44,426 parameters) with linear logits.
 
     The original put a ReLU on the 10 output logits; that quirk is not reproduced
-    (README explains why).
+    (docs/model-and-data.md explains why).
 
     Args:
       images: float32 [batch, 28, 28, 1].
@@ -57,15 +59,15 @@ def conv_net(images, training, dropout_seed, dropout=0.5):
     with v1.variable_scope("convnet", reuse=v1.AUTO_REUSE):
         x = _dropout(images, min(INPUT_DROPOUT_CAP, dropout), training, dropout_seed, 0)
         for i, (ksize, c_in, c_out) in enumerate([(5, 1, 6), (5, 6, 16)]):
-            w, b = _dense_params(f"conv{i + 1}", [ksize, ksize, c_in, c_out], seed=i + 1)
+            w, b = _weights_and_biases(f"conv{i + 1}", [ksize, ksize, c_in, c_out], seed=i + 1)
             x = tf.nn.relu(tf.nn.conv2d(x, w, strides=1, padding="VALID") + b)
             x = tf.nn.max_pool2d(x, ksize=2, strides=2, padding="VALID")
             x = _dropout(x, dropout, training, dropout_seed, i + 1)
         x = tf.reshape(x, [-1, 4 * 4 * 16])
         for i, (n_in, n_out) in enumerate([(256, 120), (120, 84)]):
-            w, b = _dense_params(f"fc{i + 1}", [n_in, n_out], seed=i + 3)
+            w, b = _weights_and_biases(f"fc{i + 1}", [n_in, n_out], seed=i + 3)
             x = _dropout(tf.nn.relu(tf.matmul(x, w) + b), dropout, training, dropout_seed, i + 3)
-        w, b = _dense_params("logits", [84, 10], seed=5)
+        w, b = _weights_and_biases("logits", [84, 10], seed=5)
         return tf.matmul(x, w) + b
 
 
@@ -80,9 +82,9 @@ def mlp(images, training, dropout_seed, dropout=0.5, hidden=(4096, 4096)):
                      dropout_seed, 0)
         sizes = (784,) + tuple(hidden)
         for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
-            w, b = _dense_params(f"fc{i + 1}", [n_in, n_out], seed=i + 1)
+            w, b = _weights_and_biases(f"fc{i + 1}", [n_in, n_out], seed=i + 1)
             x = _dropout(tf.nn.relu(tf.matmul(x, w) + b), dropout, training, dropout_seed, i + 1)
-        w, b = _dense_params("logits", [sizes[-1], 10], seed=len(hidden) + 1)
+        w, b = _weights_and_biases("logits", [sizes[-1], 10], seed=len(hidden) + 1)
         return tf.matmul(x, w) + b
 
 

@@ -54,13 +54,7 @@ def check_writable(path, flag="--results"):
         raise ResultsError(f"{flag} {path}: is a directory")
     if not os.path.isdir(directory):
         raise ResultsError(f"{flag} {path}: directory {directory} does not exist")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-probe-")
-    except OSError as e:
-        raise ResultsError(f"{flag} {path}: cannot write in {directory} ({e.strerror})") \
-            from None
-    os.close(fd)
-    os.unlink(tmp)
+    _probe(directory, f"{flag} {path}: cannot write in {directory}")
 
 
 def check_directory(path, flag):
@@ -69,11 +63,21 @@ def check_directory(path, flag):
     Raises:
       ResultsError: naming `flag` and the reason.
     """
+    _probe(path, f"{flag} {path}: cannot write there", create=True)
+
+
+def _probe(directory, failure, create=False):
+    """Creates (with `create`, the directory first) and removes a file in `directory`.
+
+    Raises:
+      ResultsError: `failure` and the system's reason.
+    """
     try:
-        os.makedirs(path, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path, prefix=".tmp-probe-")
+        if create:
+            os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-probe-")
     except OSError as e:
-        raise ResultsError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+        raise ResultsError(f"{failure} ({e.strerror})") from None
     os.close(fd)
     os.unlink(tmp)
 

@@ -4,22 +4,22 @@ Each applies exactly the post's update (trainer.GradientAverager, `stack`) and d
 only in where the window is kept: a numpy running sum (`running`), accumulator
 variables in the graph, applied by a run of its own (`graph`) or by the Nth mini-batch's
 run (`optimizer`, trainer.AveragingOptimizer's train op), or the window's inputs, run as
-one session call per update (`fused`). They are siblings of GradientAverager with its protocol:
-`step(sess, feed_dict)` and `flush(sess)` return (losses, closed) where closed is
-None, trainer.APPLIED or trainer.DISCARDED; `window_size()`; `window_state()` and
-`restore_window(state, graph)` for checkpoints; the `updates` and `skipped_windows`
-counters.
+one session call per update (`fused`). Each is an interfaces.Averager, as
+GradientAverager is; registry.STRATEGIES names them for --accumulate (a name and a line
+of help there, the class here: docs/extending.md).
 """
 
 import numpy as np
 import tensorflow as tf
 
+import registry
 import trainer
-from averaging_optimizer import accumulator_dtype
+from averaging_optimizer import accumulator_dtype, all_finite
+from interfaces import Averager, Outcome
 
 v1 = tf.compat.v1
 
-STRATEGIES = ("stack", "running", "graph", "fused", "optimizer")
+STRATEGIES = tuple(registry.STRATEGIES)
 # Micro-batches the fused loop runs at once. With 1, small kernels leave a core idle;
 # with 2, one micro-batch's forward pass overlaps the previous one's backward pass:
 # measured here, fused trained N=5 x B=20 in 1.25x to 1.4x direct's time, against 1.8x
@@ -35,72 +35,52 @@ def make_averager(strategy, loss, optimizer, num_batches, var_list=None, global_
 
     With N == 1 every strategy is the post's `optimizer.minimize(loss)`.
     """
-    if strategy not in STRATEGIES:
+    if strategy not in registry.STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
-    if strategy == "stack" or num_batches == 1:
-        return trainer.GradientAverager(loss, optimizer, num_batches, var_list, global_step,
-                                        check_finite)
-    if strategy == "fused":
+    cls = registry.STRATEGIES[strategy].load() if num_batches != 1 else trainer.GradientAverager
+    if cls.BUILDS_FROM_LOSS_FN:
         if loss_fn is None or inputs is None:
-            raise ValueError("the fused strategy needs loss_fn and inputs")
-        return FusedAverager(loss_fn, inputs, optimizer, num_batches, var_list, global_step,
-                             check_finite)
-    cls = {"running": RunningSumAverager, "graph": GraphAverager,
-           "optimizer": OptimizerAverager}[strategy]
+            raise ValueError(f"the {strategy} strategy needs loss_fn and inputs")
+        return cls(loss_fn, inputs, optimizer, num_batches, var_list, global_step, check_finite)
     return cls(loss, optimizer, num_batches, var_list, global_step, check_finite)
 
 
 def _check_window(num_batches):
-    trainer.check_num_batches(num_batches)
     if num_batches == 1:
         raise ValueError("N == 1 has no window; make_averager builds GradientAverager")
 
 
-class RunningSumAverager:
+class RunningSumAverager(trainer.GradientAverager):
     """`running`: the post's graph, the window one numpy sum per variable (O(params)).
 
-    The ops are a GradientAverager's (`grad_op`, the placeholders, `apply_op`); only the
-    window differs: each mini-batch's gradients are added into the sum as they come;
-    float16 and bfloat16 gradients into a float32 sum, which 20 gradients of 4e3 do not
-    overflow.
+    The ops are GradientAverager's (`grad_op`, the placeholders, `apply_op`), and so is
+    the step; only the window differs: each mini-batch's gradients are added into the
+    sum as they come; float16 and bfloat16 gradients into a float32 sum, which 20
+    gradients of 4e3 do not overflow.
     """
 
     def __init__(self, loss, optimizer, num_batches, var_list=None, global_step=None,
                  check_finite=False):
         _check_window(num_batches)
-        self.num_batches = num_batches
-        self.post = trainer.GradientAverager(loss, optimizer, num_batches, var_list,
-                                             global_step, check_finite)
-        self._sum_types = [accumulator_dtype(g).as_numpy_dtype for g in self.post.grad_op]
-        self.updates = self.skipped_windows = 0
-        self._sum, self._count, self._bad = None, 0, False
+        super().__init__(loss, optimizer, num_batches, var_list, global_step, check_finite)
+        self._sum_types = [accumulator_dtype(g).as_numpy_dtype for g in self.grad_op]
+        self._sum, self._count = None, 0
 
-    def step(self, sess, feed_dict):
-        post = self.post
-        loss, grads, finite = sess.run([post.loss, post.grad_op, post.finite], feed_dict)
+    def _add(self, grads):
         if self._sum is None:  # fresh arrays from sess.run (or casts), ours to update
             self._sum = [np.asarray(g, t) for g, t in zip(grads, self._sum_types)]
         else:
             for total, g in zip(self._sum, grads):
                 np.add(total, g, out=total)
         self._count += 1
-        self._bad = self._bad or not finite
-        if self._count == self.num_batches:
-            return [loss], self._close(sess)
-        return [loss], None
 
-    def _close(self, sess):
-        finite = not self._bad
-        if finite:
-            placeholders = self.post.grad_placeholders
-            mean = [(total / np.asarray(self._count, total.dtype)).astype(
-                p.dtype.as_numpy_dtype, copy=False) for total, p in zip(self._sum, placeholders)]
-            sess.run(self.post.apply_op, feed_dict=dict(zip(placeholders, mean)))
+    def _mean(self):
+        return [(total / np.asarray(self._count, total.dtype)).astype(
+            p.dtype.as_numpy_dtype, copy=False) for total, p in zip(self._sum,
+                                                                    self.grad_placeholders)]
+
+    def _clear(self):
         self._sum, self._count, self._bad = None, 0, False
-        return trainer.count_window(self, finite)
-
-    def flush(self, sess):
-        return [], (self._close(sess) if self._count else None)
 
     def window_size(self):
         return self._count
@@ -109,13 +89,13 @@ class RunningSumAverager:
         return dict({f"sum|{i}": s for i, s in enumerate(self._sum or [])},
                     count=np.array(self._count), bad=np.array(self._bad))
 
-    def restore_window(self, state, unused_graph):
+    def restore_window(self, sess, state):
         self._count, self._bad = int(state["count"]), bool(state["bad"])
         sums = [key for key in state if key.startswith("sum|")]
         self._sum = [state[f"sum|{i}"] for i in range(len(sums))] if sums else None
 
 
-class GraphAverager:
+class GraphAverager(Averager):
     """`graph`: the window in variables (trainer.AveragingOptimizer's); N + 1 runs.
 
     Each mini-batch runs `[loss, accumulate_op]`, which adds its gradients to the
@@ -131,9 +111,9 @@ class GraphAverager:
 
     def __init__(self, loss, optimizer, num_batches, var_list=None, global_step=None,
                  check_finite=False):
+        super().__init__(num_batches)
         _check_window(num_batches)
-        self.num_batches, self.loss = num_batches, loss
-        self.updates = self.skipped_windows = 0
+        self.loss = loss
         self.optimizer = trainer.AveragingOptimizer(optimizer, num_batches, check_finite)
         pairs = optimizer.compute_gradients(loss, var_list=var_list)
         if self.APPLIES_IN_STEP:
@@ -144,6 +124,7 @@ class GraphAverager:
         self.step_op = self._then_read_window(step_op)
         self.apply_op = self._then_read_window(self.optimizer.flush_op())
         self._count = 0  # the window's count as last read
+        self._skipped = 0  # the optimizer's discarded windows as last read
 
     def _then_read_window(self, op):
         with tf.control_dependencies([op]):
@@ -152,21 +133,19 @@ class GraphAverager:
 
     def step(self, sess, feed_dict):
         loss, window = sess.run([self.loss, self.step_op], feed_dict)
-        closed = self._closed(window)
+        closed = self._read(window)
         if self._count >= self.num_batches:
-            closed = self._closed(sess.run(self.apply_op))
+            closed = self._read(sess.run(self.apply_op))
         return [loss], closed
 
-    def _closed(self, window):
-        """None while the window is open; else APPLIED or DISCARDED, counted."""
-        count, skipped = window
-        self._count = int(count)
-        if self._count:
-            return None
-        return trainer.count_window(self, skipped == self.skipped_windows)
+    def _read(self, window):
+        """The Outcome the run that read `window` (count, discarded so far) had."""
+        count, skipped = (int(value) for value in window)
+        discarded, self._count, self._skipped = skipped > self._skipped, count, skipped
+        return Outcome.NONE if count else self._closed(not discarded)
 
     def flush(self, sess):
-        return [], (self._closed(sess.run(self.apply_op)) if self._count else None)
+        return [], (self._read(sess.run(self.apply_op)) if self._count else Outcome.NONE)
 
     def window_size(self):
         return self._count
@@ -176,8 +155,11 @@ class GraphAverager:
         # until the next step reads it back.
         return {"count": np.array(self._count), "bad": np.array(False)}
 
-    def restore_window(self, state, unused_graph):
-        self._count = int(state["count"])
+    def restore_window(self, sess, state):
+        """The window is the restored variables; the last reads are taken from them."""
+        with sess.graph.as_default():  # the optimizer finds its window by the graph
+            window = [self.optimizer.window_count, self.optimizer.skipped_windows]
+        self._read(sess.run(window))
 
 
 class OptimizerAverager(GraphAverager):
@@ -190,7 +172,7 @@ class OptimizerAverager(GraphAverager):
     APPLIES_IN_STEP = True
 
 
-class FusedAverager:
+class FusedAverager(Averager):
     """`fused`: one session call per update, an in-graph loop over the micro-batches.
 
     The N micro-batches are fed together, stacked on a new leading axis (shorter ones
@@ -201,6 +183,8 @@ class FusedAverager:
     call. Micro-batches of unequal sizes n_k are weighted: sum(n_k g_k) / sum(n_k).
     Host memory holds only the window's inputs.
     """
+
+    BUILDS_FROM_LOSS_FN = True
 
     def __init__(self, loss_fn, inputs, optimizer, num_batches, var_list=None,
                  global_step=None, check_finite=False):
@@ -217,9 +201,8 @@ class FusedAverager:
           optimizer, num_batches, var_list, global_step, check_finite: as for
             trainer.GradientAverager.
         """
+        super().__init__(num_batches)
         _check_window(num_batches)
-        self.num_batches = num_batches
-        self.updates = self.skipped_windows = 0
         self.inputs = list(inputs)
         self.variables = list(v1.trainable_variables() if var_list is None else var_list)
         existing = v1.global_variables()
@@ -261,12 +244,12 @@ class FusedAverager:
         self.variables = [v for _, v in pairs]
         self.losses = losses.stack()
         # A sum is finite only if every gradient in it was: checking the sums suffices.
-        self.finite = trainer.finite_check([self.losses] + [s for s, _ in pairs],
-                                           check_finite)
         if check_finite:
+            self.finite = all_finite([self.losses] + [s for s, _ in pairs])
             self.apply_op = trainer.apply_if(self.finite, lambda: optimizer.apply_gradients(
                 pairs, global_step=global_step))
         else:
+            self.finite = tf.constant(True)
             self.apply_op = optimizer.apply_gradients(pairs, global_step=global_step)
         self._window = []  # the feed dicts of the open window
 
@@ -274,12 +257,12 @@ class FusedAverager:
         """Keeps the micro-batch; at N runs the whole update in one call.
 
         Returns:
-          (losses, closed): the window's N losses where it ran, else [].
+          (losses, outcome): the window's N losses where it ran, else [].
         """
         self._window.append(feed_dict)
         if len(self._window) == self.num_batches:
             return self._run_window(sess)
-        return [], None
+        return [], Outcome.NONE
 
     def _run_window(self, sess):
         try:  # whatever happens, the next step starts a new window
@@ -291,7 +274,7 @@ class FusedAverager:
             losses, _, finite = sess.run([self.losses, self.apply_op, self.finite], feed)
         finally:
             self._window = []
-        return list(losses), trainer.count_window(self, finite)
+        return list(losses), self._closed(finite)
 
     def _sizes(self):
         """Samples of each micro-batch: the leading dimension of its first batched input."""
@@ -299,7 +282,7 @@ class FusedAverager:
         return np.array([len(f[batched[0]]) if batched else 1 for f in self._window], np.int32)
 
     def flush(self, sess):
-        return self._run_window(sess) if self._window else ([], None)
+        return self._run_window(sess) if self._window else ([], Outcome.NONE)
 
     def window_size(self):
         return len(self._window)
@@ -309,7 +292,7 @@ class FusedAverager:
                      for k, feed in enumerate(self._window) for key, value in feed.items()},
                     bad=np.array(False))  # a NaN shows only when the window runs
 
-    def restore_window(self, state, graph):
+    def restore_window(self, sess, state):
         self._window = []
         for name, value in state.items():
             if name == "bad":
@@ -317,7 +300,7 @@ class FusedAverager:
             _, k, tensor_name = name.split("|", 2)
             while len(self._window) <= int(k):
                 self._window.append({})
-            self._window[int(k)][graph.get_tensor_by_name(tensor_name)] = value
+            self._window[int(k)][sess.graph.get_tensor_by_name(tensor_name)] = value
 
 
 def _reusing(existing):

@@ -19,23 +19,19 @@ With `check_finite=True`, a window in which any loss or gradient is NaN or Inf i
 discarded whole instead of applied (counted in `skipped_windows`).
 
 strategies.py holds the other places a window can live (a running sum, variables, one
-session call per update); they implement the same small protocol as GradientAverager:
-`step(sess, feed_dict)` and `flush(sess)`, each returning the losses that became known
-and what happened to the window (None, APPLIED or DISCARDED), `window_size()`, and
-`window_state()` / `restore_window(state, graph)` for checkpoints. The helpers below
-the class are shared with them.
+session call per update); each is an interfaces.Averager, as GradientAverager is, and
+says what its step did with an interfaces.Outcome. The helpers below the class are
+shared with them.
 """
 
 import numpy as np
 import tensorflow as tf
 
 from averaging_optimizer import AveragingOptimizer  # noqa: F401  (trainer.AveragingOptimizer)
-from averaging_optimizer import accumulator_dtype
+from averaging_optimizer import accumulator_dtype, all_finite
+from interfaces import Averager, Outcome
 
 v1 = tf.compat.v1
-
-# What a strategy's step or flush did to the window it closed (None: still open).
-APPLIED, DISCARDED = "applied", "discarded"
 
 
 def average_gradients(window):
@@ -57,7 +53,7 @@ def average_gradients(window):
     return means
 
 
-class GradientAverager:
+class GradientAverager(Averager):
     """The post's strategy (`stack`): N numpy gradient lists, stacked and averaged.
 
     Attributes:
@@ -83,10 +79,8 @@ class GradientAverager:
           global_step: optional variable incremented once per update.
           check_finite: discard windows holding a NaN or Inf loss or gradient.
         """
-        check_num_batches(num_batches)
-        self.num_batches = num_batches
+        super().__init__(num_batches)
         self.loss = loss
-        self.updates = self.skipped_windows = 0
         self._window, self._bad = [], False
         if num_batches == 1:
             self.train_op, self.finite = minimize(loss, optimizer, var_list, global_step,
@@ -95,7 +89,7 @@ class GradientAverager:
         pairs = gradients_and_variables(loss, optimizer, var_list)
         self.variables = [v for _, v in pairs]
         self.grad_op = [g for g, _ in pairs]
-        self.finite = finite_check([loss] + self.grad_op, check_finite)
+        self.finite = all_finite([loss] + self.grad_op) if check_finite else tf.constant(True)
         self.grad_placeholders = [
             v1.placeholder(g.dtype, g.shape, name="mean_" + v.op.name.replace("/", "_"))
             for g, v in pairs]
@@ -106,35 +100,47 @@ class GradientAverager:
         """Runs one mini-batch; applies the mean when the window holds N.
 
         Returns:
-          (losses, closed): this mini-batch's loss in a list, and None, APPLIED or
-          DISCARDED for the window.
+          (losses, outcome): this mini-batch's loss in a list, and the interfaces.Outcome
+          for the window.
         """
         if self.num_batches == 1:
             loss, _, finite = sess.run([self.loss, self.train_op, self.finite], feed_dict)
-            return [loss], count_window(self, finite)
+            return [loss], self._closed(finite)
         loss, grads, finite = sess.run([self.loss, self.grad_op, self.finite], feed_dict)
-        self._window.append(grads)
+        self._add(grads)
         self._bad = self._bad or not finite
-        if len(self._window) == self.num_batches:
+        if self.window_size() == self.num_batches:
             return [loss], self._close(sess)
-        return [loss], None
+        return [loss], Outcome.NONE
 
     def _close(self, sess):
         """Applies the window's mean, or discards a window that saw a NaN or Inf."""
         finite = not self._bad
         if finite:
-            mean = average_gradients(self._window)
-            sess.run(self.apply_op, feed_dict=dict(zip(self.grad_placeholders, mean)))
-        self._window, self._bad = [], False
-        return count_window(self, finite)
+            sess.run(self.apply_op, feed_dict=dict(zip(self.grad_placeholders, self._mean())))
+        self._clear()
+        return self._closed(finite)
 
     def flush(self, sess):
         """Applies a trailing partial window, if any.
 
         Returns:
-          ([], closed): closed is None where the window was empty.
+          ([], outcome): Outcome.NONE where the window was empty.
         """
-        return [], (self._close(sess) if self._window else None)
+        return [], (self._close(sess) if self.window_size() else Outcome.NONE)
+
+    # The window itself: a subclass keeps it elsewhere (strategies.RunningSumAverager).
+
+    def _add(self, grads):
+        """Adds one mini-batch's numpy gradients to the window."""
+        self._window.append(grads)
+
+    def _mean(self):
+        """The window's mean gradients, one array per placeholder."""
+        return average_gradients(self._window)
+
+    def _clear(self):
+        self._window, self._bad = [], False
 
     def window_size(self):
         """Mini-batches collected towards the next update."""
@@ -145,8 +151,8 @@ class GradientAverager:
         return dict({f"grad|{k}|{i}": g for k, grads in enumerate(self._window)
                      for i, g in enumerate(grads)}, bad=np.array(self._bad))
 
-    def restore_window(self, state, unused_graph):
-        """Reopens a window saved by `window_state`."""
+    def restore_window(self, sess, state):
+        """Reopens a window saved by `window_state` (numpy: `sess` is not needed)."""
         self._bad = bool(state["bad"])
         grads = {}  # mini-batch k -> {variable i: gradient}
         for key, value in state.items():
@@ -159,11 +165,6 @@ class GradientAverager:
 # ---------------------------------------------------------------- shared by every strategy
 
 
-def check_num_batches(num_batches):
-    if num_batches < 1:
-        raise ValueError(f"average_gradients must be >= 1, got {num_batches}")
-
-
 def gradients_and_variables(loss, optimizer, var_list):
     """(grad, var) pairs from compute_gradients, without variables that get no gradient."""
     pairs = optimizer.compute_gradients(loss, var_list=var_list)
@@ -171,13 +172,6 @@ def gradients_and_variables(loss, optimizer, var_list):
     if not pairs:
         raise ValueError("no variable receives a gradient from the loss")
     return pairs
-
-
-def finite_check(tensors, check_finite):
-    """A bool tensor: every value of `tensors` is finite (constant True when unchecked)."""
-    if not check_finite:
-        return tf.constant(True)
-    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
 def apply_if(finite, apply_fn):
@@ -194,15 +188,6 @@ def minimize(loss, optimizer, var_list, global_step, check_finite):
         return (optimizer.minimize(loss, var_list=var_list, global_step=global_step),
                 tf.constant(True))
     pairs = gradients_and_variables(loss, optimizer, var_list)
-    finite = finite_check([loss] + [g for g, _ in pairs], True)
+    finite = all_finite([loss] + [g for g, _ in pairs])
     return apply_if(finite, lambda: optimizer.apply_gradients(
         pairs, global_step=global_step)), finite
-
-
-def count_window(averager, finite):
-    """Counts a closed window in `averager`'s updates or skipped_windows; returns which."""
-    if finite:
-        averager.updates += 1
-        return APPLIED
-    averager.skipped_windows += 1
-    return DISCARDED

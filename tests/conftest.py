@@ -14,9 +14,11 @@ from absl.testing import flagsaver
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import main  # noqa: E402  (imports TensorFlow quietly, before any test module does)
 import cli  # noqa: E402
+import main  # noqa: E402
 import data  # noqa: E402
+
+cli.import_tensorflow_quietly()  # before any test module imports TensorFlow
 
 
 # Evaluations on this many test images (0.15 s, not 1.5 s for 10,000) where a test
@@ -90,11 +92,11 @@ def mnist_quick_dir(mnist_dirs):
     return mnist_dirs[1]
 
 
-def run_cli(*args, timeout=300, script="main.py", module=None, env=None):
+def run_cli(*args, timeout=300, script="main.py", module=None, env=None, python_args=()):
     """Runs `python main.py ARGS` (or `python -m MODULE ARGS`, a tool) from the repository
     root; returns the CompletedProcess."""
     program = ["-m", module] if module else [os.path.join(ROOT, script)]
-    return subprocess.run([sys.executable, *program, *args], cwd=ROOT,
+    return subprocess.run([sys.executable, *python_args, *program, *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, **(env or {})))
 

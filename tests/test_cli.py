@@ -9,9 +9,11 @@ import shutil
 import pytest
 from absl.testing import flagsaver
 
-import data
 import cli
+import data
+import flags
 import main
+import settings
 from conftest import run_cli, run_main_in_process, write_idx_dir
 from test_data import small_raw  # noqa: F401  (a fixture)
 
@@ -116,8 +118,8 @@ BAD_FLAGS = [
 BAD_COMBINATIONS = [
     (["--seed=2147483647", "--reps=2"], "--seed + --reps - 1"),
     (["--eval-every=10", "--eval-every-updates=5"], "pass --eval-every=0"),
-    (["--strategy=mirrored"], "--strategy needs --engine=tf2"),
-    (["--engine=tf2", "--replicas=2"], "--replicas needs --strategy=mirrored"),
+    (["--distribute=mirrored"], "--distribute needs --engine=tf2"),
+    (["--engine=tf2", "--replicas=2"], "--replicas needs --distribute=mirrored"),
 ]
 
 
@@ -211,3 +213,48 @@ def test_bad_input_through_the_real_process_has_no_traceback():
         assert "Traceback" not in proc.stderr
         assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
         assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------- answered before TensorFlow
+
+
+def imported_modules(*args):
+    """Runs `python -X importtime main.py ARGS`: (the process, the top-level modules it
+    imported), read from the import-time lines on stderr."""
+    proc = run_cli(*args, python_args=("-X", "importtime"), timeout=60)
+    modules = {line.split("|")[-1].strip().split(".")[0]
+               for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    return proc, modules
+
+
+@pytest.mark.parametrize("args,code", [(["--help"], 0), (["-h"], 0), (["--helpfull"], 0),
+                                       (["--average-gradient=5"], 2), (["--batch-size=0"], 2),
+                                       (["--distribute=mirrored"], 2)])
+def test_help_and_bad_flags_are_answered_without_importing_tensorflow(args, code):
+    proc, modules = imported_modules(*args)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "absl" in modules and "settings" in modules  # the import lines were read
+    assert not modules & {"tensorflow", "keras", "numpy"}, sorted(modules)
+    if code:
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and proc.stdout == ""
+    else:
+        assert "--average-gradients" in proc.stdout
+
+
+def test_help_lists_each_flag_once_and_names_the_other_spellings_once(capsys):
+    with pytest.raises(SystemExit) as exit_info, flagsaver.flagsaver():
+        cli.parse_flags(["main.py", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    listed = re.findall(r"^  --(?:\[no\])?([\w-]+):", out, re.M)
+    assert sorted(listed) == sorted(settings.SETTINGS)  # each once, no alias
+    assert out.count("underscore spelling") == 1 and "--strategy is the old name" in out
+
+
+def test_the_old_strategy_flag_still_works_and_says_it_was_renamed(capsys):
+    with flagsaver.flagsaver():
+        cli.parse_flags(["main.py", "--engine=tf2", "--strategy=mirrored", "--reps=1"])
+        assert flags.train_config().distribute == "mirrored"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--strategy was renamed --distribute" in err

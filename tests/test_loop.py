@@ -22,9 +22,9 @@ def saves(monkeypatch):
     calls = []
     real_save = checkpoint.RunCheckpoint.save
 
-    def save(self, sess, saver, iteration, state, window):
+    def save(self, engine, iteration, state):
         calls.append(iteration)
-        return real_save(self, sess, saver, iteration, state, window)
+        return real_save(self, engine, iteration, state)
 
     monkeypatch.setattr(checkpoint.RunCheckpoint, "save", save)
     return calls

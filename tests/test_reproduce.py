@@ -21,6 +21,7 @@ from conftest import ROOT, run_cli
 import flags
 import loop
 import results
+import settings
 from tools import reproduce
 from tools import reproduce_table
 
@@ -201,10 +202,14 @@ def test_eval_every_updates_needs_the_iteration_cadence_off():
 
 
 def test_evaluation_counts_match_the_loop():
-    setting = reproduce.Setting(3, 10, 20)
-    assert reproduce.evaluations(setting, 0, 2) == 4  # as the cadence test above saw
-    assert reproduce.evaluations(reproduce.Setting(20, 5, 20000), 100, 0) == 200
-    assert reproduce.evaluations(reproduce.Setting(1, 100, 1000), 100, 0) == 10
+    """The count reproduce's ETA uses is the loop's own cadence (settings.evaluation_due)."""
+    count = settings.evaluations
+    assert count(settings.Config(average_gradients=3, batch_size=10, iterations=20,
+                                 eval_every=0, eval_every_updates=2)) == 4  # as seen above
+    assert count(settings.Config(average_gradients=20, batch_size=5, iterations=20000)) == 200
+    assert count(settings.Config(iterations=1000)) == 10
+    spec = reproduce.plan("out", reps=1, seed=0, scale=1, fair=True, accumulate="fused")[3]
+    assert (spec.config.average_gradients, count(spec.config)) == (20, 10)  # every 100 updates
 
 
 # ---------------------------------------------------------------- make reproduce, resume

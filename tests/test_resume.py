@@ -274,3 +274,16 @@ def test_cli_reports_skipped_windows_and_aborts_with_one_line(tmp_path, capsys, 
     error = one_line_error(capsys, *base, "--inject-nonfinite=7", "--on-nonfinite=abort",
                            code=3)
     assert "iterations 6-10 and on_nonfinite=abort" in error
+
+
+def test_a_checkpoint_made_before_strategy_was_renamed_distribute_is_accepted(tmp_path):
+    """tf2 checkpoints recorded the tf.distribute strategy as `strategy`; it is `distribute`
+    now, and the old key still matches (a different value is still refused)."""
+    identity = dict(engine="tf2", seed=0, distribute="none", replicas=1)
+    old = dict(identity, strategy=identity.pop("distribute"))
+    (tmp_path / checkpoint.STATE_FILE).write_text(json.dumps(
+        {"identity": old, "finished": True, "result": {"best_accuracy": 9.0}}))
+    saved = checkpoint.RunCheckpoint(str(tmp_path), dict(identity, distribute="none")).load()
+    assert saved["result"] == {"best_accuracy": 9.0}
+    with pytest.raises(checkpoint.CheckpointError, match="made with distribute=none"):
+        checkpoint.RunCheckpoint(str(tmp_path), dict(identity, distribute="mirrored")).load()

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import data
 import engine_tf1
 import loop
 import model
 import strategies
+from interfaces import Outcome, WindowCounts
 
 v1 = tf.compat.v1
 N, B, UPDATES, SEED = 5, 20, 3, 7
@@ -24,12 +26,13 @@ def train(mnist, strategy, n, b, updates, sgd_rate=None):
     optimizer = v1.train.GradientDescentOptimizer(sgd_rate) if sgd_rate else None
     engine = engine_tf1.Engine(config, SEED, optimizer=optimizer)
     try:
-        variables = engine.run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)
+        variables = engine.run_graph.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)
         before = engine.sess.run(variables)
+        counts = WindowCounts()
         for iteration, (images, labels) in enumerate(
-                engine.batches(mnist.train, b, 0, n * updates), start=1):
-            engine.step(images, labels, iteration)
-        assert engine.updates == updates and engine.window_size() == 0
+                data.batches(mnist.train, SEED, b, 0, n * updates), start=1):
+            counts.count(engine.step(images, labels, iteration))
+        assert counts.updates == updates and engine.window_size() == 0
         return before, engine.sess.run(variables)
     finally:
         engine.close()
@@ -101,17 +104,18 @@ def test_strategies_apply_bit_identical_updates(mnist, strategy):
 def test_model_choice_builds_and_trains_a_step(mnist, model_name, parameters):
     config = loop.Config(batch_size=8, model=model_name)
     engine = engine_tf1.Engine(config, SEED)
-    run = engine.run
+    run = engine.run_graph
     with run.graph.as_default():
         assert model.count_parameters() == parameters
     try:
         variables = run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)
         before = engine.sess.run(variables)
-        (images, labels), = engine.batches(mnist.train, 8, 0, 1)
-        assert engine.step(images, labels, 1) == "applied"  # N=1: the step closes its window
+        (images, labels), = data.batches(mnist.train, SEED, 8, 0, 1)
+        # N=1: the step closes its window
+        assert engine.step(images, labels, 1) is Outcome.APPLIED
         after = engine.sess.run(variables)
         logits = engine.sess.run(run.ops.logits, {run.images: mnist.test.images[:3]})
-        assert engine.updates == 1
+        assert engine.averager.updates == 1
         assert engine.loss_totals()[1] == 8  # the mini-batch's samples, its loss finite
     finally:
         engine.close()
@@ -247,7 +251,8 @@ def test_a_saver_alone_restores_the_open_window_and_its_count(tmp_path, strategy
     feeds = tiny_batches(sizes)
     run(feeds[:2], restore=False)
     closed, flushed, resumed = run(feeds[2:], restore=True)
-    assert closed == ["applied", None, None, "applied", None, None] and flushed == "applied"
+    none, applied = Outcome.NONE, Outcome.APPLIED
+    assert closed == [applied, none, none, applied, none, none] and flushed is applied
     uninterrupted = run(feeds, restore=False)[2]
     direct = train_tiny("stack", OPTIMIZERS["adam"], [24, 24, 16], 1)
     for r, u, d in zip(resumed, uninterrupted, direct):
@@ -278,6 +283,6 @@ def test_low_precision_gradients_sum_in_float32_and_nonfinite_ones_are_caught(st
             assert sess.run(w).astype(np.float32).tolist() == [-4000.0, -4096.0, -4224.0]
             for _ in range(19):
                 averager.step(sess, {grad: [1.0, 1.0, 1.0]})
-            assert averager.step(sess, {grad: [1.0, np.inf, 1.0]})[1] == "discarded"
+            assert averager.step(sess, {grad: [1.0, np.inf, 1.0]})[1] is Outcome.DISCARDED
             assert (averager.updates, averager.skipped_windows) == (1, 1)
             assert sess.run(w).astype(np.float32).tolist() == [-4000.0, -4096.0, -4224.0]

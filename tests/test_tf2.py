@@ -355,10 +355,10 @@ def single_process_accuracy(distributed_args):
 
 
 def test_two_mirrored_replicas_end_like_one(single_process_accuracy, distributed_args):
-    proc = run_cli(*distributed_args, "--strategy=mirrored", "--replicas=2", "--verbose",
+    proc = run_cli(*distributed_args, "--distribute=mirrored", "--replicas=2", "--verbose",
                    env=CPU_ONLY)
     assert proc.returncode == 0, proc.stderr
-    assert "Strategy mirrored: 2 replicas in sync" in proc.stdout
+    assert "--distribute=mirrored: 2 replicas in sync" in proc.stdout
     assert final_accuracies(proc.stdout) == [single_process_accuracy]
 
 
@@ -368,17 +368,17 @@ def test_two_workers_train_together_and_end_like_one_process(single_process_accu
                                            timeout=240, env=CPU_ONLY)
     assert codes == [0, 0], outputs
     for output in outputs:
-        assert "Strategy multi_worker: 2 replicas in sync" in output
+        assert "--distribute=multi_worker: 2 replicas in sync" in output
         assert final_accuracies(output) == [single_process_accuracy]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy=mirrored"], "--strategy needs --engine=tf2"),
-    (["--engine=tf2", "--replicas=2"], "--replicas needs --strategy=mirrored"),
+    (["--distribute=mirrored"], "--distribute needs --engine=tf2"),
+    (["--engine=tf2", "--replicas=2"], "--replicas needs --distribute=mirrored"),
     (["--engine=tf2", "--accumulate=fused"], "--accumulate picks a tf1 strategy"),
     (["--lr-decay-rate=0"], "--lr-decay-rate must be in (0, 1]"),
-    (["--engine=tf2", "--strategy=multi_worker", "--checkpoint-dir=/tmp"],
-     "--checkpoint-dir does not work with --strategy=multi_worker"),
+    (["--engine=tf2", "--distribute=multi_worker", "--checkpoint-dir=/tmp"],
+     "--checkpoint-dir does not work with --distribute=multi_worker"),
 ])
 def test_bad_tf2_flags_get_one_line(capsys, args, message):
     with flagsaver.flagsaver():
@@ -392,7 +392,7 @@ def test_bad_tf2_flags_get_one_line(capsys, args, message):
 def test_malformed_tf_config_gets_one_line(capsys, monkeypatch):
     monkeypatch.setenv("TF_CONFIG", "{not json")
     with flagsaver.flagsaver():
-        cli.parse_flags(["main.py", "--engine=tf2", "--strategy=multi_worker", "--reps=1",
+        cli.parse_flags(["main.py", "--engine=tf2", "--distribute=multi_worker", "--reps=1",
                          "--iterations=1", "--eval-every=0"])
         with pytest.raises(SystemExit) as exit_info:
             main.main(["main.py"])  # refused before any strategy is made

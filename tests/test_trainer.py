@@ -12,6 +12,7 @@ import loop
 import model
 import strategies
 import trainer
+from interfaces import Outcome
 
 v1 = tf.compat.v1
 N, B = 4, 25
@@ -107,10 +108,11 @@ def test_apply_runs_ceil_iterations_over_n_times_and_adam_counts_them(mnist, ite
                        if "beta1_power" in v.name]
         assert len(beta1_power) == 1  # Adam's step count lives in beta1^(t+1)
         np.testing.assert_allclose(sess.run(beta1_power[0]), 0.9 ** (expected + 1), rtol=1e-5)
-    assert held == iterations % n and flushed == ("applied" if held else None)
+    assert held == iterations % n and flushed is (Outcome.APPLIED if held else Outcome.NONE)
     # updates happen exactly at every N-th mini-batch, and the step says so
     assert applied == [(k + 1) // n for k in range(iterations)]
-    assert closed == ["applied" if (k + 1) % n == 0 else None for k in range(iterations)]
+    assert closed == [Outcome.APPLIED if (k + 1) % n == 0 else Outcome.NONE
+                      for k in range(iterations)]
 
 
 def test_partial_window_applies_the_mean_of_what_it_holds(mnist):
@@ -127,8 +129,8 @@ def test_partial_window_applies_the_mean_of_what_it_holds(mnist):
         for x, y in tail:
             run.averager.step(sess, {run.images: x, run.labels: y})
         assert run.averager.window_size() == 2
-        assert run.averager.flush(sess) == ([], "applied")
-        assert run.averager.flush(sess) == ([], None)  # nothing left to apply
+        assert run.averager.flush(sess) == ([], Outcome.APPLIED)
+        assert run.averager.flush(sess) == ([], Outcome.NONE)  # nothing left to apply
         after = weights(sess)
     assert run.averager.updates == 4
     mean = trainer.average_gradients(grads)

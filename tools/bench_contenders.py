@@ -27,7 +27,7 @@ class SessionContender:
     def __init__(self, label, config, datasets):
         self.label, self.config = label, config
         self.engine = engine_tf1.Engine(config, SEED)
-        self.batches = self.engine.batches(datasets.train, config.batch_size, 0, ENDLESS)
+        self.batches = data.batches(datasets.train, SEED, config.batch_size, 0, ENDLESS)
         self.iteration = 0
 
     def train(self, updates):
@@ -85,8 +85,8 @@ class TF2Contender(SessionContender):
         import engine_tf2  # Keras loads only where a tf2 contender runs
         self.label = label
         self.config = loop.Config(engine="tf2", average_gradients=n, batch_size=b)
-        self.engine = engine_tf2.Engine(self.config, SEED, datasets)
-        self.batches = self.engine.batches(datasets.train, b, 0, ENDLESS)
+        self.engine = engine_tf2.Engine(self.config, SEED)
+        self.batches = data.batches(datasets.train, SEED, b, 0, ENDLESS)
         self.iteration = 0
 
 

@@ -64,11 +64,12 @@ def run_probe(spec):
     del datasets  # the full MNIST must not count in the peak
     if tf2:
         import engine_tf2  # Keras loads only in a tf2 probe
-        engine = engine_tf2.Engine(config, bench_contenders.SEED, data.Datasets(train, train, train))
+        engine = engine_tf2.Engine(config, bench_contenders.SEED)
     else:
         engine = engine_tf1.Engine(config, bench_contenders.SEED)
     try:
-        batches = engine.batches(train, config.batch_size, 0, config.iterations)
+        batches = data.batches(train, bench_contenders.SEED, config.batch_size, 0,
+                               config.iterations)
         baseline = _status_mb("VmRSS")
         exact = _reset_peak()
         start = time.perf_counter()
@@ -85,7 +86,7 @@ def run_probe(spec):
                 seconds_per_update=seconds / spec["updates"],
                 parameters=engine.net.count_params() if tf2 else sum(
                     v.shape.num_elements() for v in
-                    engine.run.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
+                    engine.run_graph.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))
 
 
 def run_kernels_probe(spec):

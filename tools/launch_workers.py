@@ -2,7 +2,7 @@
 
     python -m tools.launch_workers --workers=2 -- --average-gradients=5 --batch-size=20 ...
 
-Each worker is `main.py --engine=tf2 --strategy=multi_worker ARGS` with its own TF_CONFIG
+Each worker is `main.py --engine=tf2 --distribute=multi_worker ARGS` with its own TF_CONFIG
 on 127.0.0.1 (free ports picked here). They train together: every worker reads the same
 global mini-batches and trains on its slice, gradients are all-reduced once per update.
 Before they start, one line per worker gives its address and role. Worker 0 (the chief)
@@ -81,7 +81,7 @@ def launch(args, workers=2, timeout=300, python=sys.executable, env=None, live=F
         log = None if live and index == 0 else tempfile.TemporaryFile(mode="w+")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [python, common.MAIN, "--engine=tf2", "--strategy=multi_worker", *worker_args],
+            [python, common.MAIN, "--engine=tf2", "--distribute=multi_worker", *worker_args],
             cwd=common.ROOT, env=worker_env, stdout=log,
             stderr=None if log is None else subprocess.STDOUT, text=True))
     deadline = time.monotonic() + timeout

@@ -17,6 +17,7 @@ script, so tests can import it beside main.py's flags.
 
 import collections
 import concurrent.futures
+import dataclasses
 import glob
 import json
 import os
@@ -32,6 +33,7 @@ from absl import flags as absl_flags
 import cli
 import progress
 import results
+import settings
 import stats
 from tools import common
 from tools import figures
@@ -42,10 +44,10 @@ from tools.reproduce_table import EVAL_EVERY, FAIR_EVAL_EVERY_UPDATES, POST_TABL
 # bit, as the post's stack (tests/test_trainer.py checks it); ACCUMULATE=stack for the post's.
 DEFAULT_ACCUMULATE = "fused"
 
-# Everything else that shapes a run, pinned to the post's values so that the table does
-# not drift if main.py's defaults ever change; a stored run must match all of it.
-POST_FLAGS = {"learning-rate": 1e-3, "lr-schedule": "constant", "dropout": 0.5,
-              "model": "convnet", "engine": "tf1"}
+# Everything else that shapes a run, pinned to the post's values (settings.py marks them)
+# so that the table does not drift if main.py's defaults ever change; a stored run must
+# match all of it.
+POST_FLAGS = settings.POST_VALUES
 # The figures, written next to table.md (which links them by these names).
 CURVES_PNG, BEST_PNG = "accuracy_curves.png", "best_accuracy.png"
 # Rough single-thread seconds of one run on a 2-core machine, for the first ETA only:
@@ -66,6 +68,11 @@ class RunSpec(collections.namedtuple("RunSpec", ["setting", "rep", "seed", "path
     def label(self):
         return results.run_label(self.setting)
 
+    @property
+    def config(self):
+        """The settings.Config main.py will run."""
+        return settings.from_values(settings.Config, self.flags)
+
     # The results file names the run (configuration and seed): it is the identity.
     def __hash__(self):
         return hash(self.path)
@@ -85,15 +92,6 @@ def scaled_setting(post_key, scale):
     """
     n, b, iterations = post_key
     return Setting(n, b, max(1, iterations // n // scale) * n)
-
-
-def evaluations(setting, eval_every, eval_every_updates):
-    """How many test-set evaluations one run makes (the periodic ones and the final one)."""
-    if eval_every_updates:
-        return (setting.iterations - 1) // setting.average_gradients // eval_every_updates + 1
-    if eval_every:
-        return (setting.iterations - 1) // eval_every + 1
-    return 1
 
 
 def run_flags(setting, seed, fair, accumulate):
@@ -172,8 +170,7 @@ class Progress:
     @staticmethod
     def prior(spec):
         """A guess of a run's seconds from its size, before anything is measured."""
-        n_eval = evaluations(spec.setting, spec.flags["eval-every"],
-                             spec.flags["eval-every-updates"])
+        n_eval = settings.evaluations(spec.config)
         return (PRIOR_START + PRIOR_ITERATION * spec.setting.iterations
                 + PRIOR_EVALUATION * n_eval)
 
@@ -368,10 +365,9 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         path = os.path.join(out_dir, results.run_label(setting) + ".json")
         config.update(reps=reps, seed=seed, results=path)
         results.atomic_write_json(path, results.results_document(config, runs))
-        flags = group[0].flags
         rows.append(reproduce_table.summarize(
             setting, runs, reference, POST_TABLE[post_key] if scale == 1 else None,
-            evaluations(setting, flags["eval-every"], flags["eval-every-updates"])))
+            settings.evaluations(group[0].config)))
     timing = (f"This invocation ran {len(todo)} of the {len(specs)} runs in "
               f"{fmt_duration(wall)} of wall time, {jobs} process{'es' if jobs > 1 else ''} "
               f"at a time with {threads} thread{'s' if threads > 1 else ''} each"
@@ -430,28 +426,33 @@ def draw_figures(out_dir, pairs, with_post, log):
 
 
 def define_flags():
-    """The driver's flags (dashed, with underscore aliases, as main.py's)."""
-    cli.define("integer", "reps", 10, "Runs per configuration; run r uses seed + r.",
-               lower_bound=1)
-    cli.define("string", "results-dir", "results",
-               "Where runs, per-configuration results, table.md and TensorBoard events go.")
-    cli.define("integer", "jobs", 0, "main.py processes at a time (0: one per CPU core).",
-               lower_bound=0)
-    cli.define("integer", "threads", 0,
-               "TensorFlow threads per process (0: the CPU cores divided among the jobs).",
-               lower_bound=0)
-    cli.define("bool", "fair", False,
-               f"Evaluate every configuration every {FAIR_EVAL_EVERY_UPDATES} updates, not "
-               f"the post's every {EVAL_EVERY} iterations; writes under RESULTS_DIR/fair.")
-    cli.define("integer", "scale", 1,
-               "Divide every configuration's updates by this (at least one), for quick tests.",
-               lower_bound=1)
-    cli.define("integer", "seed", 0, "Seed of the first run of every configuration.",
-               lower_bound=0)
-    cli.define("string", "accumulate", DEFAULT_ACCUMULATE,
-               "main.py's --accumulate for every run; fused is the fastest and gives the "
-               "same weights, bit for bit, as the post's stack.")
-    cli.define("bool", "verbose", False, "Pass --verbose on: every run's evaluation lines.")
+    """The driver's flags (dashed, with underscore aliases, as main.py's); those it passes
+    on to main.py keep main.py's definitions (kind, bounds, choices), with their meaning
+    here."""
+    main_py = settings.SETTINGS
+    cli.define_all([
+        dataclasses.replace(main_py["reps"], help="Runs per configuration; run r uses seed + r."),
+        settings.Setting("results-dir", "string", "results",
+                         "Where runs, per-configuration results, table.md and TensorBoard "
+                         "events go."),
+        settings.Setting("jobs", "integer", 0,
+                         "main.py processes at a time (0: one per CPU core).", lower=0),
+        dataclasses.replace(main_py["threads"], help="TensorFlow threads per process (0: the "
+                            "CPU cores divided among the jobs)."),
+        settings.Setting("fair", "bool", False,
+                         f"Evaluate every configuration every {FAIR_EVAL_EVERY_UPDATES} "
+                         f"updates, not the post's every {EVAL_EVERY} iterations; writes "
+                         "under RESULTS_DIR/fair."),
+        settings.Setting("scale", "integer", 1, "Divide every configuration's updates by this "
+                         "(at least one), for quick tests.", lower=1),
+        dataclasses.replace(main_py["seed"], help="Seed of the first run of every "
+                            "configuration."),
+        dataclasses.replace(main_py["accumulate"], default=DEFAULT_ACCUMULATE,
+                            help="main.py's --accumulate for every run; fused is the fastest "
+                            "and gives the same weights, bit for bit, as the post's stack."),
+        dataclasses.replace(main_py["verbose"], help="Pass --verbose on: every run's "
+                            "evaluation lines."),
+    ])
 
 
 def main(argv):
@@ -460,9 +461,10 @@ def main(argv):
     FLAGS = absl_flags.FLAGS
     command = shlex.join(["python", "-m", "tools.reproduce"] + sys.argv[1:])
     try:
-        text = reproduce(FLAGS.results_dir, reps=FLAGS.reps, seed=FLAGS.seed, jobs=FLAGS.jobs,
-                         threads=FLAGS.threads, scale=FLAGS.scale, fair=FLAGS.fair,
-                         accumulate=FLAGS.accumulate, verbose=FLAGS.verbose, command=command)
+        text = reproduce(FLAGS["results-dir"].value, reps=FLAGS.reps, seed=FLAGS.seed,
+                         jobs=FLAGS.jobs, threads=FLAGS.threads, scale=FLAGS.scale,
+                         fair=FLAGS.fair, accumulate=FLAGS.accumulate, verbose=FLAGS.verbose,
+                         command=command)
     except ReproduceError as e:
         cli.fail(str(e), code=1)
     except KeyboardInterrupt:
