@@ -58,7 +58,7 @@ WORKERS ?= 2
 distributed-demo: install
 	@echo "distributed-demo: $(WORKERS) workers, 500 mini-batches of 20 at N=5 = 100 updates," \
 	  "a tenth of the post's 1,000. Expect about 58% test accuracy at the end (the post's" \
-	  "95% takes 1,000 updates): still learning, not a failure. About 1-2 minutes."
+	  "95% takes 1,000 updates): still learning, not a failure. Under 2 minutes."
 	$(PY) -m tools.launch_workers --workers=$(WORKERS) --timeout=600 -- --average-gradients=5 \
 	  --batch-size=20 --iterations=500 --reps=1 --verbose $(ARGS)
 
