@@ -1,6 +1,6 @@
-"""The TF2 library's one-call window (WindowAccumulator.apply_window, fit's default)
-against its per-micro-batch path (GradientAccumulator.accumulate + apply), on real MNIST;
-and the tf2 engine's window buffer, which trains through the one-call window.
+"""The TF2 library's one-call window (GradientAccumulator.apply_window, fit's default)
+against its per-micro-batch path (accumulate + apply), on real MNIST; and the tf2
+engine's window buffer, which trains through it.
 
 The model is a small ConvNet with seeded dropout defined here (the library is for your
 own Keras model): both paths must draw the same dropout masks in the same order, so
@@ -8,6 +8,7 @@ their weights are compared for equality, not closeness.
 """
 
 import json
+import os
 
 import keras
 import numpy as np
@@ -15,10 +16,12 @@ import pytest
 import tensorflow as tf
 
 import checkpoint
+import data
 import engine_tf2
 import loop
 import tf2_accumulator
 from conftest import ROOT, run_cli
+from interfaces import Outcome
 
 # Three windows at N=3: equal micro-batches, unequal ones (a short slice), and a partial
 # window of two (the run's trailing one).
@@ -62,12 +65,6 @@ def windows(split, shape=WINDOWS):
 
 
 def accumulator(optimizer, model=None, **kwargs):
-    """The one-call window's trainer."""
-    return tf2_accumulator.WindowAccumulator(model or small_conv_net(), optimizer,
-                                             cross_entropy, **kwargs)
-
-
-def per_micro_batch(optimizer, model=None, **kwargs):
     return tf2_accumulator.GradientAccumulator(model or small_conv_net(), optimizer,
                                                cross_entropy, **kwargs)
 
@@ -81,7 +78,7 @@ def assert_same_weights(a, b):
                                             lambda: keras.optimizers.SGD(0.1)],
                          ids=["adam", "sgd"])
 def test_one_call_window_equals_the_per_micro_batch_path(mnist, make_optimizer):
-    per_micro, one_call = per_micro_batch(make_optimizer()), accumulator(make_optimizer())
+    per_micro, one_call = accumulator(make_optimizer()), accumulator(make_optimizer())
     start = [w.copy() for w in one_call.model.get_weights()]
     for window in windows(mnist.train):
         for x, y in window:
@@ -189,6 +186,14 @@ def test_build_window_trains_nothing(mnist, check_finite):
     assert_same_weights(one_call, fresh)
 
 
+def test_a_window_opened_by_accumulate_must_be_applied_first(mnist):
+    one_call = accumulator(keras.optimizers.SGD(0.1))
+    (x, y), = micro_batches(mnist.train, (4,))
+    one_call.accumulate(x, y)
+    with pytest.raises(ValueError, match="apply\\(\\) the window opened by accumulate"):
+        one_call.apply_window([(x, y)])
+
+
 def test_the_loop_holds_two_micro_batches_in_flight_and_touches_no_variable(mnist):
     """Peak activations are two micro-batches' (parallel_iterations), whatever N: the
     loop body is stateless, so no iteration waits on another's variable reads."""
@@ -206,9 +211,9 @@ def test_the_engine_trains_each_window_in_one_call_as_the_per_micro_batch_path(
     """engine_tf2.Engine buffers N mini-batches and trains them in one call, a partial
     window by its samples, with the ConvNet's dropout on; a saved open window resumes."""
     config = loop.Config(engine="tf2", average_gradients=3, batch_size=4)
-    engine = engine_tf2.Engine(config, seed=1, datasets=mnist)
-    batches = list(engine.batches(mnist.train, 4, 0, 8))  # windows of 3, 3 and a partial 2
-    reference = tf2_accumulator.GradientAccumulator(  # one call per micro-batch
+    engine = engine_tf2.Engine(config, seed=1)
+    batches = list(data.batches(mnist.train, 1, 4, 0, 8))  # windows of 3, 3 and a partial 2
+    reference = tf2_accumulator.GradientAccumulator(
         engine_tf2.conv_net(config.dropout, seed=1), keras.optimizers.Adam(1e-3),
         engine_tf2.sparse_cross_entropy)
     closed = []
@@ -217,23 +222,26 @@ def test_the_engine_trains_each_window_in_one_call_as_the_per_micro_batch_path(
         reference.accumulate(x, y)
         if reference.window == 3:
             reference.apply()
-    assert closed == [None, None, "applied"] * 2 + [None]
+    none, applied = Outcome.NONE, Outcome.APPLIED
+    assert closed == [none, none, applied] * 2 + [none]
     # The open window, saved and restored into an engine that has trained on.
     ckpt = checkpoint.RunCheckpoint(str(tmp_path / "ckpt"), {})
-    state = ckpt.save(None, engine.files, 7, {"updates": engine.updates, "skipped_windows": 0,
-                                              "open_window": engine.window_size()},
-                      window={})  # a window file without the open window: refused
+    state = ckpt.save(engine, 7, {"open_window": engine.window_size()})
+    window_file = os.path.join(ckpt.directory, state["window"])
+    with open(window_file, "rb") as f:
+        saved_window = f.read()
+    np.savez(window_file)  # a window file without the open window: refused
     with pytest.raises(checkpoint.CheckpointError, match="does not hold the open window"):
-        engine.restore(ckpt, state)
-    engine.save(ckpt, 7, state)
-    state = ckpt.load()
-    assert engine.step(*batches[7], 8) is None and engine.flush() == "applied"
-    engine.restore(ckpt, state)
-    assert (engine.window_size(), engine.updates) == (1, 2)
-    assert engine.step(*batches[7], 8) is None and engine.flush() == "applied"
+        ckpt.restore(engine, state)
+    with open(window_file, "wb") as f:
+        f.write(saved_window)
+    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
+    ckpt.restore(engine, ckpt.load())
+    assert engine.window_size() == 1
+    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
     reference.accumulate(*batches[7])
     reference.apply()
-    assert engine.updates == reference.updates == 3
+    assert reference.updates == 3
     for a, b in zip(reference.model.get_weights(), engine.net.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert engine.loss_totals() == pytest.approx(reference.loss_totals(), rel=1e-12)
@@ -252,13 +260,12 @@ strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 import data, tf2_accumulator
 from test_tf2_accumulator import cross_entropy, small_conv_net, windows
 
-def accumulator(trainer):
+def accumulator():
     with strategy.scope():
         model, optimizer = small_conv_net(), keras.optimizers.Adam(1e-2)
-    return trainer(model, optimizer, cross_entropy, strategy)
+    return tf2_accumulator.GradientAccumulator(model, optimizer, cross_entropy, strategy)
 
-per_micro = accumulator(tf2_accumulator.GradientAccumulator)
-one_call = accumulator(tf2_accumulator.WindowAccumulator)
+per_micro, one_call = accumulator(), accumulator()
 split = data.load_mnist().train
 for window in windows(split):  # 8 samples: 4 a replica; 3: 1 / 2; 5: 2 / 3
     for x, y in window:
@@ -277,6 +284,7 @@ print(json.dumps({
     "window": tf2_accumulator.count_all_reduces(
         one_call.window_step.get_concrete_function(xs, ys, sizes)),
     "apply": tf2_accumulator.count_all_reduces(per_micro.apply_step.get_concrete_function()),
+    "check": tf2_accumulator.count_all_reduces(per_micro.check_step.get_concrete_function()),
     "micro": tf2_accumulator.count_all_reduces(per_micro.micro_step.get_concrete_function()),
     "variables": len(per_micro.variables),
     "discarded": not one_call.apply_window(poisoned),
@@ -297,8 +305,8 @@ def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     assert result["replicas"] == 2 and result["same"]
     # The optimizer's all-reduce of the applied mean (at most one per variable and replica)
     # and the non-finite vote (one scalar, summed locally by AddN here, one collective
-    # across workers), the same in both paths' apply; nothing per micro-batch.
-    assert result["micro"] == 0
-    assert 1 <= result["apply"] <= result["replicas"] * result["variables"] + 1
-    assert result["window"] == result["apply"]
+    # across workers); nothing per micro-batch, in either path.
+    assert result["micro"] == 0 and result["check"] <= 1
+    assert 1 <= result["apply"] <= result["replicas"] * result["variables"]
+    assert result["window"] == result["apply"] + result["check"]
     assert result["discarded"] and result["unchanged"] and result["updates"] == 3
