@@ -29,6 +29,7 @@ LOW_PRECISION = (tf.float16, tf.bfloat16)
 # The collection that holds each AveragingOptimizer's flush op, so that a graph imported
 # from a meta graph or a SavedModel finds it (the train op is in GraphKeys.TRAIN_OP).
 FLUSH_OPS = "averaging_optimizer_flush_ops"
+_COUNT_LIMIT = 2 ** 62  # ResourceCountUpTo's ceiling: never reached
 
 
 def accumulator_dtype(value):
@@ -420,7 +421,10 @@ class AveragingOptimizer(v1.train.Optimizer):
                     with tf.control_dependencies([window.count.assign_add(1)]):
                         held.ops.append(self._apply_window(window, global_step, caller_scope))
                 else:
-                    full = window.count.assign_add(1) >= self._n
+                    # One op adds 1 and returns the count before (ResourceCountUpTo).
+                    before = tf.raw_ops.ResourceCountUpTo(
+                        resource=window.count.handle, limit=_COUNT_LIMIT, T=tf.int64)
+                    full = before >= self._n - 1
                     held.ops.append(tf.cond(
                         full, lambda: self._apply_window(window, global_step, caller_scope),
                         tf.no_op))
@@ -449,11 +453,11 @@ class AveragingOptimizer(v1.train.Optimizer):
             values = values * tf.cast(weight, acc.dtype)
         if not isinstance(grad, tf.IndexedSlices):
             return acc.assign_add(values, read_value=False)
-        touched = window.touched[var]
         return tf.group(
             acc.scatter_add(tf.IndexedSlices(values, grad.indices)),
-            touched.scatter_update(tf.IndexedSlices(
-                tf.ones_like(grad.indices, tf.bool), grad.indices)))
+            tf.raw_ops.ResourceScatterUpdate(  # a scalar update: no ones_like per run
+                resource=window.touched[var].handle, indices=grad.indices,
+                updates=tf.constant(True)))
 
     def _apply_window(self, window, global_step, caller_scope):
         """The mean of the window, applied by the wrapped optimizer; then a reset.

@@ -749,10 +749,10 @@ def _window_free_saver(opt):
     return v1.train.Saver(var_list=[v for v in v1.global_variables() if v not in window])
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_checkpoints_move_between_plain_and_wrapped_runs(tmp_path, n):
+def test_checkpoints_move_between_plain_and_wrapped_runs(tmp_path, n=3):
     """plain 2 updates -> wrapped 2 updates (N mini-batches each) -> plain 2 updates equals
-    6 plain updates on the direct batches, bit for bit at N=1 (and for Adam's powers)."""
+    6 plain updates on the direct batches (Adam's powers and slots carried across; N=1's
+    bits are the plain optimizer's: test_n_minibatches_update_like_the_direct_batch)."""
     feeds = minibatches([4] * (6 * n))
     direct = concatenated(feeds, n)
     expected, expected_step = train(OPTIMIZERS["adam"], direct)
@@ -772,18 +772,14 @@ def test_checkpoints_move_between_plain_and_wrapped_runs(tmp_path, n):
                 v1.train.Saver().save(sess, path)
                 weights, step = sess.run(model.variables), sess.run(global_step)
     assert step == expected_step == 6
-    if n == 1:
-        for w, e in zip(weights, expected):
-            np.testing.assert_array_equal(w, e)
     assert_close(weights, expected)
 
 
 # ---------------------------------------------------------------- another N (case 4)
 
-@pytest.mark.parametrize("new_n", [1, 2, 5])
-def test_open_window_restored_into_another_n_is_applied_not_dropped(tmp_path, new_n):
-    """N=4 saved with 3 mini-batches open: in a graph with another N the next run (or, for
-    a larger N, flush_op) closes that window with them, as the direct batch of 4 would."""
+def test_open_window_restored_into_another_n_is_applied_not_dropped(tmp_path):
+    """N=4 saved with 3 mini-batches open: in a graph with N=1 or 2 the next run closes
+    that window with them, with N=5 flush_op does, as the direct batch of 4 would."""
     feeds = minibatches([4] * 8)
     path = str(tmp_path / "model.ckpt")
     with tf.Graph().as_default():
@@ -793,20 +789,22 @@ def test_open_window_restored_into_another_n_is_applied_not_dropped(tmp_path, ne
             for x, y in feeds[:7]:
                 sess.run(train_op, {model.x: x, model.y: y})
             v1.train.Saver().save(sess, path)
-    with tf.Graph().as_default():
-        model = mlp()
-        global_step = v1.train.get_or_create_global_step()
-        opt = AveragingOptimizer(OPTIMIZERS["adam"](), new_n)
-        train_op = opt.minimize(model.loss, global_step=global_step)
-        with v1.Session() as sess:
-            v1.train.Saver().restore(sess, path)
-            assert sess.run(opt.window_count) == 3
-            sess.run(train_op, {model.x: feeds[7][0], model.y: feeds[7][1]})
-            sess.run(opt.flush_op())
-            resumed, step = sess.run(model.variables), sess.run(global_step)
     direct, _ = train(OPTIMIZERS["adam"], concatenated(feeds, 4))
-    assert step == 2
-    assert_close(resumed, direct)
+    for new_n in (1, 2, 5):
+        with tf.Graph().as_default():
+            model = mlp()
+            global_step = v1.train.get_or_create_global_step()
+            opt = AveragingOptimizer(OPTIMIZERS["adam"](), new_n)
+            train_op = opt.minimize(model.loss, global_step=global_step)
+            with v1.Session() as sess:
+                v1.train.Saver().restore(sess, path)
+                assert sess.run(opt.window_count) == 3
+                sess.run(train_op, {model.x: feeds[7][0], model.y: feeds[7][1]})
+                assert sess.run(opt.window_count) == (4 if new_n == 5 else 0)
+                sess.run(opt.flush_op())
+                resumed, step = sess.run(model.variables), sess.run(global_step)
+        assert step == 2, new_n
+        assert_close(resumed, direct)
 
 
 # ---------------------------------------------------------------- graph contexts (case 5)
@@ -895,7 +893,7 @@ def test_any_graph_context_trains_like_the_direct_batch(context):
 def test_after_update_steps_an_ema_once_per_update_as_the_direct_batch():
     """An EMA of the weights attached with after_update= (N=3, 8 mini-batches, the last 2
     flushed) equals the cifar10 idiom's EMA, ema.apply under control_dependencies([train
-    op]), on the 3 direct batches; that idiom on the wrapper's op steps per mini-batch."""
+    op]), on the 3 direct batches."""
     feeds = minibatches([4] * 8)
 
     def shadows(n, attach):
@@ -922,8 +920,6 @@ def test_after_update_steps_an_ema_once_per_update_as_the_direct_batch():
     attached = shadows(3, "after_update")
     assert attached[-1] == direct[-1] == 3
     assert_close(attached, direct)
-    per_minibatch = shadows(3, "control_dependencies")
-    assert not np.allclose(per_minibatch[0], direct[0], rtol=1e-3)
 
 
 # ---------------------------------------------------------------- bad use (case 7)

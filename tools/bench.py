@@ -46,6 +46,7 @@ from tools import bench_probes  # noqa: E402
 from tools import bench_profile  # noqa: E402
 from tools import bench_report  # noqa: E402
 from tools import bench_targets  # noqa: E402
+from tools import bench_tf1_wrapper  # noqa: E402
 from tools import figures  # noqa: E402
 from tools.bench_probes import HOST_BATCH, HOST_MODEL  # noqa: E402
 
@@ -239,7 +240,11 @@ def main_bench(argv):
              + bool(settings["host_ns"]))
     with progress.Bar(steps, "bench", unit="measurement") as bar, bar.printing_through():
         keras_setup, speed, kernels, mem, host = measure(datasets, settings, bar.update, lap)
+    wrapper = bench_tf1_wrapper.measure(  # AveragingOptimizer against the plain optimizer
+        bench_tf1_wrapper.QUICK if FLAGS.quick else bench_tf1_wrapper.FULL)
+    lap("AveragingOptimizer")
     targets = bench_targets.evaluate_targets(speed, mem, host, kernels)
+    targets += bench_tf1_wrapper.targets(wrapper)
     bench_report.print_targets(targets)
     figure = os.path.splitext(output)[0] + ".png"
     try:
@@ -252,6 +257,7 @@ def main_bench(argv):
         cli.fail(f"{figure}: cannot write the figure ({e.strerror or e})")
     text = bench_report.render(command, settings, speed, keras_setup, mem, host, targets,
                                time.perf_counter() - start, kernels, figure=drawn)
+    text += "\n" + bench_tf1_wrapper.markdown(wrapper, command)
     results.atomic_write_text(output, text)
     print(f"\nWrote {output}" + (f" and {figure}" if drawn else "")
           + f" in {(time.perf_counter() - start) / 60:.1f} minutes.")
