@@ -16,7 +16,7 @@ import checkpoint
 import data
 import model as tf1_model
 from interfaces import Outcome
-from tf2_accumulator import GradientAccumulator
+from tf2_accumulator import WindowAccumulator
 
 
 class ConfigError(ValueError):
@@ -197,10 +197,10 @@ def identity(config):
 
 
 class Engine:
-    """One tf2 run (an interfaces.Engine): the Keras model, Adam and a
-    GradientAccumulator, under the tf.distribute strategy.
+    """One tf2 run (an interfaces.Engine): the Keras model, Adam and a WindowAccumulator,
+    under the tf.distribute strategy.
 
-    A window trains in one compiled call (GradientAccumulator.apply_stacked): `step`
+    A window trains in one compiled call (WindowAccumulator.apply_stacked): `step`
     copies each mini-batch into a window buffer, and the N-th runs the window. The open
     window is therefore the buffered inputs, which a checkpoint saves as arrays.
     """
@@ -213,8 +213,8 @@ class Engine:
             self.optimizer = keras.optimizers.Adam(learning_rate(
                 config.learning_rate, config.lr_schedule, config.lr_decay_steps,
                 config.lr_decay_rate))
-        self.accumulator = GradientAccumulator(self.net, self.optimizer, sparse_cross_entropy,
-                                               self.strategy)
+        self.accumulator = WindowAccumulator(self.net, self.optimizer, sparse_cross_entropy,
+                                             self.strategy)
         n, b = config.average_gradients, config.batch_size
         self._images = np.zeros((n, b) + data.IMAGE_SHAPE, data.IMAGE_DTYPE)
         self._labels = np.zeros((n, b), data.LABEL_DTYPE)
