@@ -169,16 +169,17 @@ class _Window:
                 + [self.count, self.weight_sum, self.skipped_windows])
 
     @contextlib.contextmanager
-    def locked(self, after, lock=True):
+    def locked(self, after, enabled=True):
         """Ops built in the block run holding the window's lock, taken once the tensors
         in `after` are computed (a mini-batch's gradients: never under the lock).
 
         The lock is released when its tensor dies, right after the block's ops ran (or
         the run failed). Yields a _Held: append to its `ops` the ops the release waits
-        for; after the block, its `released` op is the end of the locked work.
+        for; after the block, its `released` op is the end of the locked work. With
+        `enabled` false there is no lock (tools/bench_tf1_wrapper.py times its cost).
         """
         held = _Held()
-        if not lock:
+        if not enabled:
             yield held
             held.released = tf.group(*held.ops)
             return
@@ -193,6 +194,8 @@ class _Window:
 
 
 class _Held:
+    """What `_Window.locked` yields: the locked ops, then the op that ends them."""
+
     def __init__(self):
         self.ops, self.released = [], None
 
