@@ -1,4 +1,4 @@
-"""Gradient accumulation in TF2: your own Keras model and dataset, tf.distribute.
+"""Gradient accumulation in TF2: your own Keras model and dataset, tf.distribute, Keras fit.
 
 The same update as the TF1 mechanism in `trainer.py`, written the TF2 way:
 
@@ -7,6 +7,10 @@ The same update as the TF1 mechanism in `trainer.py`, written the TF2 way:
         optimizer = keras.optimizers.Adam(1e-3)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=8)
+
+or, keeping Keras's `compile`/`fit`, `accumulate(model, average_gradients=8)`: an
+AccumulatingModel whose `train_step` runs WindowAccumulator's loop (`_sum_window`) over a
+window of Keras's batches, with Keras's compiled loss and metrics (below).
 
 Two classes train a window of N micro-batches, to the same weights (bit for bit, as
 measured here):
@@ -40,10 +44,16 @@ the mean.
 
 import collections
 import logging
+import math
 
 import keras
 import numpy as np
 import tensorflow as tf
+# Keras's own data handling, for `accumulate`'s fit (pinned: Keras 3.15).
+from keras.src.losses import loss as loss_module
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters import array_slicing
+from keras.src.trainers.data_adapters import data_adapter as data_adapter_module
 
 import averaging_optimizer
 
@@ -145,7 +155,7 @@ def _sum_window(micro_gradients, variables, state, data, sizes):
     At most WINDOW_PARALLEL_ITERATIONS micro-batches are in flight. The body touches no
     variable (a StatelessWhile, so no iteration waits on another's variable reads): the
     model runs on the weights' values, and the gradient sums and the model's other state
-    (dropout's seed generators) are loop values, so
+    (dropout's seed generators; Keras's metrics under `accumulate`) are loop values, so
     the seeds advance in micro-batch order, as a call per micro-batch draws them.
 
     Args:
@@ -623,6 +633,258 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strat
     trainer = WindowAccumulator if one_call else GradientAccumulator
     return trainer(model, optimizer, loss_fn, strategy).fit(dataset, average_gradients,
                                                             callback=callback)
+
+
+# ---------------------------------------------------------------- Keras compile / fit
+
+
+def accumulate(model, average_gradients, check_finite=True):
+    """`model` for Keras's `compile`/`fit`, training with exact gradient averaging.
+
+        with strategy.scope():                        # optional: tf.distribute
+            model = tf2_accumulator.accumulate(make_model(), average_gradients=8)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        model.fit(x, y, batch_size=32, epochs=3, callbacks=[...])   # 8 x 32 per update
+
+    Each update applies the gradient of the mean loss over the window's samples, as one
+    batch of N*B would, for any optimizer: a short last batch and the partial window at
+    an epoch's end weigh by their samples. See AccumulatingModel.
+
+    Args:
+      model: a Keras model (made under the strategy's scope if one is used).
+      average_gradients: N, micro-batches (fit's batch_size) per update.
+      check_finite: discard (not apply) a window holding a NaN or Inf loss or gradient.
+
+    Returns:
+      An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
+    """
+    return AccumulatingModel(model, average_gradients, check_finite=check_finite)
+
+
+@keras.saving.register_keras_serializable(package="tf2_accumulator")
+class AccumulatingModel(keras.Model):
+    """A Keras model whose `fit` applies one update per window of N micro-batches.
+
+    Written as Keras's "customizing what happens in fit()" guide says: `train_step` is
+    overridden, and `fit` only regroups the batches Keras makes of its inputs (numpy, a
+    tf.data.Dataset...; shuffled as Keras shuffles them) into windows of N, so that one
+    `train_step`, one compiled call, trains a whole window: the one-call window's loop
+    (`_sum_window`, as WindowAccumulator's) sums the micro-batches' gradients, the
+    sample-weighted mean is applied, and Keras's loss tracker and compiled metrics are
+    updated per micro-batch inside the loop, as Keras's own train_step updates them.
+    Windows never cross an epoch's end: the last, partial one is applied before
+    `on_epoch_end`. Everything else is Keras's own: callbacks see one batch per update
+    (the progress bar counts updates), `evaluate`, `predict` and validation run the
+    wrapped model, `save`/`load_model` round-trip (with this module imported).
+
+    Attributes:
+      model: the wrapped Keras model.
+      average_gradients: N.
+      skipped_windows: windows discarded for a non-finite loss or gradient so far.
+    """
+
+    def __init__(self, model, average_gradients, check_finite=True, **kwargs):
+        super().__init__(**kwargs)
+        self.model = model
+        self.average_gradients = averaging_optimizer.check_average_gradients(average_gradients)
+        self.check_finite = check_finite
+        # Counted once per window (the first replica's count), never saved.
+        self._skipped = _local_variable(tf.constant(0, tf.int64),
+                                        tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                                        "skipped_windows")
+        self._no_gradient = None  # which variables the loss does not reach (set when traced)
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    @property
+    def skipped_windows(self):
+        return int(self._skipped.read_value())
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(model=keras.saving.serialize_keras_object(self.model),
+                      average_gradients=self.average_gradients,
+                      check_finite=self.check_finite)
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        model = keras.saving.deserialize_keras_object(config.pop("model"),
+                                                      custom_objects=custom_objects)
+        return cls(model, **config)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, initial_epoch=0, steps_per_epoch=None,
+            validation_steps=None, validation_batch_size=None, validation_freq=1):
+        """Keras's `fit`, one update per N batches of `batch_size` (the micro-batches).
+
+        The arguments are Keras's; `steps_per_epoch` counts micro-batches and must be
+        a multiple of N. The returned History has one entry per epoch as usual; callbacks
+        receive one batch per update.
+        """
+        if validation_split and validation_data is None:
+            (x, y, sample_weight), validation_data = array_slicing.train_validation_split(
+                (x, y, sample_weight), validation_split=validation_split)
+        if steps_per_epoch is not None:
+            if steps_per_epoch % self.average_gradients:
+                raise ValueError(f"steps_per_epoch={steps_per_epoch} counts micro-batches: "
+                                 f"it must be a multiple of average_gradients="
+                                 f"{self.average_gradients}")
+            steps_per_epoch //= self.average_gradients
+        windows = self._windows(x, y, sample_weight, batch_size, shuffle, class_weight)
+        # Keras would build the metrics from the first element: a window. A micro-batch's.
+        self._symbolic_build(data_batch=windows.micro_batches.get_tf_dataset().element_spec)
+        return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                           validation_data=validation_data, initial_epoch=initial_epoch,
+                           steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                           validation_batch_size=validation_batch_size or batch_size,
+                           validation_freq=validation_freq)
+
+    def _windows(self, x, y, sample_weight, batch_size, shuffle, class_weight):
+        """The _WindowAdapter of fit's inputs; the last one again for the same tf.data
+        dataset (a new pipeline's first iterator costs ~0.3 s here, a pass over it
+        again ~10 ms: fit called again and again on one dataset must not pay it each
+        time)."""
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if data_adapters.is_tf_dataset(x):
+            cached = getattr(self, "_last_windows", None)
+            if cached is not None and cached[0] is x and cached[1] == class_weight:
+                return cached[2]
+        micro_batches = data_adapters.get_data_adapter(
+            x, y, sample_weight,
+            batch_size=batch_size or (None if data_adapters.is_tf_dataset(x) else 32),
+            shuffle=shuffle and not data_adapters.is_tf_dataset(x), class_weight=class_weight)
+        windows = _WindowAdapter(micro_batches, self.average_gradients, replicas)
+        if data_adapters.is_tf_dataset(x):
+            self._last_windows = (x, class_weight, windows)
+        return windows
+
+    def train_step(self, data):
+        """Trains one window (Keras calls it in each replica's context).
+
+        Args:
+          data: (batch, sizes) as _WindowAdapter makes it: Keras's micro-batch tuple
+            (x, y[, sample_weight]) stacked and padded, [N, B, ...], and int [N] sizes;
+            under K > 1 replicas each replica's copy of the window on a leading axis.
+        """
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            data = tf.nest.map_structure(lambda t: t[0], data)  # every replica: all of it
+        batch, sizes = data
+        trainable = self.trainable_variables
+        non_trainable = self.non_trainable_variables
+        metrics = self.metrics_variables
+        count = tf.cast(tf.reduce_sum(sizes), tf.float32)
+
+        def micro_gradients(weights, state, micro_batch):
+            (x, y, sample_weight), n_global, n_local = _replica_slice(
+                keras.utils.unpack_x_y_sample_weight(micro_batch))
+            non_trainable_values, metrics_values = state
+            with tf.GradientTape() as tape:
+                tape.watch(weights)
+                # As Keras's JAX trainer: the model, then the loss, on values.
+                y_pred, non_trainable_values = self.stateless_call(
+                    weights, non_trainable_values, x, training=True)
+                loss, (_, non_trainable_values, metrics_values) = self.stateless_compute_loss(
+                    weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
+                    sample_weight=sample_weight, training=True)
+                loss = loss_module.unscale_loss_for_distribution(loss)
+                n = tf.cast(n_local, tf.float32)
+                # The micro-batch's part of the window's mean loss, scaled (mixed
+                # precision) as Keras scales a batch's: the float16 gradients are those
+                # of the direct batch, and their sum is the mean's gradient.
+                scaled = self.optimizer.scale_loss(loss * (n / count))
+            grads, self._no_gradient = _gradient_tensors(tape.gradient(scaled, weights))
+            loss_sum = tf.cast(loss, tf.float32) * n
+            with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_values))) as scope:
+                self._loss_tracker.update_state(loss, sample_weight=n_local)
+                self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            # A non-finite micro-batch (its window is discarded) is left out of the logs.
+            finite = tf.math.is_finite(loss_sum)
+            metrics_values = [tf.where(finite, scope.get_current_value(v), old)
+                              for v, old in zip(metrics, state[1])]
+            state = (non_trainable_values, metrics_values)
+            return loss_sum, n_global, grads, state
+
+        sums, state, nonfinite, _, _ = _sum_window(
+            micro_gradients, trainable,
+            ([tf.convert_to_tensor(v) for v in non_trainable],
+             [tf.convert_to_tensor(v) for v in metrics]), batch, sizes)
+        for variable, value in zip(non_trainable + metrics, state[0] + state[1]):
+            variable.assign(value)
+        # This replica's share of the mean (its micro-batch parts summed).
+        shares = [total for total, none in zip(sums, self._no_gradient) if not none]
+        applied = tf.distribute.get_replica_context().merge_call(
+            self._apply_window, args=(shares, nonfinite + _not_finite(shares)))
+        self._skipped.assign_add(1 - tf.cast(applied, tf.int64))
+        return self.get_metrics_result()
+
+    def _apply_window(self, strategy, shares, nonfinite):
+        """Cross-replica: applies the window unless non-finite (see check_finite).
+
+        A LossScaleOptimizer is given every window: it skips a non-finite one itself,
+        and lowers its scale, which a window discarded before it would never do.
+        """
+        variables = self.trainable_variables
+        scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        applied = _apply_unless_nonfinite(strategy, self.optimizer, variables, shares,
+                                          self._no_gradient, nonfinite,
+                                          self.check_finite and not scaled)
+        if scaled:
+            votes = strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+            applied = votes == 0
+        return applied
+
+
+class _WindowAdapter(data_adapter_module.DataAdapter):
+    """Keras's data adapter of the micro-batches, regrouped into stacked windows of N.
+
+    Each epoch's windows are its micro-batches in Keras's order, N at a time, the last
+    one partial; a window is (batch, sizes) as `_stacked_windows` makes it. Under K > 1
+    replicas a window is repeated on a new leading axis K times, so that Keras's
+    distribution of the dataset gives every replica the whole window (each takes its
+    slice of each micro-batch, as the other paths do).
+    """
+
+    def __init__(self, micro_batches, average_gradients, replicas):
+        self.micro_batches = micro_batches
+        self.n = average_gradients
+        self.replicas = replicas
+        self._windows = None
+
+    def get_tf_dataset(self):
+        if self._windows is None:  # built once: Keras asks at every fit
+            windows = _stacked_windows(self.micro_batches.get_tf_dataset(), self.n)
+            if self.replicas > 1:
+                windows = windows.map(lambda *window: tf.nest.map_structure(
+                    lambda t: tf.repeat(t[tf.newaxis], self.replicas, axis=0), window))
+            self._windows = windows.prefetch(tf.data.AUTOTUNE)
+        return self._windows
+
+    @property
+    def num_batches(self):
+        micro = self.micro_batches.num_batches
+        return None if micro is None else math.ceil(micro / self.n)
+
+    @property
+    def batch_size(self):
+        return self.replicas if self.replicas > 1 else None
+
+    @property
+    def has_partial_batch(self):
+        return False
+
+    @property
+    def partial_batch_size(self):
+        return None
+
+    def on_epoch_begin(self):
+        self.micro_batches.on_epoch_begin()
+
+    def on_epoch_end(self):
+        self.micro_batches.on_epoch_end()
 
 
 def count_all_reduces(concrete_function):

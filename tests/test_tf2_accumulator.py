@@ -19,6 +19,7 @@ import checkpoint
 import data
 import engine_tf2
 import loop
+import test_keras_fit
 import tf2_accumulator
 from conftest import ROOT, run_cli
 from interfaces import Outcome
@@ -257,6 +258,7 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 import data, tf2_accumulator
 from test_tf2_accumulator import cross_entropy, small_conv_net, windows
+import test_keras_fit
 
 def accumulator(trainer):
     with strategy.scope():
@@ -287,14 +289,16 @@ print(json.dumps({
     "variables": len(per_micro.variables),
     "discarded": not one_call.apply_window(poisoned),
     "unchanged": all(np.array_equal(a, b) for a, b in zip(before, one_call.model.get_weights())),
-    "updates": int(one_call.optimizer.iterations.numpy())}))
+    "updates": int(one_call.optimizer.iterations.numpy()),
+    **test_keras_fit.mirrored_fit(strategy)}))
 """
 
 
 def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     """Logical devices must be set before TensorFlow starts: a fresh process. Both paths,
     one call per window and a call per micro-batch: the same bits, one all-reduce per
-    update, and a NaN on one replica discards the window for all."""
+    update, and a NaN on one replica discards the window for all; and Keras fit through
+    `accumulate` ends with the one-device weights (test_keras_fit.mirrored_fit)."""
     path = tmp_path / "mirrored_window.py"
     path.write_text(MIRRORED_SCRIPT % (ROOT, str(ROOT) + "/tests"))
     proc = run_cli(script=str(path), timeout=180, env=CPU_ONLY)
@@ -308,3 +312,5 @@ def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     assert 1 <= result["apply"] <= result["replicas"] * result["variables"] + 1
     assert result["window"] == result["apply"]
     assert result["discarded"] and result["unchanged"] and result["updates"] == 3
+    # In the same process (one TensorFlow start less): Keras fit through accumulate.
+    test_keras_fit.check_mirrored_fit(result)
