@@ -42,6 +42,7 @@ import progress  # noqa: E402
 import results  # noqa: E402
 import strategies  # noqa: E402
 from tools import bench_contenders  # noqa: E402
+from tools import bench_keras_fit  # noqa: E402
 from tools import bench_probes  # noqa: E402
 from tools import bench_profile  # noqa: E402
 from tools import bench_report  # noqa: E402
@@ -98,7 +99,10 @@ def speed_section(datasets, settings, measured=lambda: None):
         contenders += [bench_contenders.KerasContender(label, n, b, datasets, **modes[mode])
                        for label, mode in bench_contenders.KERAS_CONTENDERS.items()]
         contenders.append(bench_contenders.TF2Contender("tf2", n, b, datasets))
-        times = bench_contenders.interleaved(contenders, settings["updates"], settings["repeats"])
+        keras_fit = bench_keras_fit.KerasFitContender(n, b, datasets)  # timed, kept apart
+        times = bench_contenders.interleaved(contenders + [keras_fit], settings["updates"],
+                                             settings["repeats"])
+        keras_fit_row = bench_keras_fit.split_times(times)
         profiles = {c.label: bench_profile.profile(c, settings["updates"]) for c in contenders}
         for c in contenders:
             c.close()
@@ -107,7 +111,7 @@ def speed_section(datasets, settings, measured=lambda: None):
                "median_ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
                "vs_direct": {k: bench_contenders.paired_ratio(times, k, "direct") for k in times},
                "vs_stack": {k: bench_contenders.paired_ratio(times, k, "stack") for k in times},
-               "keras_vs_fused": keras_ratio}
+               "keras_vs_fused": keras_ratio, bench_keras_fit.LABEL: keras_fit_row}
         print("  " + ", ".join(f"{k}: {row['median_ms'][k]:.1f} ms "
                                f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in times),
               flush=True)
@@ -243,7 +247,8 @@ def main_bench(argv):
     wrapper = bench_tf1_wrapper.measure(  # AveragingOptimizer against the plain optimizer
         bench_tf1_wrapper.QUICK if FLAGS.quick else bench_tf1_wrapper.FULL)
     lap("AveragingOptimizer")
-    targets = bench_targets.evaluate_targets(speed, mem, host, kernels)
+    targets = (bench_targets.evaluate_targets(speed, mem, host, kernels)
+               + bench_keras_fit.targets(speed))
     targets += bench_tf1_wrapper.targets(wrapper)
     bench_report.print_targets(targets)
     figure = os.path.splitext(output)[0] + ".png"

@@ -4,6 +4,7 @@ import datetime
 
 import strategies
 from tools import bench_contenders
+from tools import bench_keras_fit
 from tools import bench_targets
 from tools import common
 from tools import figures
@@ -76,6 +77,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
                   "(892 vs 159 ms per window) and 5-10x slower at N=5/B=20 (399-485 vs "
                   "47-79 ms): 40 windows timed after 5 warm-up windows, on this project's "
                   "2-core machine while other jobs ran."]
+        lines += bench_keras_fit.report(speed)
     if keras_setup:
         lines += ["", f"### Keras used plainly (N={keras_setup['n']} x B={keras_setup['b']})",
                   "", "A call per micro-batch against one compiled call per update.", "",
