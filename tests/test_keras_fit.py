@@ -146,9 +146,13 @@ def test_callbacks_validation_and_a_keras_round_trip(tmp_path):
                                                    save_best_only=True),
                    keras.callbacks.ReduceLROnPlateau(monitor="loss", min_delta=10, patience=0,
                                                      factor=0.5),
-                   keras.callbacks.EarlyStopping(monitor="loss", min_delta=10, patience=2)])
+                   keras.callbacks.EarlyStopping(monitor="loss", min_delta=10, patience=2),
+                   keras.callbacks.TensorBoard(str(tmp_path / "tb"))])
     assert seen[:5] == [1, 2, 3, 4, 5]  # a batch callback per update
     assert len(history.history["val_loss"]) == 3  # stopped by EarlyStopping
+    # TensorBoard logged each epoch's loss, as History has it.
+    assert tensorboard_scalars(tmp_path / "tb" / "train", "epoch_loss") == pytest.approx(
+        history.history["loss"])
     # Reduced at the end of epochs 2 and 3 (the first set the best loss); logged before.
     assert history.history["learning_rate"] == pytest.approx([0.05, 0.05, 0.025])
     assert float(model.optimizer.learning_rate) == pytest.approx(0.0125)
@@ -160,6 +164,16 @@ def test_callbacks_validation_and_a_keras_round_trip(tmp_path):
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
     evaluated = [m.evaluate(x, y, verbose=0, return_dict=True)["loss"] for m in (model, loaded)]
     assert evaluated[0] == pytest.approx(evaluated[1])
+
+
+def tensorboard_scalars(logdir, tag):
+    """The values of `tag` in the event files under `logdir`, in step order."""
+    values = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            values += [(event.step, float(tf.make_ndarray(v.tensor)))
+                       for v in event.summary.value if v.tag == tag]
+    return [value for _, value in sorted(values)]
 
 
 class Interrupt(keras.callbacks.Callback):
