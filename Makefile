@@ -63,7 +63,7 @@ distributed-demo: install
 	  --batch-size=20 --iterations=500 --reps=1 --verbose $(ARGS)
 
 # Speed and memory of every accumulation strategy against the direct batch and Keras's
-# built-in accumulation; writes BENCHMARKS.md (7 to 10 minutes; run it on a quiet machine).
+# built-in accumulation; writes BENCHMARKS.md (about 17 minutes; run it on a quiet machine).
 .PHONY: bench
 bench: install
 	$(PY) -m tools.bench $(ARGS)

@@ -1,6 +1,6 @@
 """Benchmarks the accumulation strategies and writes BENCHMARKS.md.
 
-    python -m tools.bench            # the full benchmark, 7 to 10 minutes on 2 cores
+    python -m tools.bench            # the full benchmark, about 17 minutes on 2 cores
     python -m tools.bench --quick    # a smoke test: every section scaled down, no host sweep
 
 Accumulation exists to save memory, so it must not cost speed; this measures both, in
