@@ -1001,20 +1001,21 @@ def test_pip_installs_only_the_library_modules(tmp_path):
 
 
 def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
-    """The snippets that stand for examples/tf1_*.py (README's MonitoredTrainingSession
-    block; docs' "excerpt" blocks, fenced `py`) are those files' lines, in order."""
+    """The snippets that stand for an example (README's MonitoredTrainingSession and Keras
+    fit blocks; docs' "excerpt" blocks, fenced `py`) are that file's lines, in order."""
     def blocks(path, fence, keep=lambda block: True):
-        """(block, the last examples/tf1_*.py linked before it) for each kept block."""
+        """(block, the last examples/*.py linked before it) for each kept block."""
         with open(os.path.join(ROOT, path)) as f:
             text = f.read()
-        return [(m.group(1), re.findall(r"\((?:\.\./)?(examples/tf1_\w+\.py)\)",
+        return [(m.group(1), re.findall(r"\((?:\.\./)?(examples/\w+\.py)\)",
                                         text[:m.start()])[-1])
                 for m in re.finditer(rf"```{fence}\n(.*?)```", text, flags=re.S)
                 if keep(m.group(1))]
 
-    excerpts = blocks("README.md", "python", lambda b: "MonitoredTrainingSession(" in b) \
-        + blocks("docs/tf1-code.md", "py")
-    assert len(excerpts) >= 3
+    excerpts = blocks("README.md", "python", lambda b: "MonitoredTrainingSession(" in b
+                      or "tf2_accumulator.accumulate(" in b) + blocks("docs/tf1-code.md", "py")
+    assert len(excerpts) >= 4
+    assert "examples/keras_fit.py" in [example for _, example in excerpts]
     for block, example in excerpts:
         code = lambda line: line.split("  # ")[0].strip()  # noqa: E731  (comments aside)
         with open(os.path.join(ROOT, example)) as f:

@@ -109,3 +109,15 @@ def test_bad_input_doc_shows_the_parsers_real_lines(capsys):
             cli.parse_flags(["main.py", *args])
         assert exit_info.value.code == 2, args
         assert capsys.readouterr().err.strip() == message, args
+
+
+def test_tf2_engine_docs_fit_accumulated_block_runs_and_prints_what_it_says(
+        tmp_path, monkeypatch, capsys):
+    """docs/tf2-engine.md's own-model block, run as shown: its closing comment is its output."""
+    (block,) = [b for b in python_blocks(os.path.join(ROOT, "docs", "tf2-engine.md"))
+                if "fit_accumulated(" in b]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(ROOT)
+    exec(compile(block, "docs/tf2-engine.md", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed == block.rstrip().splitlines()[-1].split("# ", 1)[1]
