@@ -10,20 +10,21 @@ on a 50000 x 64 embedding table (sparse gradients, Momentum). Also timed: the wr
 without its lock (the cost of making runs from several threads atomic) and at N=1.
 
 Each contender is its own graph and session, fed from a few fixed random batches (the
-speed of these ops does not depend on the values). The contenders take turns, in
-rounds that rotate who goes first, so drift of a shared machine hits them alike; the
-ratios are paired per round (median and quartiles over the rounds).
+speed of these ops does not depend on the values). The contenders take turns as the
+speed section's do (bench_contenders.interleaved: rounds that rotate who goes first, so
+drift of a shared machine hits them alike), and the ratios are paired per round
+(bench_contenders.paired_ratio: median and quartiles over the rounds).
 """
 
 import statistics
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
 
 import model
 from averaging_optimizer import AveragingOptimizer
+from tools.bench_contenders import interleaved, paired_ratio
 
 v1 = tf.compat.v1
 
@@ -64,7 +65,8 @@ CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", F
 
 
 class Contender:
-    """One train op in its own graph and session, run once per mini-batch."""
+    """One train op in its own graph and session, run once per mini-batch; `train(runs)`
+    as bench_contenders' contenders, a run being one mini-batch."""
 
     def __init__(self, label, build, n, locked):
         self.label = label
@@ -82,7 +84,7 @@ class Contender:
         self.sess.run(init)
         self.k = 0
 
-    def run(self, runs):
+    def train(self, runs):
         for _ in range(runs):
             self.sess.run(self.train_op, self.feeds[self.k % len(self.feeds)])
             self.k += 1
@@ -91,35 +93,21 @@ class Contender:
         self.sess.close()
 
 
-def paired(times, label, base="plain"):
-    ratios = sorted(a / b for a, b in zip(times[label], times[base]))
-    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 \
-        else [ratios[0]] * 3
-    return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
-
-
 def measure(settings, log=print):
     """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain": {label: paired}}}."""
     out = {}
     for name, (build, n) in MODELS.items():
         contenders = [Contender(label, build, n if size == "N" else size, locked)
                       for label, (size, locked) in CONTENDERS.items()]
-        runs = settings["windows"] * n
-        for c in contenders:
-            c.run(2 * n)  # warm-up: graph optimisation, allocator
-        times = {c.label: [] for c in contenders}
-        for r in range(settings["rounds"]):
-            shift = r % len(contenders)
-            for c in contenders[shift:] + contenders[:shift]:
-                start = time.perf_counter()
-                c.run(runs)
-                times[c.label].append((time.perf_counter() - start) / runs)
+        # Seconds per run; a block of `windows` whole windows, after one untimed block.
+        times = interleaved(contenders, settings["windows"] * n, settings["rounds"])
         for c in contenders:
             c.close()
         out[name] = {"n": n, "b": DENSE_B if name == "dense" else SPARSE_B,
                      "ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
-                     "vs_plain": {k: paired(times, k) for k in times if k != "plain"},
-                     "lock": paired(times, "wrapped", "unlocked")}
+                     "vs_plain": {k: paired_ratio(times, k, "plain") for k in times
+                                  if k != "plain"},
+                     "lock": paired_ratio(times, "wrapped", "unlocked")}
         log(f"AveragingOptimizer, {name} at N={n} x B={out[name]['b']}: " + ", ".join(
             f"{k}: {ms:.3f} ms" for k, ms in out[name]["ms"].items()) + "; vs plain " + ", ".join(
             f"{k} {r['ratio']:.3f}x" for k, r in out[name]["vs_plain"].items()))
