@@ -282,18 +282,18 @@ class _Trainer:
 
 
 class _FitCounts:
-    """A fit's counts and its log lines, the same for both paths."""
+    """A fit's micro-batches and log lines, the same for both paths; its updates and
+    discarded windows are the trainer's counts (_Trainer._counted) since the fit began."""
 
-    def __init__(self, average_gradients):
+    def __init__(self, trainer, average_gradients):
+        self.trainer = trainer
         self.n = averaging_optimizer.check_average_gradients(average_gradients)
-        self.micro_batches = self.updates = self.skipped = self.partial = 0
+        self.micro_batches = self.partial = 0
+        self._before = (trainer.updates, trainer.skipped_windows)
 
     def window(self, applied, size):
-        """Counts a window of `size` micro-batches that ended at self.micro_batches."""
-        if applied:
-            self.updates += 1
-        else:
-            self.skipped += 1
+        """Logs a discarded window of `size` micro-batches, ended at self.micro_batches."""
+        if not applied:
             logging.warning("non-finite loss or gradient in micro-batches %d-%d: the "
                             "window was discarded, not applied",
                             self.micro_batches - size + 1, self.micro_batches)
@@ -304,7 +304,9 @@ class _FitCounts:
             logging.warning("%d micro-batches is not a multiple of average_gradients=%d: "
                             "the last %d were applied as one update of their mean",
                             self.micro_batches, self.n, self.partial)
-        return FitSummary(self.micro_batches, self.updates, self.partial, self.skipped)
+        updates, skipped = self._before
+        return FitSummary(self.micro_batches, self.trainer.updates - updates, self.partial,
+                          self.trainer.skipped_windows - skipped)
 
 
 # ---------------------------------------------------------------- one call per window
@@ -443,7 +445,7 @@ class WindowAccumulator(_Trainer):
           partial_window is the number of micro-batches in the trailing partial window
           (0 if none).
         """
-        counts = _FitCounts(average_gradients)
+        counts = _FitCounts(self, average_gradients)
         applied = False
         for xs, ys, sizes in _windows(dataset, counts.n):
             size = len(sizes)
@@ -603,7 +605,7 @@ class GradientAccumulator(_Trainer):
         As WindowAccumulator.fit; callback(micro_batch) runs after each micro-batch,
         after the update it completed, if any.
         """
-        counts = _FitCounts(average_gradients)
+        counts = _FitCounts(self, average_gradients)
         for x, y in dataset:
             self.accumulate(x, y)
             counts.micro_batches += 1

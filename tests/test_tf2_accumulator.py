@@ -144,6 +144,24 @@ def test_fit_in_one_call_per_window_equals_fit_per_micro_batch(mnist, source):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("trainer", [tf2_accumulator.WindowAccumulator,
+                                     tf2_accumulator.GradientAccumulator])
+def test_each_fits_summary_counts_its_own_updates_and_discarded_windows(mnist, trainer):
+    """Two fits on one trainer: each FitSummary counts that fit's windows only, a
+    window holding a NaN as discarded; the trainer's counters hold both fits'."""
+    batches = micro_batches(mnist.train, [5] * 6)  # 3 windows of 2
+    nan = (batches[2][0].copy(), batches[2][1])
+    nan[0][1] = np.nan
+    fitted = trainer(small_conv_net(dropout=0.0), keras.optimizers.Adam(1e-2), cross_entropy)
+    first = fitted.fit(batches[:2] + [nan] + batches[3:], average_gradients=2)
+    assert first == tf2_accumulator.FitSummary(micro_batches=6, updates=2, partial_window=0,
+                                               skipped_windows=1)
+    second = fitted.fit(batches[:5], average_gradients=2, warn_partial=False)
+    assert second == tf2_accumulator.FitSummary(micro_batches=5, updates=3, partial_window=1,
+                                                skipped_windows=0)
+    assert (fitted.updates, fitted.skipped_windows) == (5, 1)
+
+
 def test_a_nonfinite_window_is_discarded_whole_in_one_call(mnist):
     good, bad, after = windows(mnist.train, ((5, 5), (5, 5), (5, 5)))
     bad[1] = (bad[1][0].copy(), bad[1][1])  # windows() returns views of MNIST
