@@ -69,4 +69,5 @@ bench: install
 	$(PY) -m tools.bench $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache __pycache__ tests/__pycache__ tools/__pycache__
+	rm -rf $(VENV) .pytest_cache build *.egg-info
+	find . -name __pycache__ -not -path "./.venv/*" -prune -exec rm -rf {} +

@@ -1,4 +1,4 @@
-"""The command line's flags: settings.py's definitions as absl flags, and their values.
+"""The command line's flags: experiment/config.py's settings as absl flags, and their values.
 
 Only this module and main.py read flags; everything else takes the plain values these
 functions return. No TensorFlow here: main.py parses and checks every flag before it
@@ -7,12 +7,12 @@ imports TensorFlow, so `--help` and a bad flag are answered at once.
 
 from absl import flags
 
-import cli
-import settings
+from experiment import cli
+from experiment import config
 
 FLAGS = flags.FLAGS
 
-cli.define_all(settings.DEFINITIONS)
+cli.define_all(list(config.SETTINGS.values()) + list(config.RULES))
 
 
 def value(name):
@@ -22,18 +22,14 @@ def value(name):
 
 def all_values():
     """Every setting's value by its public name, sorted: the results file's record."""
-    return {name: value(name) for name in sorted(settings.SETTINGS)}
+    return {name: value(name) for name in sorted(config.SETTINGS)}
 
 
 def train_config():
-    """The settings.Config (the shape of one run) the flags describe."""
-    return settings.from_values(settings.Config, all_values())
+    """The config.Config (the shape of one run) the flags describe."""
+    return config.from_values(config.Config, all_values())
 
 
 def runs():
-    """The settings.Runs (reps, seed, output, checkpoints) the flags describe."""
-    return settings.from_values(settings.Runs, all_values())
-
-
-def data_dir():
-    return value("data-dir")
+    """The config.Runs (reps, seed, data, output, checkpoints) the flags describe."""
+    return config.from_values(config.Runs, all_values())

@@ -10,8 +10,8 @@ import sys
 from absl import app
 from absl import logging
 
-import cli  # none of these three imports TensorFlow: the flags are checked first
-import flags
+import flags  # neither imports TensorFlow: the flags are checked first
+from experiment import cli
 
 FLAGS = flags.FLAGS
 
@@ -50,10 +50,10 @@ def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     # The training modules import TensorFlow: only now, with every flag good.
-    import checkpoint
-    import data
-    import loop
-    import results
+    from experiment import checkpoint
+    from experiment import data
+    from experiment import loop
+    from experiment import results
 
     config, runs = flags.train_config(), flags.runs()
     try:
@@ -67,7 +67,7 @@ def main(argv):
             results.check_directory(runs.logdir, "--logdir")
         if runs.checkpoint_dir:
             results.check_directory(runs.checkpoint_dir, "--checkpoint-dir")
-        datasets = data.load_mnist(flags.data_dir())
+        datasets = data.load_mnist(runs.data_dir)
     except (data.DataError, results.ResultsError) as e:
         cli.fail(str(e))
 

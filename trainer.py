@@ -15,23 +15,94 @@ With N == 1 it is plain `optimizer.minimize(loss)`. With N > 1:
 and `step` runs `[loss, grad_op]`, keeps the numpy gradients, and when it holds N of
 them feeds `average_gradients(window)` into the placeholders and runs `apply_op`.
 
-With `check_finite=True`, a window in which any loss or gradient is NaN or Inf is
-discarded whole instead of applied (counted in `skipped_windows`).
+A window in which any loss or gradient is NaN or Inf is skipped whole instead of
+applied (counted in `skipped_windows`; `check_finite=False` turns the check off).
 
-strategies.py holds the other places a window can live (a running sum, variables, one
-session call per update); each is an interfaces.Averager, as GradientAverager is, and
-says what its step did with an interfaces.Outcome. The helpers below the class are
-shared with them.
+Each `step` says what it did to the window with an `Outcome`. The experiment's other
+averagers (experiment/averagers.py: a running sum, variables, one session call per
+update) keep the same interface; the helpers below the class are shared with them.
+This file imports only TensorFlow, numpy and the gradient_averaging library.
 """
+
+import dataclasses
+import enum
 
 import numpy as np
 import tensorflow as tf
 
-from averaging_optimizer import AveragingOptimizer  # noqa: F401  (trainer.AveragingOptimizer)
-from averaging_optimizer import accumulator_dtype, all_finite
-from interfaces import Averager, Outcome
+from gradient_averaging.window import accumulator_dtype, all_finite, check_average_gradients
 
 v1 = tf.compat.v1
+
+
+class Outcome(enum.Enum):
+    """What a `step` or `flush` did to the window of mini-batches."""
+    NONE = "none"  # no window closed: it is still open (or there was none to flush)
+    APPLIED = "applied"  # a window closed and its mean was applied: one update
+    SKIPPED = "skipped"  # a window closed holding a NaN or Inf and was skipped whole
+
+    @classmethod
+    def closed(cls, finite):
+        """The outcome of a window that closed, finite or not."""
+        return cls.APPLIED if finite else cls.SKIPPED
+
+
+@dataclasses.dataclass
+class WindowCounts:
+    """Closed windows, counted from their outcomes: the one place they are counted."""
+    updates: int = 0  # windows applied
+    skipped_windows: int = 0  # windows skipped
+
+    def count(self, outcome):
+        """Counts `outcome` (NONE counts nothing) and returns it."""
+        self.updates += outcome is Outcome.APPLIED
+        self.skipped_windows += outcome is Outcome.SKIPPED
+        return outcome
+
+
+class Averager:
+    """Where a TF1 window lives until its mean is applied, and how: the interface every
+    averager keeps (GradientAverager below is the post's; the experiment's --accumulate
+    picks one). This base checks N and counts the windows a subclass closes (`_closed`).
+    """
+
+    def __init__(self, average_gradients):
+        self.average_gradients = check_average_gradients(average_gradients)
+        self.counts = WindowCounts()  # since this averager was built
+
+    @property
+    def updates(self):
+        """Updates applied so far."""
+        return self.counts.updates
+
+    @property
+    def skipped_windows(self):
+        """Windows skipped for a NaN or Inf so far (check_finite)."""
+        return self.counts.skipped_windows
+
+    def _closed(self, finite):
+        """The Outcome of a window that just closed, counted."""
+        return self.counts.count(Outcome.closed(finite))
+
+    def step(self, sess, feed_dict):
+        """Trains one mini-batch: (the losses that became known, list; Outcome)."""
+        raise NotImplementedError
+
+    def flush(self, sess):
+        """Closes a trailing partial window: (losses, Outcome); NONE where none is open."""
+        raise NotImplementedError
+
+    def window_size(self):
+        """Mini-batches in the open window."""
+        raise NotImplementedError
+
+    def window_state(self):
+        """The open window as named numpy arrays, for a checkpoint."""
+        raise NotImplementedError
+
+    def restore_window(self, sess, state):
+        """Reopens the window `window_state` saved, its graph's variables restored."""
+        raise NotImplementedError
 
 
 def average_gradients(window):
@@ -54,7 +125,7 @@ def average_gradients(window):
 
 
 class GradientAverager(Averager):
-    """The post's strategy (`stack`): N numpy gradient lists, stacked and averaged.
+    """The post's averager (`stack`): N numpy gradient lists, stacked and averaged.
 
     Attributes:
       grad_op: list of gradient tensors (N > 1).
@@ -63,26 +134,26 @@ class GradientAverager(Averager):
       train_op: `optimizer.minimize(loss)` (N == 1).
       finite: bool tensor, whether this mini-batch's loss and gradients are finite.
       updates: optimizer updates applied so far.
-      skipped_windows: windows discarded for a non-finite value (check_finite).
+      skipped_windows: windows skipped for a non-finite value (check_finite).
     """
 
-    def __init__(self, loss, optimizer, num_batches, var_list=None, global_step=None,
-                 check_finite=False):
+    def __init__(self, loss, optimizer, average_gradients, var_list=None, global_step=None,
+                 check_finite=True):
         """Builds the ops in the default graph.
 
         Args:
           loss: scalar loss tensor of one mini-batch.
           optimizer: a tf.compat.v1.train.Optimizer.
-          num_batches: N, the mini-batches averaged into one update.
+          average_gradients: N, the mini-batches averaged into one update.
           var_list: variables to train; default all trainable ones. Variables whose
-            gradient is None are skipped.
+            gradient is None are left out.
           global_step: optional variable incremented once per update.
-          check_finite: discard windows holding a NaN or Inf loss or gradient.
+          check_finite: skip windows holding a NaN or Inf loss or gradient.
         """
-        super().__init__(num_batches)
+        super().__init__(average_gradients)
         self.loss = loss
         self._window, self._bad = [], False
-        if num_batches == 1:
+        if average_gradients == 1:
             self.train_op, self.finite = minimize(loss, optimizer, var_list, global_step,
                                                   check_finite)
             return
@@ -100,21 +171,21 @@ class GradientAverager(Averager):
         """Runs one mini-batch; applies the mean when the window holds N.
 
         Returns:
-          (losses, outcome): this mini-batch's loss in a list, and the interfaces.Outcome
+          (losses, outcome): this mini-batch's loss in a list, and the Outcome
           for the window.
         """
-        if self.num_batches == 1:
+        if self.average_gradients == 1:
             loss, _, finite = sess.run([self.loss, self.train_op, self.finite], feed_dict)
             return [loss], self._closed(finite)
         loss, grads, finite = sess.run([self.loss, self.grad_op, self.finite], feed_dict)
         self._add(grads)
         self._bad = self._bad or not finite
-        if self.window_size() == self.num_batches:
+        if self.window_size() == self.average_gradients:
             return [loss], self._close(sess)
         return [loss], Outcome.NONE
 
     def _close(self, sess):
-        """Applies the window's mean, or discards a window that saw a NaN or Inf."""
+        """Applies the window's mean, or skips a window that saw a NaN or Inf."""
         finite = not self._bad
         if finite:
             sess.run(self.apply_op, feed_dict=dict(zip(self.grad_placeholders, self._mean())))
@@ -129,7 +200,7 @@ class GradientAverager(Averager):
         """
         return [], (self._close(sess) if self.window_size() else Outcome.NONE)
 
-    # The window itself: a subclass keeps it elsewhere (strategies.RunningSumAverager).
+    # The window itself: a subclass keeps it elsewhere (the experiment's `running`).
 
     def _add(self, grads):
         """Adds one mini-batch's numpy gradients to the window."""
@@ -162,7 +233,7 @@ class GradientAverager(Averager):
         self._window = [[g[i] for i in sorted(g)] for _, g in sorted(grads.items())]
 
 
-# ---------------------------------------------------------------- shared by every strategy
+# ---------------------------------------------------------------- shared by every averager
 
 
 def gradients_and_variables(loss, optimizer, var_list):
@@ -180,7 +251,7 @@ def apply_if(finite, apply_fn):
 
 
 def minimize(loss, optimizer, var_list, global_step, check_finite):
-    """N == 1 for every strategy: (train_op, finite), the post's `optimizer.minimize`.
+    """N == 1 for every averager: (train_op, finite), the post's `optimizer.minimize`.
 
     Checked, it is minimize's two halves with the apply guarded.
     """

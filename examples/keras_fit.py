@@ -7,18 +7,16 @@ epoch's partial window weighted by their samples, the schedule stepping once per
 Keras's own `gradient_accumulation_steps` does not get there, and the model saves to
 .keras and loads back. Exits non-zero if any of it does not hold.
 
-    .venv/bin/python examples/keras_fit.py         (README, "Use it with Keras fit")
+    .venv/bin/python -m examples.keras_fit         (README, "Use it with Keras fit")
 """
 
 import os
-import sys
 import tempfile
 
 import keras
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-import tf2_accumulator  # noqa: E402
+from gradient_averaging import accumulate
 
 N, B = 4, 20
 rng = np.random.default_rng(0)
@@ -53,7 +51,7 @@ def max_difference(a, b):
     return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
 
 
-model = tf2_accumulator.accumulate(make_model(), average_gradients=N)   # the one line
+model = accumulate(make_model(), average_gradients=N)   # the one line
 model.compile(optimizer=keras.optimizers.SGD(schedule()), metrics=["accuracy"],
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 history = model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0).history
@@ -72,7 +70,7 @@ print(f"updates: {int(model.optimizer.iterations)} (direct: {int(direct.optimize
 with tempfile.TemporaryDirectory() as directory:
     path = os.path.join(directory, "model.keras")
     model.save(path)
-    loaded = keras.models.load_model(path)  # tf2_accumulator imported: the class is known
+    loaded = keras.models.load_model(path)  # gradient_averaging imported: the class is known
     same_predictions = np.array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 failures = [claim for claim, holds in [

@@ -1,18 +1,16 @@
 """Export and re-import: a Saver meta graph and a SavedModel, saved mid-window, load
 without this library's Python code and continue training to the same weights.
 
-    .venv/bin/python examples/tf1_export.py      (docs/tf1-code.md, "Export")
+    .venv/bin/python -m examples.tf1_export      (docs/tf1-code.md, "Export")
 """
 
 import os
-import sys
 import tempfile
 
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from averaging_optimizer import FLUSH_OPS, AveragingOptimizer  # noqa: E402
+from gradient_averaging import FLUSH_OPS, AveragingOptimizer
 
 v1 = tf.compat.v1
 rng = np.random.RandomState(0)

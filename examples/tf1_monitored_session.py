@@ -1,18 +1,16 @@
 """README's "Use it in your TF1 code": AveragingOptimizer under MonitoredTrainingSession,
 stopped mid-window and resumed from its checkpoint to the uninterrupted run's weights.
 
-    .venv/bin/python examples/tf1_monitored_session.py
+    .venv/bin/python -m examples.tf1_monitored_session
 """
 
 import os
-import sys
 import tempfile
 
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from averaging_optimizer import AveragingOptimizer  # noqa: E402
+from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 rng = np.random.RandomState(0)

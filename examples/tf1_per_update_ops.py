@@ -6,17 +6,14 @@ would step the EMA at every mini-batch run of the wrapper's train op; and
 `compute_gradients` -> `clip_by_global_norm` -> `apply_gradients` would clip each
 mini-batch instead of the mean. Both are checked here against the direct batch.
 
-    .venv/bin/python examples/tf1_per_update_ops.py  (docs/tf1-code.md, "Per-update ops")
+    .venv/bin/python -m examples.tf1_per_update_ops  (docs/tf1-code.md, "Per-update ops")
 """
 
-import os
-import sys
 
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from averaging_optimizer import AveragingOptimizer  # noqa: E402
+from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 N = 3

@@ -2,18 +2,15 @@
 `concurrent_steps` does: each run adds its mini-batch and, every Nth, applies the window
 under a lock, so every update is the mean of exactly N mini-batches.
 
-    .venv/bin/python examples/tf1_threads.py         (docs/tf1-code.md, "Threads")
+    .venv/bin/python -m examples.tf1_threads         (docs/tf1-code.md, "Threads")
 """
 
-import os
-import sys
 import threading
 
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from averaging_optimizer import AveragingOptimizer  # noqa: E402
+from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 N, THREADS, RUNS = 4, 4, 100

@@ -7,18 +7,16 @@ else with `Saver(var_list=...)`; the window starts empty from its initializer. U
 MonitoredTrainingSession the same Saver goes into `Scaffold(init_fn=...)`, which runs
 only when checkpoint_dir has no checkpoint yet.
 
-    .venv/bin/python examples/tf1_warm_start.py      (docs/tf1-code.md, "Warm start")
+    .venv/bin/python -m examples.tf1_warm_start      (docs/tf1-code.md, "Warm start")
 """
 
 import os
-import sys
 import tempfile
 
 import numpy as np
 import tensorflow as tf
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from averaging_optimizer import AveragingOptimizer  # noqa: E402
+from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 N = 4

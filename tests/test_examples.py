@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 # Calls whose effect outlives the example, or absl flags of its own: a process of its own.
 PROCESS_WIDE = ("disable_v2_behavior", "disable_eager_execution", "enable_v2_behavior",
@@ -99,7 +99,7 @@ def documented_flag_errors():
 def test_bad_input_doc_shows_the_parsers_real_lines(capsys):
     """Each flags-only row of docs/bad-input.md, parsed in this process: the line it prints
     is the one the table shows, and it exits 2."""
-    import cli  # noqa: E402  (main.py's parser)
+    from experiment import cli  # main.py's parser
     from absl.testing import flagsaver
 
     cases = documented_flag_errors()
@@ -121,3 +121,30 @@ def test_tf2_engine_docs_fit_accumulated_block_runs_and_prints_what_it_says(
     exec(compile(block, "docs/tf2-engine.md", "exec"), {"__name__": "__main__"})
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed == block.rstrip().splitlines()[-1].split("# ", 1)[1]
+
+
+def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
+    """The snippets that stand for an example (README's MonitoredTrainingSession and Keras
+    fit blocks; docs' "excerpt" blocks, fenced `py`) are that file's lines, in order."""
+    def blocks(path, fence, keep=lambda block: True):
+        """(block, the last examples/*.py linked before it) for each kept block."""
+        with open(os.path.join(ROOT, path)) as f:
+            text = f.read()
+        return [(m.group(1), re.findall(r"\((?:\.\./)?(examples/\w+\.py)\)",
+                                        text[:m.start()])[-1])
+                for m in re.finditer(rf"```{fence}\n(.*?)```", text, flags=re.S)
+                if keep(m.group(1))]
+
+    excerpts = blocks("README.md", "python", lambda b: "MonitoredTrainingSession(" in b
+                      or "accumulate(make_model()" in b) + blocks("docs/tf1-code.md", "py")
+    assert len(excerpts) >= 4
+    assert "examples/keras_fit.py" in [example for _, example in excerpts]
+    for block, example in excerpts:
+        code = lambda line: line.split("  # ")[0].strip()  # noqa: E731  (comments aside)
+        with open(os.path.join(ROOT, example)) as f:
+            lines = [code(line) for line in f]
+        position = 0
+        for line in (code(line) for line in block.splitlines()):
+            if line and line != "...":
+                assert line in lines[position:], (example, line)
+                position = lines.index(line, position) + 1

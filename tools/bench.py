@@ -29,7 +29,7 @@ import shlex
 import statistics
 import time
 
-import cli
+from experiment import cli
 
 cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
 
@@ -37,10 +37,10 @@ import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
-import data  # noqa: E402
-import progress  # noqa: E402
-import results  # noqa: E402
-import strategies  # noqa: E402
+from experiment import data  # noqa: E402
+from experiment import progress  # noqa: E402
+from experiment import results  # noqa: E402
+from experiment import averagers  # noqa: E402
 from tools import bench_contenders  # noqa: E402
 from tools import bench_keras_fit  # noqa: E402
 from tools import bench_probes  # noqa: E402
@@ -57,8 +57,8 @@ CONFIGS = ((1, 100), (5, 20), (10, 10), (20, 5))  # the post's (N, B)
 # Speed: a measurement is a block of UPDATES updates, after one untimed block.
 FULL = dict(configs=CONFIGS, updates=20, repeats=7, keras_setup=True, mem_samples=16384,
             mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64),
-            host_strategies=strategies.STRATEGIES + ("tf2",),
-            mem_strategies=strategies.STRATEGIES, probe_jobs=1)
+            host_strategies=averagers.AVERAGERS + ("tf2",),
+            mem_strategies=averagers.AVERAGERS, probe_jobs=1)
 # Quick: a smoke test of every code path, each fresh process (~8 s of TensorFlow and MNIST
 # start-up on 2 cores) counted; no host-memory sweep (its probe is the memory probes' code
 # on another model).

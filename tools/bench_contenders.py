@@ -12,10 +12,10 @@ import time
 
 import tensorflow as tf
 
-import data
-import engine_tf1
-import loop
-import strategies
+from experiment import data
+from experiment import engine_tf1
+from experiment import loop
+from experiment import averagers
 
 SEED = 0
 ENDLESS = 10 ** 9  # mini-batches a contender may draw: more than any benchmark trains
@@ -50,10 +50,10 @@ class KerasContender:
 
     def __init__(self, label, n, b, datasets, mode="fit", steps_per_execution=1):
         import keras
-        import engine_tf2  # Keras loads only where a Keras contender runs
+        import model  # Keras loads only where a Keras contender runs
         keras.utils.set_random_seed(SEED)
         self.label, self.n, self.b, self.mode = label, n, b, mode
-        self.model = engine_tf2.conv_net(0.5, SEED)  # the tf2 engine's ConvNet
+        self.model = model.keras_model("convnet", 0.5, SEED)  # the tf2 engine's ConvNet
         accumulation_steps = n if n > 1 else None
         self.model.compile(
             optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation_steps),
@@ -82,7 +82,7 @@ class TF2Contender(SessionContender):
     `close` are SessionContender's, only the engine differs."""
 
     def __init__(self, label, n, b, datasets):
-        import engine_tf2  # Keras loads only where a tf2 contender runs
+        from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
         self.label = label
         self.config = loop.Config(engine="tf2", average_gradients=n, batch_size=b)
         self.engine = engine_tf2.Engine(self.config, SEED)
@@ -94,7 +94,7 @@ def tf1_contenders(n, b, datasets):
     """The direct batch N*B (the post's minimize) and every strategy at N x B."""
     contenders = [SessionContender("direct", loop.Config(
         average_gradients=1, batch_size=n * b), datasets)]
-    for strategy in strategies.STRATEGIES:
+    for strategy in averagers.AVERAGERS:
         contenders.append(SessionContender(strategy, loop.Config(
             average_gradients=n, batch_size=b, accumulate=strategy), datasets))
     return contenders

@@ -1,4 +1,4 @@
-"""The Keras-fit contender: `model.fit` through `tf2_accumulator.accumulate` against Keras
+"""The Keras-fit contender: `model.fit` through `gradient_averaging.accumulate` against Keras
 3's own `gradient_accumulation_steps` with `steps_per_execution=N`, the fastest way Keras
 offers (bench_contenders.KerasContender).
 
@@ -24,9 +24,9 @@ class KerasFitContender(bench_contenders.KerasContender):
 
     def __init__(self, n, b, datasets):
         import keras
-        import tf2_accumulator  # Keras loads only where a Keras contender runs
+        from gradient_averaging import keras_fit  # Keras loads only where a Keras contender runs
         super().__init__(LABEL, n, b, datasets, mode="fit")
-        self.model = tf2_accumulator.accumulate(self.model, average_gradients=n)
+        self.model = keras_fit.accumulate(self.model, average_gradients=n)
         self.model.compile(optimizer=keras.optimizers.Adam(1e-3),
                            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                            jit_compile=False)
@@ -62,7 +62,7 @@ def report(speed):
     rows = [r for r in speed if LABEL in r]
     if not rows:
         return []
-    lines = ["", "### Keras `fit` with `tf2_accumulator.accumulate`", "",
+    lines = ["", "### Keras `fit` with `gradient_averaging.accumulate`", "",
              "`keras_fit`: the same ConvNet wrapped by `accumulate(model, N)`, compiled with "
              "plain `Adam(1e-3)` and fitted on the same pipeline of B-sized batches, "
              "default `steps_per_execution` (one compiled call per window); against `keras` "

@@ -14,9 +14,9 @@ import time
 
 import tensorflow as tf
 
-import data
-import engine_tf1
-import loop
+from experiment import data
+from experiment import engine_tf1
+from experiment import loop
 from tools import bench_contenders
 from tools import bench_profile
 from tools import common
@@ -63,7 +63,7 @@ def run_probe(spec):
     train = data.Split(datasets.train.images[idx], datasets.train.labels[idx])
     del datasets  # the full MNIST must not count in the peak
     if tf2:
-        import engine_tf2  # Keras loads only in a tf2 probe
+        from experiment import engine_tf2  # Keras loads only in a tf2 probe
         engine = engine_tf2.Engine(config, bench_contenders.SEED)
     else:
         engine = engine_tf1.Engine(config, bench_contenders.SEED)

@@ -2,7 +2,7 @@
 
 import datetime
 
-import strategies
+from experiment import averagers
 from tools import bench_contenders
 from tools import bench_keras_fit
 from tools import bench_targets
@@ -42,7 +42,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
         lines += ["", f"![Speed and memory ratios]({figure})", "",
                   figures.bench_caption(speed, mem, host)]
     if speed:
-        labels = (["direct"] + list(strategies.STRATEGIES)
+        labels = (["direct"] + list(averagers.AVERAGERS)
                   + list(bench_contenders.KERAS_CONTENDERS) + ["tf2"])
         lines += ["", "## Speed: training time per update", "",
                   f"Each update trains N*B samples of real MNIST (the post's ConvNet, dropout "

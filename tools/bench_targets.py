@@ -4,7 +4,7 @@ explained from its profile: what it asks, what was measured, met / within noise 
 
 import numpy as np
 
-import strategies
+from experiment import averagers
 from tools import bench_probes
 from tools.bench_contenders import paired_ratio
 
@@ -117,7 +117,7 @@ def noise_floor(speed):
     """
     for row in speed:
         if row["n"] == 1:
-            return max(abs(row["vs_direct"][s]["ratio"] - 1) for s in strategies.STRATEGIES)
+            return max(abs(row["vs_direct"][s]["ratio"] - 1) for s in averagers.AVERAGERS)
     return None
 
 

@@ -16,6 +16,7 @@ drift of a shared machine hits them alike), and the ratios are paired per round
 (bench_contenders.paired_ratio: median and quartiles over the rounds).
 """
 
+import contextlib
 import statistics
 import sys
 
@@ -23,7 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 import model
-from averaging_optimizer import AveragingOptimizer
+from gradient_averaging import AveragingOptimizer
+from gradient_averaging import tf1
 from tools.bench_contenders import interleaved, paired_ratio
 
 v1 = tf.compat.v1
@@ -64,6 +66,26 @@ CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", F
               "wrapped N=1": (1, True)}
 
 
+@contextlib.contextmanager
+def _without_lock():
+    """AveragingOptimizer's window lock taken out while a graph is built, to time what it
+    costs: its `_Window.locked` block becomes a plain group of the same ops."""
+    original = tf1._Window.locked  # noqa: SLF001
+
+    @contextlib.contextmanager
+    def unlocked(window, after):
+        del window, after
+        held = tf1._Held()  # noqa: SLF001
+        yield held
+        held.released = tf.group(*held.ops)
+
+    tf1._Window.locked = unlocked  # noqa: SLF001
+    try:
+        yield
+    finally:
+        tf1._Window.locked = original  # noqa: SLF001
+
+
 class Contender:
     """One train op in its own graph and session, run once per mini-batch; `train(runs)`
     as bench_contenders' contenders, a run being one mini-batch."""
@@ -76,8 +98,8 @@ class Contender:
             optimizer = make_optimizer()
             if n is not None:
                 optimizer = AveragingOptimizer(optimizer, n)
-                optimizer._locked = locked  # noqa: SLF001  (only this bench turns it off)
-            self.train_op = optimizer.minimize(loss)
+            with contextlib.nullcontext() if locked else _without_lock():
+                self.train_op = optimizer.minimize(loss)
             init = v1.global_variables_initializer()
         self.graph.finalize()
         self.sess = v1.Session(graph=self.graph)

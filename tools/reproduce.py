@@ -30,11 +30,11 @@ import time
 from absl import app
 from absl import flags as absl_flags
 
-import cli
-import progress
-import results
-import settings
-import stats
+from experiment import cli
+from experiment import progress
+from experiment import results
+from experiment import config as experiment_config
+from experiment import stats
 from tools import common
 from tools import figures
 from tools import reproduce_table
@@ -44,10 +44,10 @@ from tools.reproduce_table import EVAL_EVERY, FAIR_EVAL_EVERY_UPDATES, POST_TABL
 # bit, as the post's stack (tests/test_trainer.py checks it); ACCUMULATE=stack for the post's.
 DEFAULT_ACCUMULATE = "fused"
 
-# Everything else that shapes a run, pinned to the post's values (settings.py marks them)
+# Everything else that shapes a run, pinned to the post's values (experiment/config.py marks them)
 # so that the table does not drift if main.py's defaults ever change; a stored run must
 # match all of it.
-POST_FLAGS = settings.POST_VALUES
+POST_FLAGS = experiment_config.POST_VALUES
 # The figures, written next to table.md (which links them by these names).
 CURVES_PNG, BEST_PNG = "accuracy_curves.png", "best_accuracy.png"
 # Rough single-thread seconds of one run on a 2-core machine, for the first ETA only:
@@ -70,8 +70,8 @@ class RunSpec(collections.namedtuple("RunSpec", ["setting", "rep", "seed", "path
 
     @property
     def config(self):
-        """The settings.Config main.py will run."""
-        return settings.from_values(settings.Config, self.flags)
+        """The experiment Config main.py will run."""
+        return experiment_config.from_values(experiment_config.Config, self.flags)
 
     # The results file names the run (configuration and seed): it is the identity.
     def __hash__(self):
@@ -170,7 +170,7 @@ class Progress:
     @staticmethod
     def prior(spec):
         """A guess of a run's seconds from its size, before anything is measured."""
-        n_eval = settings.evaluations(spec.config)
+        n_eval = experiment_config.evaluations(spec.config)
         return (PRIOR_START + PRIOR_ITERATION * spec.setting.iterations
                 + PRIOR_EVALUATION * n_eval)
 
@@ -367,7 +367,7 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         results.atomic_write_json(path, results.results_document(config, runs))
         rows.append(reproduce_table.summarize(
             setting, runs, reference, POST_TABLE[post_key] if scale == 1 else None,
-            settings.evaluations(group[0].config)))
+            experiment_config.evaluations(group[0].config)))
     timing = (f"This invocation ran {len(todo)} of the {len(specs)} runs in "
               f"{fmt_duration(wall)} of wall time, {jobs} process{'es' if jobs > 1 else ''} "
               f"at a time with {threads} thread{'s' if threads > 1 else ''} each"
@@ -429,22 +429,21 @@ def define_flags():
     """The driver's flags (dashed, with underscore aliases, as main.py's); those it passes
     on to main.py keep main.py's definitions (kind, bounds, choices), with their meaning
     here."""
-    main_py = settings.SETTINGS
+    main_py = experiment_config.SETTINGS
+    Setting = experiment_config.Setting
     cli.define_all([
         dataclasses.replace(main_py["reps"], help="Runs per configuration; run r uses seed + r."),
-        settings.Setting("results-dir", "string", "results",
-                         "Where runs, per-configuration results, table.md and TensorBoard "
-                         "events go."),
-        settings.Setting("jobs", "integer", 0,
-                         "main.py processes at a time (0: one per CPU core).", lower=0),
+        Setting("results-dir", "string", "results",
+                "Where runs, per-configuration results, table.md and TensorBoard events go."),
+        Setting("jobs", "integer", 0, "main.py processes at a time (0: one per CPU core).",
+                lower=0),
         dataclasses.replace(main_py["threads"], help="TensorFlow threads per process (0: the "
                             "CPU cores divided among the jobs)."),
-        settings.Setting("fair", "bool", False,
-                         f"Evaluate every configuration every {FAIR_EVAL_EVERY_UPDATES} "
-                         f"updates, not the post's every {EVAL_EVERY} iterations; writes "
-                         "under RESULTS_DIR/fair."),
-        settings.Setting("scale", "integer", 1, "Divide every configuration's updates by this "
-                         "(at least one), for quick tests.", lower=1),
+        Setting("fair", "bool", False,
+                f"Evaluate every configuration every {FAIR_EVAL_EVERY_UPDATES} updates, not "
+                f"the post's every {EVAL_EVERY} iterations; writes under RESULTS_DIR/fair."),
+        Setting("scale", "integer", 1, "Divide every configuration's updates by this (at "
+                "least one), for quick tests.", lower=1),
         dataclasses.replace(main_py["seed"], help="Seed of the first run of every "
                             "configuration."),
         dataclasses.replace(main_py["accumulate"], default=DEFAULT_ACCUMULATE,

@@ -8,7 +8,7 @@ import collections
 import datetime
 import math
 
-import stats
+from experiment import stats
 from tools import common
 
 # The post's table: (N, B, iterations) -> its mean and population std of the per-run best.

@@ -1,0 +1,148 @@
+"""What every command of this project shares: settings as dashed flags, help, one-line errors.
+
+No TensorFlow at import, so that a command parses and checks its flags (and answers
+`--help`) before the slow import; import_tensorflow_quietly does it when called.
+
+The dashed names are the public interface (the post's `--average-gradients`). Each also
+answers to its underscore spelling, and a renamed flag (config.RENAMED) to its old name
+with a warning: parse_flags rewrites those spellings before absl parses, so absl knows
+each flag once and `--help` lists it once.
+"""
+
+import os
+import sys
+
+from absl import flags
+
+from experiment import config
+
+HELP, FULL_HELP = ("--help", "-h", "--helpshort", "-help"), ("--helpfull", "-helpfull")
+_HELP_MODULES = []  # the modules that defined flags through `define_all`, for --help
+
+
+def fail(message, code=2):
+    """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def define(kind, name, default, help, lower_bound=None, upper_bound=None,  # noqa: A002
+           enum_values=None):
+    """One flag of a tool's own (absl's DEFINE_<kind> arguments), as define_all defines
+    a config.Setting."""
+    define_all([config.Setting(name, kind, default, help, lower=lower_bound,
+                                 upper=upper_bound, choices=enum_values)],
+               module=sys._getframe(1).f_globals["__name__"])
+
+
+def define_all(definitions, flag_values=flags.FLAGS, module=None):
+    """Defines config.Setting (with its bounds, choices and check) and config.Rule
+    objects as absl flags and validators, filed under `module` (default: the caller's)
+    for --help."""
+    module = module or sys._getframe(1).f_globals["__name__"]
+    if module not in _HELP_MODULES:
+        _HELP_MODULES.append(module)
+    for definition in definitions:
+        if isinstance(definition, config.Rule):
+            flags.register_multi_flags_validator(list(definition.names), definition.predicate,
+                                                 message=definition.message,
+                                                 flag_values=flag_values)
+        else:
+            _define(definition, flag_values, module)
+
+
+def _define(setting, flag_values, module):
+    kwargs = dict(flag_values=flag_values, module_name=module)
+    if setting.lower is not None:
+        kwargs["lower_bound"] = setting.lower
+    if setting.upper is not None:
+        kwargs["upper_bound"] = setting.upper
+    if setting.kind == "enum":
+        flags.DEFINE_enum(setting.name, setting.default, list(setting.choices), setting.help,
+                          **kwargs)
+    else:
+        default = list(setting.default) if setting.kind == "multi_integer" else setting.default
+        getattr(flags, "DEFINE_" + setting.kind)(setting.name, default, setting.help, **kwargs)
+    if setting.check:
+        predicate, must = setting.check
+        flags.register_validator(setting.name, predicate, message=f"--{setting.name} {must}",
+                                 flag_values=flag_values)
+
+
+def parse_flags(argv, flag_values=flags.FLAGS):
+    """absl's `flags_parser`: parses argv; help is printed (exit 0), a bad flag is one
+    `fail` line. Underscore spellings and renamed flags are rewritten first."""
+    args = _public_names(argv, flag_values)
+    if any(arg in FULL_HELP for arg in _flag_args(args)):
+        _print_help(flag_values, full=True)
+    if any(arg in HELP for arg in _flag_args(args)):
+        _print_help(flag_values, full=False)
+    try:
+        return flag_values(args)
+    except flags.Error as e:
+        fail(str(e).splitlines()[0])
+
+
+def _flag_args(argv):
+    """The arguments before a `--` (after it, nothing is a flag)."""
+    args = list(argv[1:])
+    return args[:args.index("--")] if "--" in args else args
+
+
+def _public_names(argv, flag_values):
+    """argv with `--a_b` as `--a-b` and a renamed flag under its new name (warned once)."""
+    out, flags_done = [argv[0]], False
+    for arg in argv[1:]:
+        flags_done = flags_done or arg == "--"
+        if flags_done or not arg.startswith("-") or arg in ("-", "--"):
+            out.append(arg)
+            continue
+        dashes = "--" if arg.startswith("--") else "-"
+        name, equals, value = arg[len(dashes):].partition("=")
+        negated = name.startswith("no") and name not in flag_values
+        base = name[2:] if negated else name
+        public = base.replace("_", "-")
+        if public in config.RENAMED:
+            new = config.RENAMED[public]
+            print(f"warning: --{public} was renamed --{new} (the tf.distribute strategy; "
+                  f"--accumulate picks the averager)", file=sys.stderr)
+            public = new
+        if public != base and public in flag_values:
+            arg = dashes + ("no" if negated else "") + public + equals + value
+        out.append(arg)
+    return out
+
+
+def _print_help(flag_values, full):
+    """The command's docstring, the spellings note, and its flags, each once; exit 0."""
+    doc = (getattr(sys.modules["__main__"], "__doc__", None) or "").strip()
+    renamed = ", ".join(f"--{old} is the old name of --{new}"
+                        for old, new in config.RENAMED.items())
+    print(f"{doc}\n\nEvery dashed flag also answers to its underscore spelling "
+          f"(--average_gradients for --average-gradients); {renamed}.\n")
+    if full:
+        print(flag_values.get_help())
+    else:
+        print("\n".join(flag_values.module_help(module) for module in _HELP_MODULES))
+        print("\n--helpfull lists absl's own flags too.")
+    sys.exit(0)
+
+
+def import_tensorflow_quietly():
+    """Imports TensorFlow with fd 2 closed: its C++ start-up lines ignore log levels.
+
+    Errors still surface: stderr is restored before an import failure propagates.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            try:
+                import tensorflow as tf
+                tf.config.list_physical_devices()  # device probing logs too
+            finally:
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+    tf.get_logger().setLevel("ERROR")

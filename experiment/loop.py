@@ -1,0 +1,354 @@
+"""The run loop: one training run of either engine, and the reps of a configuration.
+
+Engine-neutral: the evaluation cadence, the counters, the best accuracy, checkpoints
+and resume, the verdicts on non-finite windows, TensorBoard events and the result
+record live here once; an engine (engine_tf1.py, engine_tf2.py) only trains, evaluates,
+and saves its variables. It takes plain values (config.Config, config.Runs), never
+the command-line flags, so that a test or a script can run it directly.
+
+The engine's contract is interfaces.Engine (and interfaces.EngineModule for its module);
+config.ENGINES names the engines and loads one on use.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from experiment import checkpoint
+from experiment import config as config_lib
+from experiment import data
+from experiment import progress
+from experiment import results
+from experiment.config import IDENTITY_FIELDS, Config, Runs, evaluation_due  # noqa: F401 (loop.Config)
+from trainer import Outcome, WindowCounts
+
+CHECKPOINT_EVERY = Runs().checkpoint_every  # updates
+# The warning for a skipped window: (where, windows skipped so far).
+SKIPPED_WINDOW = "non-finite loss or gradient in %s: the window was skipped, not applied " \
+                   "(%d so far)"
+
+
+class Stopped(Exception):
+    """Training stopped before the end; the message says where and what was kept."""
+
+
+def engine_module(name):
+    """The engine's module; Keras and tf.distribute load only for the tf2 engine."""
+    return config_lib.ENGINES[name].load()
+
+
+def prepare(config):
+    """The engine's process-wide set-up; call it before TensorFlow's runtime starts.
+
+    Raises:
+      ValueError: the engine cannot run this configuration here; the message says why.
+    """
+    engine_module(config.engine).prepare(config)
+
+
+def bad_windows_verdict(config, consecutive_bad, last_bad):
+    """Why training must stop over non-finite windows, or None."""
+    if not consecutive_bad:
+        return None
+    if config.on_nonfinite == "abort":
+        return f"non-finite loss or gradient in {last_bad} and on_nonfinite=abort"
+    if consecutive_bad >= config.max_bad_windows:
+        return (f"{consecutive_bad} consecutive windows had a non-finite loss or "
+                f"gradient (max_bad_windows={config.max_bad_windows})")
+    return None
+
+
+def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
+    """The reps of one configuration; each finished run is logged and written at once.
+
+    Args:
+      record: what the results file says made the runs (e.g. every flag's value).
+      should_stop, log: as for train_once.
+
+    Returns:
+      The runs' result dicts.
+
+    Raises:
+      Stopped: a run stopped early (the message names the rep).
+      checkpoint.CheckpointError: a rep's checkpoint is unusable or of another config.
+    """
+    log = log or _print
+    finished = []
+    # The reps' bars share it, to show an ETA for all of them beside each run's own.
+    clock = progress.RunsClock(runs.reps) if runs.reps > 1 else None
+    for rep in range(runs.reps):
+        seed = runs.seed + rep
+        try:
+            run = train_once(
+                config, datasets, seed, verbose=runs.verbose, log=log,
+                logdir=results.event_dir(runs.logdir, config, seed),
+                checkpoint_dir=runs.checkpoint_dir and os.path.join(
+                    runs.checkpoint_dir, f"rep-{rep}"),
+                checkpoint_every=runs.checkpoint_every, should_stop=should_stop,
+                run_index=rep + 1, runs=runs.reps, clock=clock)
+        except Stopped as e:
+            raise Stopped(f"run {rep + 1} of {runs.reps}: {e}") from None
+        finished.append(run)
+        log(results.run_line(run))
+        if runs.results_path:
+            results.atomic_write_json(runs.results_path,
+                                      results.results_document(record or {}, finished))
+    log(results.summary_line([r["best_accuracy"] for r in finished]))
+    return finished
+
+
+def _print(line):
+    print(line, flush=True)
+
+
+def is_chief(config):
+    """Whether this process is the one that reports: not a multi_worker worker other than
+    task 0 (every worker trains the same run; one progress bar on a shared terminal)."""
+    if config.distribute != "multi_worker":
+        return True
+    try:
+        return json.loads(os.environ.get("TF_CONFIG") or "{}")["task"]["index"] == 0
+    except (ValueError, KeyError, TypeError):
+        return True  # no cluster: a single local worker
+
+
+def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
+               checkpoint_dir=None, checkpoint_every=CHECKPOINT_EVERY, should_stop=None,
+               run_index=1, runs=1, clock=None):
+    """Trains one run with config.engine (resuming it from `checkpoint_dir`) and tests it.
+
+    Evaluates every `config.eval_every` iterations (mini-batches), or every
+    `config.eval_every_updates` applied updates, and once at the end. While it trains,
+    a progress bar (progress.RunProgress) is shown on stderr when that is a terminal.
+
+    Args:
+      logdir: if set, this run's TensorBoard event files go there: `train/loss` (the
+        mean loss of each update's mini-batches) and `test/accuracy` (each evaluation),
+        both against the number of updates applied, which every N shares.
+      checkpoint_dir: this run's checkpoint directory: saved every `checkpoint_every`
+        updates, when stopped, and when finished; resumed from when present.
+      should_stop: called after every mini-batch; a non-empty return (e.g. "SIGTERM")
+        saves a checkpoint and raises Stopped.
+      run_index, runs: this run's number (from 1) and how many there are, for the bar.
+      clock: the progress.RunsClock of all the runs, for the bar's ETA of all of them.
+
+    Returns:
+      dict with seed, best_accuracy, best_iteration, final_accuracy, updates,
+      skipped_windows, train_seconds (evaluation excluded), eval_seconds,
+      weights_sha256, and evaluations: [{"iteration", "updates", "accuracy"}, ...].
+
+    Raises:
+      Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite).
+      checkpoint.CheckpointError: the checkpoint is unusable or of another configuration.
+    """
+    log = log or _print
+    module = engine_module(config.engine)
+    ckpt = saved = None
+    if checkpoint_dir:
+        identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS}, seed=seed,
+                        **module.identity(config))
+        ckpt = checkpoint.RunCheckpoint(checkpoint_dir, identity)
+        saved = ckpt.load()
+        if saved and saved["finished"]:
+            return saved["result"]
+    engine = module.Engine(config, seed)
+    writer = _EventWriter(logdir) if logdir else None
+    try:
+        if verbose and engine.summary():
+            log(engine.summary())
+        run = _Run(config, datasets, seed, engine, ckpt, checkpoint_every, writer, verbose,
+                   log, (run_index, runs, clock))
+        if saved:
+            run.restore(saved)
+        result = run.train(should_stop)
+    finally:
+        engine.close()
+        if writer:
+            writer.close()
+    if ckpt:
+        ckpt.save_finished(result)
+    return result
+
+
+class _Run:
+    """One run's loop and the state a checkpoint must hold to continue it."""
+
+    def __init__(self, config, datasets, seed, engine, ckpt, checkpoint_every, writer,
+                 verbose, log, position=(1, 1, None)):
+        self.config, self.datasets, self.seed = config, datasets, seed
+        self.engine, self.ckpt, self.checkpoint_every = engine, ckpt, checkpoint_every
+        self.writer = writer
+        self.verbose, self.log = verbose, log
+        self.position = position  # (run index from 1, runs, RunsClock or None): the bar's
+        self.bar = None  # a progress.RunProgress while train() runs
+        self.iteration = 0
+        self.counts = WindowCounts()  # the run's updates and skipped windows
+        self.best_accuracy, self.best_iteration = -1.0, 0
+        self.evaluations = []
+        self.train_seconds = self.eval_seconds = 0.0
+        self.consecutive_bad = 0
+        self.last_bad = None
+        self.window_start = 1  # first iteration of the open window
+        # Loss totals at the last evaluation and the last closed window: the losses
+        # since then are what the verbose log and the train/loss events report.
+        self.eval_mark = self.update_mark = (0.0, 0)
+
+    # ------------------------------------------------ checkpoint state
+
+    # What a checkpoint keeps of the loop, beside the counts and the engine's part.
+    SAVED = ("iteration", "consecutive_bad", "last_bad", "window_start", "best_accuracy",
+             "best_iteration", "evaluations", "train_seconds", "eval_seconds", "eval_mark",
+             "update_mark")
+
+    def state(self):
+        return dict({name: getattr(self, name) for name in self.SAVED},
+                    **dataclasses.asdict(self.counts),
+                    position=self.iteration * self.config.batch_size,
+                    open_window=self.engine.window_size(),
+                    loss_totals=self.engine.loss_totals())
+
+    def restore(self, state):
+        self.ckpt.restore(self.engine, state)
+        for name in self.SAVED:
+            setattr(self, name, state[name])
+        self.counts = WindowCounts(state["updates"], state["skipped_windows"])
+
+    def save(self):
+        if self.ckpt:
+            self.ckpt.save(self.engine, self.iteration, self.state())
+
+    def stop(self, reason):
+        """Saves a checkpoint and raises Stopped, saying where."""
+        self.save()
+        where = (f"checkpoint in {self.ckpt.directory}; run the same command to resume"
+                 if self.ckpt else "no checkpoint directory, so this run is lost")
+        raise Stopped(f"{reason}; stopped at iteration {self.iteration} "
+                      f"({self.engine.window_size()} mini-batches in the open window); {where}")
+
+    # ------------------------------------------------ the loop
+
+    def train(self, should_stop):
+        """The run, with its bar on stderr while it trains (a terminal only; the chief
+        only): the log's lines and the warnings are written with the bar cleared around
+        them, so they reach the terminal, and any pipe, unchanged."""
+        run_index, runs, clock = self.position
+        bar = progress.RunProgress(self.config.iterations, run_index, runs, clock=clock,
+                                   enabled=None if is_chief(self.config) else False,
+                                   initial=self.iteration)
+        log, self.bar, self.log = self.log, bar, bar.wrap(self.log)
+        try:
+            return self._train(should_stop)
+        finally:
+            bar.close()
+            self.log = log
+
+    def _train(self, should_stop):
+        config, engine = self.config, self.engine
+        batches = data.batches(self.datasets.train, self.seed, config.batch_size,
+                               self.iteration * config.batch_size,
+                               config.iterations - self.iteration)
+        while self.iteration < config.iterations:
+            self.iteration += 1
+            start = time.perf_counter()
+            images, labels = next(batches)
+            if self.iteration in config.inject_nonfinite:
+                images = np.array(images)
+                images[0] = np.nan
+            closed = self.counts.count(engine.step(images, labels, self.iteration))
+            self.train_seconds += time.perf_counter() - start
+            self.close_window(closed)
+            self.bar.advance(self.iteration, self.counts.updates)
+            if evaluation_due(config, self.iteration, self.counts.updates,
+                              closed is Outcome.APPLIED):
+                self.evaluate()
+            if closed is Outcome.APPLIED and self.counts.updates % self.checkpoint_every == 0:
+                self.save()
+            reason = should_stop() if should_stop else None
+            if reason:
+                self.stop(f"interrupted by {reason}")
+
+        held = engine.window_size()
+        start = time.perf_counter()
+        closed = self.counts.count(engine.flush())
+        self.train_seconds += time.perf_counter() - start
+        self.close_window(closed)
+        self.bar.advance(self.iteration, self.counts.updates)
+        if closed is Outcome.APPLIED:
+            with self.bar.paused():
+                logging.warning("iterations=%d is not a multiple of average_gradients=%d: "
+                                "the last %d mini-batches were applied as one update of "
+                                "their mean", config.iterations, config.average_gradients, held)
+        final_accuracy = self.evaluate()
+        return {"seed": self.seed, "best_accuracy": self.best_accuracy,
+                "best_iteration": self.best_iteration, "final_accuracy": final_accuracy,
+                "updates": self.counts.updates, "skipped_windows": self.counts.skipped_windows,
+                "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
+                "weights_sha256": engine.weights_sha256(), "evaluations": self.evaluations}
+
+    def close_window(self, closed):
+        """Accounts for a window the engine just closed (Outcome.NONE: none was); stops
+        where the non-finite windows say so."""
+        if closed is Outcome.NONE:
+            return
+        if closed is Outcome.SKIPPED:
+            self.consecutive_bad += 1
+            self.last_bad = f"iterations {self.window_start}-{self.iteration}"
+            with self.bar.paused():
+                logging.warning(SKIPPED_WINDOW, self.last_bad, self.counts.skipped_windows)
+            if self.writer:  # the next update's loss leaves this window out
+                self.update_mark = self.engine.loss_totals()
+        else:
+            self.consecutive_bad = 0
+            if self.writer:
+                loss, self.update_mark = self._mean_loss_since(self.update_mark)
+                if loss is not None:
+                    self.writer.scalar("train/loss", loss, self.counts.updates)
+        self.window_start = self.iteration + 1
+        verdict = bad_windows_verdict(self.config, self.consecutive_bad, self.last_bad)
+        if verdict:
+            self.stop(verdict)
+
+    def _mean_loss_since(self, mark):
+        """(mean training loss since `mark` or None without samples, the totals now)."""
+        totals = self.engine.loss_totals()
+        samples = totals[1] - mark[1]
+        return ((totals[0] - mark[0]) / samples if samples else None), totals
+
+    def evaluate(self):
+        start = time.perf_counter()
+        accuracy = self.engine.evaluate(self.datasets.test)
+        self.eval_seconds += time.perf_counter() - start
+        updates = self.counts.updates
+        self.evaluations.append({"iteration": self.iteration, "updates": updates,
+                                 "accuracy": accuracy})
+        if accuracy > self.best_accuracy:
+            self.best_accuracy, self.best_iteration = accuracy, self.iteration
+        self.bar.evaluated(accuracy)
+        if self.verbose:
+            loss, self.eval_mark = self._mean_loss_since(self.eval_mark)
+            loss = float("nan") if loss is None else loss
+            self.log(f"Iteration {self.iteration}: loss {loss:.4f}, accuracy {accuracy:.2f}")
+        if self.writer:
+            self.writer.scalar("test/accuracy", accuracy, updates)
+        return accuracy
+
+
+class _EventWriter:
+    """TensorBoard scalars as plain `simple_value` events (no tensorboard package needed)."""
+
+    def __init__(self, logdir):
+        self._writer = tf.summary.create_file_writer(logdir)
+
+    def scalar(self, tag, value, step):
+        summary = tf.compat.v1.Summary(
+            value=[tf.compat.v1.Summary.Value(tag=tag, simple_value=float(value))])
+        with self._writer.as_default():
+            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
+
+    def close(self):
+        self._writer.close()

@@ -1,0 +1,34 @@
+"""Gradient averaging (accumulation) for TensorFlow: apply the mean gradient of N
+mini-batches of B samples once, and the update is that of one batch of N*B.
+
+One module per kind of user, each importable alone:
+  * gradient_averaging.tf1: `AveragingOptimizer`, a drop-in tf.compat.v1 optimizer
+    wrapper for graph-mode code (imports no Keras);
+  * gradient_averaging.tf2: `WindowAccumulator`, `GradientAccumulator` and
+    `fit_accumulated`, for your own TF2 training loop and tf.distribute;
+  * gradient_averaging.keras_fit: `accumulate(model, N)`, for Keras's compile/fit;
+  * gradient_averaging.window: the pieces they share (the window loop, stacking, N's
+    check), for writing a window step of your own.
+The names below also import from the package itself, each loading only its module.
+"""
+
+import importlib
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "AveragingOptimizer": "tf1", "FLUSH_OPS": "tf1",
+    "WindowAccumulator": "tf2", "GradientAccumulator": "tf2", "fit_accumulated": "tf2",
+    "FitSummary": "tf2",
+    "accumulate": "keras_fit", "AccumulatingModel": "keras_fit",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    """Loads a name's module on first use, so `from gradient_averaging import
+    AveragingOptimizer` imports neither Keras nor the TF2 path."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'gradient_averaging' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"gradient_averaging.{_EXPORTS[name]}"), name)

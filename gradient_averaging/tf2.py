@@ -1,0 +1,631 @@
+"""Gradient accumulation in a TF2 training loop: your own Keras model, dataset and loss.
+
+The same update as the post's TF1 mechanism (`trainer.py` in the checkout), written the
+TF2 way:
+
+    with strategy.scope():                       # optional: tf.distribute
+        model = make_model()
+        optimizer = keras.optimizers.Adam(1e-3)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=8)
+
+Two classes train a window of N mini-batches, to the same weights (bit for bit):
+  * `WindowAccumulator`, one compiled call per window (`fit_accumulated`'s default): the
+    N mini-batches stacked on a new leading axis, the window loop (window.sum_window)
+    computes, under a `tf.GradientTape`, the gradient of the SUM of each mini-batch's
+    per-sample losses and adds them up; the sum divided by the window's samples is
+    applied with the optimizer. The loop runs the model on its weights' values
+    (`stateless_call`) and carries its other state (dropout's seed generators) from one
+    mini-batch to the next, so the masks are drawn in the same order as below.
+  * `GradientAccumulator`, one call per mini-batch, for loops that need Python between
+    mini-batches (or your own `train_step`): `accumulate` adds the summed gradient into
+    accumulator variables and the samples into a counter; `apply` divides, applies and
+    zeroes.
+Dividing summed per-sample gradients by the sample count makes the applied gradient
+exactly that of the mean loss over every sample of the window, whatever the sizes of its
+mini-batches (a short last one, a partial window; stacked, the shorter ones are padded
+and their sizes passed beside them). A window in which any loss or gradient is NaN or
+Inf is skipped whole instead (the replicas vote first): the optimizer does not step, so
+its `iterations`, and any LR schedule, stay put.
+
+Under a `tf.distribute` strategy each mini-batch is the GLOBAL one: replica r of K
+receives only its share of it, samples [n*r//K, n*(r+1)//K), cut on the host, so the
+result does not depend on the replica count and nothing a replica receives grows with K.
+Sums stay on their replica (loop values in the one-call window; replica-local SyncOnRead
+variables in the per-mini-batch path): a mini-batch communicates nothing; once per window
+a one-number vote (is anything non-finite?) is summed over the replicas, and the
+optimizer all-reduces (sums) the replicas' shares of the mean.
+"""
+
+import collections
+import logging
+
+import tensorflow as tf
+
+from gradient_averaging import window as window_lib
+
+FitSummary = collections.namedtuple(
+    "FitSummary", ["mini_batches", "updates", "partial_window", "skipped_windows"],
+    defaults=(0,))
+
+
+# ---------------------------------------------------------------- shared by every path
+
+
+def stack_window(mini_batches):
+    """N global mini-batches of (x, y) as one stacked window: (xs, ys, sizes) arrays.
+
+    Args:
+      mini_batches: a sequence of (x, y); x and y may be nested structures of arrays.
+
+    Returns:
+      (xs, ys, sizes): each array stacked on a new leading axis, [N, B, ...], with B the
+      largest mini-batch; shorter mini-batches are padded with zeros, which the window
+      step leaves out by `sizes` (int32 [N], each mini-batch's samples).
+    """
+    (xs, ys), sizes = window_lib.stack_window([tuple(batch) for batch in mini_batches])
+    return xs, ys, sizes
+
+
+def replica_share(data, sizes, replica, replicas):
+    """Replica `replica`'s share of each stacked mini-batch: samples [n*r//K, n*(r+1)//K).
+
+    Args:
+      data: a nested structure of [N, B, ...] tensors.
+      sizes: int32 [N], the global mini-batches' samples.
+      replica, replicas: r and K.
+
+    Returns:
+      (share, local_sizes): each tensor [N, ceil(B/K), ...], the share of mini-batch i
+      first in row i and zeros after it; int32 [N], the share's samples.
+    """
+    sizes = tf.convert_to_tensor(sizes, tf.int32)
+    start, stop = sizes * replica // replicas, sizes * (replica + 1) // replicas
+    local_sizes = stop - start
+    first = tf.nest.flatten(data)[0]
+    width = -(-tf.shape(first)[1] // replicas)
+    rows = tf.range(width)[tf.newaxis]
+    inside = rows < local_sizes[:, tf.newaxis]  # [N, width]
+    index = tf.minimum(start[:, tf.newaxis] + rows, tf.maximum(tf.shape(first)[1] - 1, 0))
+
+    def cut(t):
+        share = tf.gather(t, index, batch_dims=1)
+        mask = tf.reshape(inside, tf.concat([tf.shape(inside), tf.ones(
+            [tf.rank(share) - 2], tf.int32)], 0))
+        return tf.where(mask, share, tf.zeros_like(share))
+
+    return tf.nest.map_structure(cut, data), local_sizes
+
+
+def _distribute(strategy, data, sizes):
+    """The stacked window as each replica's share, cut on the host (cross-replica
+    context): (per-replica data, per-replica local sizes); as given on one replica."""
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return data, sizes
+    host = tf.nest.flatten(data)[0].device or "/cpu:0"
+
+    def share(context):
+        with tf.device(host):
+            cut = replica_share(data, sizes, context.replica_id_in_sync_group, replicas)
+        return tf.nest.map_structure(tf.identity, cut)  # on the replica's device
+
+    shares = strategy.experimental_distribute_values_from_function(share)
+    return shares
+
+
+def _local_variable(initial_value, aggregation, name):
+    """A replica-local variable: updates stay on the replica; a cross-replica read aggregates."""
+    return tf.Variable(initial_value, trainable=False, name=name,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=aggregation)
+
+
+def _loss_sum(loss_fn, y, outputs, regularization, n_local):
+    """The sum of a mini-batch's per-sample losses, regularization once per sample."""
+    losses = loss_fn(y, outputs)
+    if losses.shape.rank == 0:
+        raise ValueError("loss_fn must return one loss per sample, not their mean "
+                         "(use a Keras loss with reduction=None)")
+    loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
+    if regularization:  # regularizers count once per sample, so once per mean
+        loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(regularization)
+    return loss_sum
+
+
+def _gradient_tensors(grads):
+    """The gradients as tensors, and which variables the loss does not reach (None)."""
+    no_gradient = [g is None for g in grads]
+    if all(no_gradient):
+        raise ValueError("no variable receives a gradient from the loss")
+    return [None if g is None else tf.convert_to_tensor(g) for g in grads], no_gradient
+
+
+def mini_batch_gradients(model, weights, non_trainable, x, objective):
+    """One mini-batch's forward and backward pass, on values: every path's step.
+
+    Args:
+      model: the Keras model, run by `stateless_call` in training mode.
+      weights, non_trainable: the values of its trainable and other variables.
+      x: the mini-batch's inputs (this replica's share).
+      objective: (outputs, regularization losses, non_trainable) -> (the scalar to
+        differentiate, anything else to return), computed under the tape.
+
+    Returns:
+      (gradients: a tensor or None per weight, no_gradient: which are None, the model's
+      other state after the pass, what `objective` returned beside its scalar).
+    """
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        outputs, non_trainable, regularization = model.stateless_call(
+            weights, non_trainable, x, training=True, return_losses=True)
+        value, extra = objective(outputs, regularization, non_trainable)
+    grads, no_gradient = _gradient_tensors(tape.gradient(value, weights))
+    return grads, no_gradient, non_trainable, extra
+
+
+def not_finite(tensors):
+    """1.0 where any of `tensors` holds a NaN or Inf, else 0.0: one replica's vote."""
+    return 1.0 - tf.cast(window_lib.all_finite(tensors), tf.float32)
+
+
+def _apply_shares(optimizer, variables, shares, no_gradient):
+    """Replica function: applies this replica's shares of the mean (the optimizer sums them)."""
+    optimizer.apply_gradients(zip(shares, [v for v, none in zip(variables, no_gradient)
+                                           if not none]))
+
+
+def apply_unless_nonfinite(strategy, optimizer, variables, shares, no_gradient, nonfinite,
+                           check_finite, non_empty=True):
+    """Cross-replica: applies the replicas' shares of the mean unless a replica voted
+    non-finite (check_finite) or the window is empty.
+
+    Returns:
+      A bool tensor: whether the window was applied.
+    """
+    def apply():
+        # Run from the cross-replica context, inside the branch: the optimizer's
+        # all-reduce must not cross into a branch from a replica function.
+        strategy.extended.call_for_each_replica(
+            _apply_shares, args=(optimizer, variables, shares, no_gradient))
+        return tf.constant(True)
+
+    apply_it = tf.convert_to_tensor(non_empty)
+    if check_finite:
+        votes = strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+        apply_it = tf.logical_and(apply_it, votes == 0)
+    return tf.cond(apply_it, apply, lambda: tf.constant(False))
+
+
+class _Accumulator:
+    """What both accumulators share: the model, optimizer and strategy, their counters.
+
+    Attributes:
+      updates: updates applied so far (as the optimizer's `iterations` counts them).
+      skipped_windows: windows skipped for a non-finite value (check_finite).
+      loss_total, samples_total: replica-local float64 variables, monitoring only (never
+        reset): the running sum of finite per-sample losses and their samples.
+    """
+
+    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True):
+        """Builds the optimizer beside the model's variables.
+
+        Args:
+          model: a Keras model; created under `strategy.scope()` if a strategy is used.
+          optimizer: a Keras optimizer, created under the same scope.
+          loss_fn: (y_true, y_pred) -> per-sample losses, shape [batch] (e.g. a Keras
+            loss with reduction=None); the applied gradient is that of their mean.
+          strategy: a tf.distribute.Strategy, or None for the default (one device).
+          check_finite: skip (not apply) a window holding a NaN or Inf loss or
+            gradient; costs one small reduction per window.
+        """
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.strategy = strategy or tf.distribute.get_strategy()
+        self.check_finite = check_finite
+        self.variables = list(model.trainable_variables)
+        if not self.variables:
+            raise ValueError("the model has no trainable variables")
+        with self.strategy.scope():
+            if not optimizer.built:
+                optimizer.build(self.variables)
+            self._make_variables()
+            self.loss_total = _local_variable(tf.constant(0.0, tf.float64),
+                                              tf.VariableAggregation.SUM, "loss_total")
+            self.samples_total = _local_variable(
+                tf.constant(0.0, tf.float64), tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                "samples_total")
+        self._no_gradient = None  # which variables the loss does not reach (set when traced)
+        self.updates = 0
+        self.skipped_windows = 0
+
+    def _make_variables(self):
+        """Creates the path's own variables, under the strategy's scope."""
+
+    def _mini_batch(self, weights, non_trainable, x, y, n_local):
+        """This replica's loss sum and gradients for its share of one mini-batch.
+
+        Returns:
+          (gradients, the model's other state after it, the loss sum).
+        """
+        def objective(outputs, regularization, unused_state):
+            loss_sum = _loss_sum(self.loss_fn, y, outputs, regularization, n_local)
+            return loss_sum, loss_sum
+
+        grads, self._no_gradient, non_trainable, loss_sum = mini_batch_gradients(
+            self.model, weights, non_trainable, x, objective)
+        return grads, non_trainable, loss_sum
+
+    def _counted(self, applied):
+        if applied:
+            self.updates += 1
+        else:
+            self.skipped_windows += 1
+        return applied
+
+    def loss_totals(self):
+        """(sum of per-sample training losses, samples) so far, over all replicas.
+
+        Mini-batches whose loss was not finite are left out of both.
+        """
+        return float(self.loss_total.read_value()), float(self.samples_total.read_value())
+
+
+class _FitCounts:
+    """A fit's mini-batches and log lines, the same for both accumulators; its updates and
+    skipped windows are the accumulator's counts (_Accumulator._counted) since it began."""
+
+    def __init__(self, accumulator, average_gradients):
+        self.accumulator = accumulator
+        self.n = window_lib.check_average_gradients(average_gradients)
+        self.mini_batches = self.partial = 0
+        self._before = (accumulator.updates, accumulator.skipped_windows)
+
+    def window(self, applied, size):
+        """Logs a skipped window of `size` mini-batches, ended at self.mini_batches."""
+        if not applied:
+            logging.warning("non-finite loss or gradient in mini-batches %d-%d: the "
+                            "window was skipped, not applied",
+                            self.mini_batches - size + 1, self.mini_batches)
+        return applied
+
+    def summary(self, warn_partial, applied):
+        if warn_partial and self.partial and applied:
+            logging.warning("%d mini-batches is not a multiple of average_gradients=%d: "
+                            "the last %d were applied as one update of their mean",
+                            self.mini_batches, self.n, self.partial)
+        updates, skipped = self._before
+        return FitSummary(self.mini_batches, self.accumulator.updates - updates, self.partial,
+                          self.accumulator.skipped_windows - skipped)
+
+
+# ---------------------------------------------------------------- one call per window
+
+
+class WindowAccumulator(_Accumulator):
+    """Trains a whole window of N mini-batches in one compiled call.
+
+    Attributes:
+      window_step: tf.function(xs, ys, sizes) -> bool: trains one stacked window and
+        says whether it was applied (compiled on the first window; see apply_stacked).
+    """
+
+    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True):
+        super().__init__(model, optimizer, loss_fn, strategy, check_finite)
+        self.window_step = None  # compiled on the first stacked window
+
+    def _replica_window(self, data, sizes, global_sizes):
+        """One whole window on this replica: its share of mini-batch i is
+        data[i, :sizes[i]]; the model's other state is written back once, after the loop.
+
+        Returns:
+          (shares, nonfinite): this replica's share of the window's mean gradient, one
+          per variable that gets a gradient, and its count of non-finite values.
+        """
+        state_variables = self.model.non_trainable_variables
+        weights = [tf.convert_to_tensor(v) for v in self.variables]
+        zero = tf.constant(0.0, tf.float64)
+
+        def mini_batch(i, batch, state):
+            (x, y), n_global = batch
+            non_trainable, nonfinite, loss_total, samples_total = state
+            n_local = tf.shape(tf.nest.flatten(x)[0])[0]
+            grads, non_trainable, loss_sum = self._mini_batch(weights, non_trainable, x, y,
+                                                              n_local)
+            finite = tf.math.is_finite(loss_sum)
+            nonfinite += 1.0 - tf.cast(finite, tf.float32)
+            loss_total += tf.where(finite, tf.cast(loss_sum, tf.float64), zero)
+            samples_total += tf.where(finite, tf.cast(n_global, tf.float64), zero)
+            return grads, (non_trainable, nonfinite, loss_total, samples_total)
+
+        sums, (state, nonfinite, loss_total, samples_total) = window_lib.sum_window(
+            mini_batch, [tf.zeros(v.shape, v.dtype) for v in self.variables],
+            ([tf.convert_to_tensor(v) for v in state_variables], tf.constant(0.0), zero, zero),
+            (data, window_lib.Unbatched(global_sizes)), sizes)
+        for variable, value in zip(state_variables, state):
+            variable.assign(value)
+        self.loss_total.assign_add(loss_total)
+        self.samples_total.assign_add(samples_total)
+        count = tf.cast(tf.reduce_sum(global_sizes), tf.float32)
+        # This replica's share of the mean; the optimizer all-reduces (sums) the shares.
+        shares = [total / tf.cast(count, total.dtype)
+                  for total, none in zip(sums, self._no_gradient) if not none]
+        return shares, nonfinite + not_finite(shares)  # a sum is finite only if every term was
+
+    def _compile_window_step(self, xs, ys, sizes):
+        def spec(t):
+            t = tf.convert_to_tensor(t)
+            return tf.TensorSpec([None, None] + t.shape[2:].as_list(), t.dtype)
+
+        signature = tf.nest.map_structure(spec, (xs, ys)) + (
+            tf.TensorSpec([None], tf.convert_to_tensor(sizes).dtype),)
+
+        @tf.function(input_signature=signature)
+        def window_step(xs, ys, sizes):
+            sizes = tf.cast(sizes, tf.int32)
+            data, local_sizes = _distribute(self.strategy, (xs, ys), sizes)
+            shares, nonfinite = self.strategy.run(self._replica_window,
+                                                  args=(data, local_sizes, sizes))
+            # An empty window (N = 0) trains nothing: build_window runs one.
+            return apply_unless_nonfinite(self.strategy, self.optimizer, self.variables,
+                                          shares, self._no_gradient, nonfinite,
+                                          self.check_finite, tf.size(sizes) > 0)
+
+        return window_step
+
+    def build_window(self, xs, ys, sizes):
+        """Compiles the window step for windows stacked like (xs, ys, sizes), untrained.
+
+        `apply_stacked` does this on its first window; call it first to keep the tracing
+        and TensorFlow's set-up of the function out of a timed loop: it runs the step once
+        on an empty window, which trains nothing. Any N and B then run without retracing.
+        Under a multi-worker strategy every worker must call it (the empty window still
+        votes).
+        """
+        if self.window_step is None:
+            self.window_step = self._compile_window_step(xs, ys, sizes)
+            self.window_step(*tf.nest.map_structure(lambda t: t[:0], (xs, ys, sizes)))
+
+    def apply_window(self, mini_batches):
+        """Trains one whole window, given as its N global mini-batches, in one call.
+
+        The window's mini-batches may differ in size (each weighs by its samples).
+
+        Args:
+          mini_batches: a sequence of (x, y) global mini-batches.
+
+        Returns:
+          True where the window was applied, False where it was skipped.
+        """
+        return self.apply_stacked(*stack_window(mini_batches))
+
+    def apply_stacked(self, xs, ys, sizes):
+        """Trains one whole window, stacked as `stack_window` returns it, in one call.
+
+        The N mini-batches run in one compiled call (`window_step`): inside it the window
+        loop sums their gradients, and the sample-weighted mean is applied, or the window
+        is skipped whole where a loss or gradient is NaN or Inf (check_finite). The
+        activations of at most two mini-batches are held at a time, whatever N.
+
+        Args:
+          xs, ys: the mini-batches stacked on a new leading axis, [N, B, ...] and
+            [N, B]; mini-batch i is xs[i, :sizes[i]], ys[i, :sizes[i]]. Numpy arrays
+            are copied into tensors on each call; tensors (e.g. a tf.gather from the
+            training set) are not.
+          sizes: int [N], each mini-batch's samples.
+
+        Returns:
+          True where the window was applied, False where it was skipped.
+        """
+        self.build_window(xs, ys, sizes)
+        return self._counted(bool(self.window_step(xs, ys, sizes)))
+
+    def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
+        """One pass over `dataset`, one compiled call per N mini-batches.
+
+        A trailing partial window is applied as the mean over its samples. A window with
+        a non-finite loss or gradient is skipped, with a warning (check_finite).
+
+        Args:
+          dataset: an iterable of (x, y) global mini-batches (e.g. a tf.data.Dataset,
+            padded and stacked in its own pipeline; anything else is buffered here).
+            Under a multi-worker strategy every worker must yield the same batches.
+          average_gradients: N, mini-batches per update.
+          callback: called as callback(mini_batch) for each mini-batch (1-based),
+            after its window's update.
+          warn_partial: log a warning when a partial window is applied.
+
+        Returns:
+          FitSummary(mini_batches, updates, partial_window, skipped_windows):
+          partial_window is the number of mini-batches in the trailing partial window
+          (0 if none).
+        """
+        counts = _FitCounts(self, average_gradients)
+        applied = False
+        for xs, ys, sizes in _windows(dataset, counts.n):
+            size = len(sizes)
+            applied = self.apply_stacked(xs, ys, sizes)
+            counts.mini_batches += size
+            counts.window(applied, size)
+            counts.partial = size % counts.n
+            if callback is not None:
+                for mini_batch in range(counts.mini_batches - size + 1,
+                                        counts.mini_batches + 1):
+                    callback(mini_batch)
+        return counts.summary(warn_partial, applied)
+
+
+def _windows(dataset, average_gradients):
+    """(xs, ys, sizes) windows of `average_gradients` mini-batches, as stack_window's.
+
+    A tf.data.Dataset is padded and stacked in its own pipeline, a window ahead; any
+    other iterable is buffered here.
+    """
+    if isinstance(dataset, tf.data.Dataset):
+        for batch, sizes in window_lib.stacked_windows(dataset, average_gradients).prefetch(1):
+            yield (*batch, sizes)
+        return
+    window = []
+    for batch in dataset:
+        window.append(batch)
+        if len(window) == average_gradients:
+            yield stack_window(window)
+            window = []
+    if window:
+        yield stack_window(window)
+
+
+# ---------------------------------------------------------------- one call per mini-batch
+
+
+class GradientAccumulator(_Accumulator):
+    """Sums mini-batch gradients in variables, one call per mini-batch; applies their
+    sample-weighted mean once per window.
+
+    Attributes:
+      mini_batch_step: tf.function(x, y): adds one global mini-batch's summed gradients.
+      apply_step: tf.function() -> bool: applies sums / samples unless the open window
+        holds a NaN or Inf loss or gradient on any replica (the replicas' vote), then
+        zeroes the sums either way; says whether it applied.
+      sums, samples: the window's replica-local gradient sums and sample count.
+      window: mini-batches accumulated since the last update (a Python count).
+    """
+
+    def _make_variables(self):
+        self.sums = [_local_variable(tf.zeros(v.shape, v.dtype), tf.VariableAggregation.SUM,
+                                     f"accumulator_{i}")
+                     for i, v in enumerate(self.variables)]
+        # Every replica counts the whole global mini-batch's samples.
+        self.samples = _local_variable(0.0, tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                                       "window_samples")
+        # Mini-batches of the open window whose loss was not finite, on this replica (the
+        # gradient sums are checked when the window closes: a sum is finite only if every
+        # term was).
+        self.nonfinite = _local_variable(0.0, tf.VariableAggregation.SUM, "window_nonfinite")
+        self.mini_batch_step = None  # compiled on the first batch, with its shapes
+        self.apply_step = tf.function(self._apply_step)
+        self.window = 0
+
+    def _replica_mini_batch(self, data, local_size, n_global):
+        """Adds this replica's share of one global mini-batch to its sums."""
+        x, y = tf.nest.map_structure(lambda t: t[0, :local_size[0]], data)
+        state_variables = self.model.non_trainable_variables
+        grads, state, loss_sum = self._mini_batch(
+            [tf.convert_to_tensor(v) for v in self.variables],
+            [tf.convert_to_tensor(v) for v in state_variables], x, y, local_size[0])
+        for variable, value in zip(state_variables, state):
+            variable.assign(value)
+        for total, g in zip(self.sums, grads):
+            if g is not None:
+                total.assign_add(g)
+        self.samples.assign_add(tf.cast(n_global, tf.float32))
+        finite = tf.math.is_finite(loss_sum)
+        self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))
+        # A NaN must not poison the running loss that the logs report.
+        self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
+        self.samples_total.assign_add(
+            tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
+
+    def _replica_shares(self):
+        """This replica's share of the mean (the optimizer sums them) and its vote."""
+        count = self.samples.read_value()
+        shares = [total.read_value() / tf.cast(count, total.dtype)
+                  for total, none in zip(self.sums, self._no_gradient) if not none]
+        return shares, self.nonfinite.read_value() + not_finite(self.sums)
+
+    def _replica_reset(self):
+        for total in self.sums:
+            total.assign(tf.zeros_like(total))
+        self.samples.assign(0.0)
+        self.nonfinite.assign(0.0)
+
+    def _compile_mini_batch_step(self, x, y):
+        def spec(t):
+            t = tf.convert_to_tensor(t)
+            return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
+
+        signature = tf.nest.map_structure(spec, (x, y))
+
+        @tf.function(input_signature=signature)
+        def mini_batch_step(x, y):
+            # A window of one mini-batch, so that each replica receives only its share.
+            n_global = tf.shape(tf.nest.flatten(x)[0])[0]
+            data, local_size = _distribute(
+                self.strategy, tf.nest.map_structure(lambda t: t[tf.newaxis], (x, y)),
+                n_global[tf.newaxis])
+            self.strategy.run(self._replica_mini_batch, args=(data, local_size, n_global))
+
+        mini_batch_step.get_concrete_function()  # traced now: apply_step needs _no_gradient
+        return mini_batch_step
+
+    def _apply_step(self):
+        shares, nonfinite = self.strategy.run(self._replica_shares)
+        applied = apply_unless_nonfinite(self.strategy, self.optimizer, self.variables,
+                                         shares, self._no_gradient, nonfinite,
+                                         self.check_finite)
+        with tf.control_dependencies([applied]):
+            self.strategy.run(self._replica_reset)
+        return tf.identity(applied)
+
+    def build(self, x, y):
+        """Compiles the mini-batch step for batches shaped like (x, y), without training."""
+        if self.mini_batch_step is None:
+            self.mini_batch_step = self._compile_mini_batch_step(x, y)
+
+    def accumulate(self, x, y):
+        """Adds one global mini-batch (x, y) to the open window."""
+        self.build(x, y)
+        self.mini_batch_step(x, y)
+        self.window += 1
+
+    def apply(self):
+        """Applies the mean gradient of the open window (full or partial).
+
+        With check_finite, a window holding a NaN or Inf loss or gradient is skipped
+        instead: nothing is applied, the optimizer does not step, the sums are zeroed.
+
+        Returns:
+          True where the window was applied, False where it was skipped.
+        """
+        if not self.window:
+            raise ValueError("no mini-batch accumulated since the last update")
+        self.window = 0
+        return self._counted(bool(self.apply_step()))
+
+    def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
+        """One pass over `dataset`, one call per mini-batch, an update every N.
+
+        As WindowAccumulator.fit; callback(mini_batch) runs after each mini-batch,
+        after the update it completed, if any.
+        """
+        counts = _FitCounts(self, average_gradients)
+        for x, y in dataset:
+            self.accumulate(x, y)
+            counts.mini_batches += 1
+            if self.window == counts.n:
+                counts.window(self.apply(), counts.n)
+            if callback is not None:
+                callback(counts.mini_batches)
+        counts.partial = self.window
+        applied = bool(counts.partial) and counts.window(self.apply(), counts.partial)
+        return counts.summary(warn_partial, applied)
+
+
+def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strategy=None,
+                    callback=None, one_call=True, check_finite=True):
+    """Trains a Keras model on `dataset`, one update per `average_gradients` mini-batches.
+
+    Each update applies the gradient of the mean loss over all samples of its window, as
+    one batch of those samples would; see WindowAccumulator.fit for the arguments.
+
+    Args:
+      one_call: train each window in one compiled call (WindowAccumulator); False: one
+        call per mini-batch (GradientAccumulator).
+
+    Returns:
+      FitSummary(mini_batches, updates, partial_window, skipped_windows).
+    """
+    accumulator = WindowAccumulator if one_call else GradientAccumulator
+    return accumulator(model, optimizer, loss_fn, strategy, check_finite).fit(
+        dataset, average_gradients, callback=callback)

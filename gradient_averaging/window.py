@@ -1,0 +1,169 @@
+"""The window's building blocks, shared by every path: its N, its checks, its stacking
+and its loop.
+
+No Keras here: the TF1 optimizer wrapper imports this module too. A window is N
+mini-batches whose gradients make one update; stacked, they lie on a new leading axis,
+[N, B, ...], shorter ones padded, with their sizes beside them.
+"""
+
+import numbers
+
+import numpy as np
+import tensorflow as tf
+
+# Types whose sums overflow or lose precision too soon: they accumulate in float32.
+LOW_PRECISION = (tf.float16, tf.bfloat16)
+# Mini-batches the window loop runs at once: one's backward pass beside the next one's
+# forward pass, for the activations of one more; it also bounds the activations held to
+# two mini-batches' whatever N.
+PARALLEL_ITERATIONS = 2
+# TensorFlow feeds a numpy array to a session without copying it when its data is this
+# aligned.
+FEED_ALIGNMENT = 64
+
+
+def check_average_gradients(value, name="average_gradients"):
+    """N, mini-batches per update, checked once for every caller (library, flags, engines).
+
+    Args:
+      value: the N given; an int >= 1 (a numpy integer too; not a bool, not a float).
+      name: the argument's name, for the error message.
+
+    Returns:
+      `value` as a Python int.
+
+    Raises:
+      TypeError: `value` is not an integer (None, a bool, a float, a string...).
+      ValueError: `value` < 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1 (mini-batches per update), "
+                        f"got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (mini-batches per update), got {value}")
+    return int(value)
+
+
+def accumulator_dtype(value):
+    """The dtype a sum of `value`'s (a variable's, a gradient's or a numpy array's) values
+    is kept in."""
+    dtype = tf.as_dtype(value.dtype).base_dtype
+    return tf.float32 if dtype in LOW_PRECISION else dtype
+
+
+def all_finite(tensors):
+    """A scalar bool tensor: no NaN or Inf in any of `tensors` (dense tensors)."""
+    tensors = list(tensors)
+    if not tensors:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
+
+
+def stack_window(mini_batches, width=None, alignment=None):
+    """The window's mini-batches stacked on a new leading axis, shorter ones zero-padded.
+
+    Args:
+      mini_batches: a sequence of array-likes, or of equal structures (tuples, dicts)
+        of them; a mini-batch's samples are its first array's first axis (scalars are
+        stacked as they are).
+      width: the padded length of the sample axis; default the longest mini-batch's.
+      alignment: align the stacked arrays' data to this many bytes (a session feeds an
+        aligned array without copying it again).
+
+    Returns:
+      (stacked, sizes): the structure of one mini-batch with each array [N, width, ...],
+      and int32 [N], each mini-batch's samples.
+    """
+    if not len(mini_batches):
+        raise ValueError("a window needs at least one mini-batch")
+    mini_batches = [_arrays(batch) for batch in mini_batches]
+    sizes = np.array([_samples(tf.nest.flatten(batch)[0]) for batch in mini_batches], np.int32)
+    width = int(sizes.max()) if width is None else width
+
+    def stack(*arrays):
+        first = arrays[0]
+        shape = (len(arrays),) + ((width,) + first.shape[1:] if first.ndim else ())
+        out = _empty(shape, first.dtype, alignment)
+        if all(a.shape == shape[1:] for a in arrays):
+            return np.stack(arrays, out=out)
+        out[...] = 0
+        for row, array in zip(out, arrays):
+            row[:len(array)] = array
+        return out
+
+    return tf.nest.map_structure(stack, *mini_batches), sizes
+
+
+def stacked_windows(dataset, average_gradients):
+    """A tf.data dataset of mini-batches as one of windows, stacked as stack_window
+    stacks them: each element (batch, sizes), every component of the mini-batches'
+    structure zero-padded and stacked, [N, B, ...], and int32 [N] sizes; the last window
+    may hold fewer than N."""
+    def with_size(*batch):
+        return batch, tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
+
+    return dataset.map(with_size).padded_batch(average_gradients)
+
+
+def _arrays(batch):
+    """A mini-batch's tuples and dicts kept, everything else (a list of numbers too) as an
+    array."""
+    if isinstance(batch, tuple):
+        return tuple(_arrays(part) for part in batch)
+    if isinstance(batch, dict):
+        return {key: _arrays(part) for key, part in batch.items()}
+    return np.asarray(batch)
+
+
+def _samples(array):
+    return len(array) if array.ndim else 1
+
+
+def _empty(shape, dtype, alignment):
+    if not alignment:
+        return np.empty(shape, dtype)
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def sum_window(mini_batch_gradients, sums, state, data, sizes,
+               parallel_iterations=PARALLEL_ITERATIONS):
+    """The window loop, in the graph: adds up each mini-batch's gradients, in order.
+
+    Args:
+      mini_batch_gradients: (i, batch, state) -> (gradients, state) for mini-batch i,
+        given as `batch`, each tensor of `data` sliced [i, :sizes[i]] (scalars and
+        arrays of no sample axis: [i]); a gradient may be None (the loss does not reach
+        that variable).
+      sums: one zero tensor per gradient, in the type it is summed in.
+      state: a nested structure of tensors carried from mini-batch to mini-batch (a
+        model's other state, running totals, a TensorArray...).
+      data: a nested structure of stacked tensors, [N, B, ...]; an entry that is a
+        `Unbatched` holds per-mini-batch values without a sample axis ([N, ...]).
+      sizes: int [N], each mini-batch's samples.
+
+    Returns:
+      (sums, state) after the last mini-batch. The loop holds the activations of at
+      most `parallel_iterations` mini-batches at a time.
+    """
+    def body(i, state, sums):
+        batch = tf.nest.map_structure(
+            lambda t: t.values[i] if isinstance(t, Unbatched) else t[i, :sizes[i]], data)
+        gradients, state = mini_batch_gradients(i, batch, state)
+        sums = [s if g is None else s + tf.cast(g, s.dtype) for s, g in zip(sums, gradients)]
+        return i + 1, state, sums
+
+    _, state, sums = tf.while_loop(
+        lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
+        parallel_iterations=parallel_iterations)
+    return sums, state
+
+
+class Unbatched:
+    """Marks per-mini-batch values that have no sample axis (a seed per mini-batch), so
+    sum_window hands mini-batch i its row as it is."""
+
+    def __init__(self, values):
+        self.values = values

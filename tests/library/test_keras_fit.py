@@ -1,0 +1,170 @@
+"""keras_fit.accumulate: Keras's compile/fit with exact gradient averaging.
+
+Against the direct batch (the same model fitted with batch_size=N*B, same data order):
+the same weights and History, for SGD with a LearningRateSchedule and Adam, numpy and
+tf.data, 250 samples (not a multiple of N*B) over two epochs; and Keras's own
+`gradient_accumulation_steps` shown to miss on the same cases. Tiny models: a Dense
+layer or two on synthetic data (tests/library/toys.py). The two-replica MirroredStrategy
+check runs inside test_tf2_accumulator's mirrored subprocess (logical devices must be set
+before TensorFlow starts): toys.mirrored_fit is its half of that script.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_averaging import keras_fit
+from tests.library.toys import (B, N, OPTIMIZERS, SAMPLES, compiled, data, fit,
+                                max_difference, sgd, tiny_model)
+
+
+@pytest.fixture(scope="module")
+def direct():
+    """The reference per optimizer: the plain model fitted on batches of N*B."""
+    x, y = data()
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        model = compiled(tiny_model(), make())
+        out[name] = model, fit(model, x, y, N * B).history
+    return out
+
+
+@pytest.mark.parametrize("source", ["numpy", "tf.data"])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_fit_equals_the_direct_batch_and_keras_accumulation_does_not(direct, optimizer,
+                                                                     source):
+    x, y = data()
+    reference, reference_history = direct[optimizer]
+    model = compiled(keras_fit.accumulate(tiny_model(), average_gradients=N),
+                     OPTIMIZERS[optimizer]())
+    history = fit(model, x, y, B, source).history
+    assert max_difference(model, reference) < 1e-5
+    assert max_difference(model, tiny_model()) > 1e-2  # it trained
+    # One update per window: 3 full and a partial one per epoch; the schedule agrees.
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    # History: the samples' mean loss and accuracy per epoch, as the direct batch's.
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[key], reference_history[key], rtol=1e-5)
+    if source == "numpy":  # Keras's own accumulation on the same case
+        keras_own = compiled(tiny_model(), OPTIMIZERS[optimizer](gradient_accumulation_steps=N))
+        fit(keras_own, x, y, B)
+        assert max_difference(keras_own, reference) > 1e-2
+
+
+def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_micro_batches():
+    """240 samples, whole windows only: Keras's own accumulation is exact with a constant
+    rate, not with a schedule (it steps at micro-batch N-1, 2N-1...); accumulate is."""
+    x, y = data(240)
+    constant = lambda **kw: keras.optimizers.SGD(0.1, **kw)  # noqa: E731
+    for make, keras_exact in ((constant, True), (sgd, False)):
+        reference = compiled(tiny_model(), make())
+        fit(reference, x, y, N * B)
+        ours = compiled(keras_fit.accumulate(tiny_model(), N), make())
+        fit(ours, x, y, B)
+        keras_own = compiled(tiny_model(), make(gradient_accumulation_steps=N))
+        fit(keras_own, x, y, B)
+        assert max_difference(ours, reference) < 1e-5
+        assert (max_difference(keras_own, reference) < 1e-5) == keras_exact
+
+
+def test_a_window_with_a_nan_is_discarded_whole_and_counted():
+    x, y = data()
+    bad = x.copy()
+    bad[N * B + 5, 2] = np.nan  # window 2 of each epoch
+    model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    history = fit(model, bad, y, B).history
+    assert model.skipped_windows == 2 and int(model.optimizer.iterations) == 6
+    assert np.isfinite(history["loss"]).all()  # the NaN micro-batch is left out of the logs
+    # The same as never seeing that window's samples (and the schedule did not step).
+    keep = np.r_[0:N * B, 2 * N * B:SAMPLES]
+    reference = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(reference, x[keep], y[keep], B)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_callbacks_validation_and_a_keras_round_trip(tmp_path):
+    x, y = data()
+    model = compiled(keras_fit.accumulate(tiny_model(dropout=0.2), N),
+                     keras.optimizers.Adam(0.05))
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: seen.append(int(model.optimizer.iterations)))
+    history = model.fit(
+        x, y, batch_size=B, epochs=6, verbose=0, validation_data=data(60, seed=1),
+        callbacks=[record,
+                   keras.callbacks.ModelCheckpoint(str(tmp_path / "best.keras"),
+                                                   save_best_only=True),
+                   keras.callbacks.ReduceLROnPlateau(monitor="loss", min_delta=10, patience=0,
+                                                     factor=0.5),
+                   keras.callbacks.EarlyStopping(monitor="loss", min_delta=10, patience=2),
+                   keras.callbacks.TensorBoard(str(tmp_path / "tb"))])
+    assert seen[:5] == [1, 2, 3, 4, 5]  # a batch callback per update
+    assert len(history.history["val_loss"]) == 3  # stopped by EarlyStopping
+    # TensorBoard logged each epoch's loss, as History has it.
+    assert tensorboard_scalars(tmp_path / "tb" / "train", "epoch_loss") == pytest.approx(
+        history.history["loss"])
+    # Reduced at the end of epochs 2 and 3 (the first set the best loss); logged before.
+    assert history.history["learning_rate"] == pytest.approx([0.05, 0.05, 0.025])
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.0125)
+    model.save(tmp_path / "model.keras")
+    for path in ("best.keras", "model.keras"):  # ModelCheckpoint's, then this one
+        loaded = keras.models.load_model(tmp_path / path)
+        assert isinstance(loaded, keras_fit.AccumulatingModel)
+        assert loaded.average_gradients == N
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    evaluated = [m.evaluate(x, y, verbose=0, return_dict=True)["loss"] for m in (model, loaded)]
+    assert evaluated[0] == pytest.approx(evaluated[1])
+
+
+def tensorboard_scalars(logdir, tag):
+    """The values of `tag` in the event files under `logdir`, in step order."""
+    values = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            values += [(event.step, float(tf.make_ndarray(v.tensor)))
+                       for v in event.summary.value if v.tag == tag]
+    return [value for _, value in sorted(values)]
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit_to_the_same_weights(tmp_path):
+    x, y = data()
+    uninterrupted = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(uninterrupted, x, y, B)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    first = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(first, x, y, B, callbacks=[backup, Interrupt()])
+    resumed = compiled(keras_fit.accumulate(tiny_model(), N), sgd())  # a new process
+    history = fit(resumed, x, y, B, callbacks=[backup])
+    assert len(history.history["loss"]) == 1  # epoch 2 only
+    assert int(resumed.optimizer.iterations) == 8
+    for a, b in zip(resumed.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mixed_float16_with_keras_loss_scale_optimizer():
+    x, y = data()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+        reference = compiled(tiny_model(), sgd())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    fit(model, x, y, B)
+    fit(reference, x, y, N * B)
+    # The loss scale starts high: the first windows overflow in float16, and are
+    # skipped by the LossScaleOptimizer (which lowers its scale), as the direct batch's.
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) > 0
+    assert model.skipped_windows == 8 - int(model.optimizer.iterations)
+    # float16 activations: as close as the direct batch's own rounding allows.
+    assert max_difference(model, reference) < 1e-2
+    assert max_difference(model, tiny_model()) > 1e-2

@@ -1,0 +1,297 @@
+"""The TF2 library's one-call window (WindowAccumulator.apply_window, fit's default)
+against its per-micro-batch path (GradientAccumulator.accumulate + apply), on real MNIST;
+and the tf2 engine's window buffer, which trains through the one-call window.
+
+The model is a small ConvNet with seeded dropout defined here (the library is for your
+own Keras model): both paths must draw the same dropout masks in the same order, so
+their weights are compared for equality, not closeness.
+"""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import model as models
+from experiment import checkpoint
+from experiment import data
+from experiment import engine_tf2
+from experiment import loop
+from gradient_averaging import tf2
+from gradient_averaging import window as window_lib
+from tests.helpers import CPU_ONLY, run_cli
+from tests.library.toys import (check_mirrored_fit, cross_entropy, mini_batches,
+                                small_conv_net, windows)
+from trainer import Outcome
+
+# Three windows at N=3: equal micro-batches, unequal ones (a short slice), and a partial
+# window of two (the run's trailing one).
+def accumulator(optimizer, model=None, **kwargs):
+    """The one-call window's trainer."""
+    return tf2.WindowAccumulator(model or small_conv_net(), optimizer,
+                                             cross_entropy, **kwargs)
+
+
+def per_micro_batch(optimizer, model=None, **kwargs):
+    return tf2.GradientAccumulator(model or small_conv_net(), optimizer,
+                                               cross_entropy, **kwargs)
+
+
+def assert_same_weights(a, b):
+    for x, y in zip(a.model.get_weights(), b.model.get_weights()):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("make_optimizer", [lambda: keras.optimizers.Adam(1e-2),
+                                            lambda: keras.optimizers.SGD(0.1)],
+                         ids=["adam", "sgd"])
+def test_one_call_window_equals_the_per_micro_batch_path(mnist, make_optimizer):
+    per_micro, one_call = per_micro_batch(make_optimizer()), accumulator(make_optimizer())
+    start = [w.copy() for w in one_call.model.get_weights()]
+    for window in windows(mnist.train):
+        for x, y in window:
+            per_micro.accumulate(x, y)
+        assert per_micro.apply() is True
+        assert one_call.apply_window(window) is True
+    assert_same_weights(per_micro, one_call)
+    assert not np.array_equal(start[0], one_call.model.get_weights()[0])  # it trained
+    assert one_call.updates == int(one_call.optimizer.iterations.numpy()) == 3
+    assert one_call.loss_totals() == pytest.approx(per_micro.loss_totals(), rel=1e-12)
+    # dropout's seed generators advanced alike: the next masks are the same too
+    for a, b in zip(per_micro.model.non_trainable_variables,
+                    one_call.model.non_trainable_variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_padding_of_short_micro_batches_is_left_out(mnist):
+    """The same window stacked wider (more zero padding) trains to the same weights."""
+    window = mini_batches(mnist.train, (6, 2, 5))
+    xs, ys, sizes = tf2.stack_window(window)
+    assert xs.shape == (3, 6, 28, 28, 1) and sizes.tolist() == [6, 2, 5]
+    assert not np.any(xs[1, 2:]) and np.array_equal(xs[2, :5], window[2][0])
+    padded = [np.pad(a, [(0, 0), (0, 4)] + [(0, 0)] * (a.ndim - 2)) for a in (xs, ys)]
+    narrow, wide = accumulator(keras.optimizers.SGD(0.1)), accumulator(keras.optimizers.SGD(0.1))
+    narrow.apply_stacked(xs, ys, sizes)
+    wide.apply_stacked(*padded, sizes)
+    assert_same_weights(narrow, wide)
+    # Padding counted as samples would be another gradient: this test would see it.
+    equal = accumulator(keras.optimizers.SGD(0.1))
+    equal.apply_stacked(xs, ys, np.array([6, 6, 6], np.int32))
+    assert any(not np.array_equal(a, b) for a, b in zip(narrow.model.get_weights(),
+                                                        equal.model.get_weights()))
+
+
+@pytest.mark.parametrize("source", ["tf.data", "list"])
+def test_fit_in_one_call_per_window_equals_fit_per_micro_batch(mnist, source):
+    """10 micro-batches at N=4 (a short last one): windows of 4, 4 and a partial 2."""
+    images, labels = mnist.train.images[:75], mnist.train.labels[:75]
+    if source == "tf.data":
+        dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(8)
+    else:
+        dataset = mini_batches(mnist.train, [8] * 9 + [3])
+    summaries, models, calls = [], [], []
+    for one_call in (False, True):
+        model = small_conv_net()
+        seen = []
+        summaries.append(tf2.fit_accumulated(
+            model, dataset, keras.optimizers.Adam(1e-2), cross_entropy, average_gradients=4,
+            callback=seen.append, one_call=one_call))
+        models.append(model)
+        calls.append(seen)
+    assert summaries[0] == summaries[1] == tf2.FitSummary(
+        mini_batches=10, updates=3, partial_window=2)
+    assert calls[0] == calls[1] == list(range(1, 11))
+    for a, b in zip(models[0].get_weights(), models[1].get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,
+                                     tf2.GradientAccumulator])
+def test_each_fits_summary_counts_its_own_updates_and_discarded_windows(mnist, trainer):
+    """Two fits on one trainer: each FitSummary counts that fit's windows only, a
+    window holding a NaN as discarded; the trainer's counters hold both fits'."""
+    batches = mini_batches(mnist.train, [5] * 6)  # 3 windows of 2
+    nan = (batches[2][0].copy(), batches[2][1])
+    nan[0][1] = np.nan
+    fitted = trainer(small_conv_net(dropout=0.0), keras.optimizers.Adam(1e-2), cross_entropy)
+    first = fitted.fit(batches[:2] + [nan] + batches[3:], average_gradients=2)
+    assert first == tf2.FitSummary(mini_batches=6, updates=2, partial_window=0,
+                                               skipped_windows=1)
+    second = fitted.fit(batches[:5], average_gradients=2, warn_partial=False)
+    assert second == tf2.FitSummary(mini_batches=5, updates=3, partial_window=1,
+                                                skipped_windows=0)
+    assert (fitted.updates, fitted.skipped_windows) == (5, 1)
+
+
+def test_a_nonfinite_window_is_discarded_whole_in_one_call(mnist):
+    good, bad, after = windows(mnist.train, ((5, 5), (5, 5), (5, 5)))
+    bad[1] = (bad[1][0].copy(), bad[1][1])  # windows() returns views of MNIST
+    bad[1][0][3] = np.nan
+    one_call = accumulator(keras.optimizers.Adam(1e-2), small_conv_net(dropout=0.0))
+    assert one_call.apply_window(good) is True
+    before = [w.copy() for w in one_call.model.get_weights()]
+    assert one_call.apply_window(bad) is False
+    assert (one_call.updates, one_call.skipped_windows) == (1, 1)
+    assert int(one_call.optimizer.iterations.numpy()) == 1  # LR schedules stay put
+    for a, b in zip(before, one_call.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # The next window applies as if the discarded one had never been.
+    reference = accumulator(keras.optimizers.Adam(1e-2), small_conv_net(dropout=0.0))
+    reference.apply_window(good)
+    assert one_call.apply_window(after) and reference.apply_window(after)
+    assert_same_weights(one_call, reference)
+
+
+def test_lr_schedule_counts_updates_in_one_call(mnist):
+    rates = {}
+    for n in (1, 4):
+        optimizer = keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(
+            0.1, decay_steps=2, decay_rate=0.5))
+        one_call = accumulator(optimizer, small_conv_net(dropout=0.0))
+        for window in windows(mnist.train, [(2,) * n] * 3):  # three updates
+            one_call.apply_window(window)
+        assert int(optimizer.iterations.numpy()) == 3
+        rates[n] = float(optimizer.learning_rate.numpy())
+    assert rates[1] == rates[4] == pytest.approx(0.1 * 0.5 ** 1.5)
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_build_window_trains_nothing(mnist, check_finite):
+    one_call = accumulator(keras.optimizers.Adam(1e-2), check_finite=check_finite)
+    start = [w.copy() for w in one_call.model.get_weights()]
+    window = mini_batches(mnist.train, (4, 4))
+    one_call.build_window(*tf2.stack_window(window))
+    assert one_call.window_step is not None
+    for a, b in zip(start, one_call.model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert int(one_call.optimizer.iterations.numpy()) == 0
+    assert (one_call.updates, one_call.skipped_windows, one_call.loss_totals()) == (0, 0, (0, 0))
+    # It trains afterwards as a fresh one would.
+    fresh = accumulator(keras.optimizers.Adam(1e-2), check_finite=check_finite)
+    assert one_call.apply_window(window) and fresh.apply_window(window)
+    assert_same_weights(one_call, fresh)
+
+
+def test_the_loop_holds_two_micro_batches_in_flight_and_touches_no_variable(mnist):
+    """Peak activations are two micro-batches' (parallel_iterations), whatever N: the
+    loop body is stateless, so no iteration waits on another's variable reads."""
+    one_call = accumulator(keras.optimizers.SGD(0.1))
+    xs, ys, sizes = tf2.stack_window(mini_batches(mnist.train, (4, 4)))
+    graph = one_call._compile_window_step(xs, ys, sizes).get_concrete_function().graph
+    loops = [op for op in graph.get_operations() if op.type.endswith("While")]
+    assert [op.type for op in loops] == ["StatelessWhile"]
+    parallel = loops[0].get_attr("parallel_iterations")
+    assert parallel == window_lib.PARALLEL_ITERATIONS == 2
+
+
+def test_the_engine_trains_each_window_in_one_call_as_the_per_micro_batch_path(
+        mnist, tmp_path):
+    """engine_tf2.Engine buffers N mini-batches and trains them in one call, a partial
+    window by its samples, with the ConvNet's dropout on; a saved open window resumes."""
+    config = loop.Config(engine="tf2", average_gradients=3, batch_size=4)
+    engine = engine_tf2.Engine(config, seed=1)
+    batches = list(data.batches(mnist.train, 1, 4, 0, 8))  # windows of 3, 3 and a partial 2
+    reference = tf2.GradientAccumulator(  # one call per micro-batch
+        models.keras_model("convnet", config.dropout, seed=1), keras.optimizers.Adam(1e-3),
+        engine_tf2.sparse_cross_entropy)
+    closed = []
+    for iteration, (x, y) in enumerate(batches[:7], 1):
+        closed.append(engine.step(x, y, iteration))
+        reference.accumulate(x, y)
+        if reference.window == 3:
+            reference.apply()
+    none, applied = Outcome.NONE, Outcome.APPLIED
+    assert closed == [none, none, applied] * 2 + [none]
+    # The open window, saved and restored into an engine that has trained on.
+    ckpt = checkpoint.RunCheckpoint(str(tmp_path / "ckpt"), {})
+    state = ckpt.save(engine, 7, {"open_window": engine.window_size()})
+    window_file = os.path.join(ckpt.directory, state["window"])
+    with open(window_file, "rb") as f:
+        saved_window = f.read()
+    np.savez(window_file)  # a window file without the open window: refused
+    with pytest.raises(checkpoint.CheckpointError, match="does not hold the open window"):
+        ckpt.restore(engine, state)
+    with open(window_file, "wb") as f:
+        f.write(saved_window)
+    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
+    ckpt.restore(engine, ckpt.load())
+    assert engine.window_size() == 1
+    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
+    reference.accumulate(*batches[7])
+    reference.apply()
+    assert reference.updates == 3
+    for a, b in zip(reference.model.get_weights(), engine.net.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert engine.loss_totals() == pytest.approx(reference.loss_totals(), rel=1e-12)
+    # Compiled once, in the engine's constructor: windows of 3 and 2 do not retrace.
+    assert engine.accumulator.window_step.experimental_get_tracing_count() == 1
+
+
+MIRRORED_SCRIPT = """
+import json
+import numpy as np, keras, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+from experiment import data
+from gradient_averaging import tf2
+from tests.library import toys
+from tests.library.toys import count_all_reduces, cross_entropy, small_conv_net, windows
+
+def accumulator(trainer):
+    with strategy.scope():
+        model, optimizer = small_conv_net(), keras.optimizers.Adam(1e-2)
+    return trainer(model, optimizer, cross_entropy, strategy)
+
+per_micro = accumulator(tf2.GradientAccumulator)
+one_call = accumulator(tf2.WindowAccumulator)
+split = data.load_mnist().train
+for window in windows(split):  # 8 samples: 4 a replica; 3: 1 / 2; 5: 2 / 3
+    for x, y in window:
+        per_micro.accumulate(x, y)
+    per_micro.apply()
+    one_call.apply_window(window)
+same = all(np.array_equal(a, b) for a, b in zip(per_micro.model.get_weights(),
+                                                one_call.model.get_weights()))
+before = [w.copy() for w in one_call.model.get_weights()]
+window = windows(split, [(6, 6)])[0]
+poisoned = [window[0], (window[1][0].copy(), window[1][1])]
+poisoned[1][0][5] = np.nan  # sample 5 of 6: in replica 1's slice only
+xs, ys, sizes = tf2.stack_window(window)
+print(json.dumps({
+    "replicas": strategy.num_replicas_in_sync, "same": same,
+    "window": count_all_reduces(
+        one_call.window_step.get_concrete_function(xs, ys, sizes)),
+    "apply": count_all_reduces(per_micro.apply_step.get_concrete_function()),
+    "micro": count_all_reduces(per_micro.mini_batch_step.get_concrete_function()),
+    "variables": len(per_micro.variables),
+    "discarded": not one_call.apply_window(poisoned),
+    "unchanged": all(np.array_equal(a, b) for a, b in zip(before, one_call.model.get_weights())),
+    "updates": int(one_call.optimizer.iterations.numpy()),
+    **toys.mirrored_fit(strategy)}))
+"""
+
+
+def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
+    """Logical devices must be set before TensorFlow starts: a fresh process. Both paths,
+    one call per window and a call per micro-batch: the same bits, one all-reduce per
+    update, and a NaN on one replica discards the window for all; and Keras fit through
+    `accumulate` ends with the one-device weights (test_keras_fit.mirrored_fit)."""
+    path = tmp_path / "mirrored_window.py"
+    path.write_text(MIRRORED_SCRIPT)
+    proc = run_cli(script=str(path), timeout=180, env=CPU_ONLY)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["replicas"] == 2 and result["same"]
+    # The optimizer's all-reduce of the applied mean (at most one per variable and replica)
+    # and the non-finite vote (one scalar, summed locally by AddN here, one collective
+    # across workers), the same in both paths' apply; nothing per micro-batch.
+    assert result["micro"] == 0
+    assert 1 <= result["apply"] <= result["replicas"] * result["variables"] + 1
+    assert result["window"] == result["apply"]
+    assert result["discarded"] and result["unchanged"] and result["updates"] == 3
+    # In the same process (one TensorFlow start less): Keras fit through accumulate.
+    check_mirrored_fit(result)

@@ -1,0 +1,152 @@
+"""Small Keras models, data and checks that the library's tests share.
+
+Tiny models: a Dense layer or two on synthetic data (Keras fit), a small ConvNet with
+seeded dropout and an L2 regularizer on real MNIST (the TF2 accumulators).
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from gradient_averaging import keras_fit
+
+# Ops that communicate between replicas.
+ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
+                  "CollectiveGather", "CollectiveGatherV2", "NcclAllReduce")
+
+
+def count_all_reduces(concrete_function):
+    """Number of cross-replica reduction ops in a traced function and its library."""
+    graph_def = concrete_function.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes.extend(function.node_def)
+    return sum(node.op in ALL_REDUCE_OPS for node in nodes)
+
+
+# ---------------------------------------------------------------- Keras fit: tiny models
+
+N, B = 4, 20  # an update per 80 samples: 250 = 3 x 80 + 10, a partial window per epoch
+SAMPLES, FEATURES, CLASSES = 250, 8, 3
+
+
+def data(n=SAMPLES, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    y = (x[:, :CLASSES].argmax(axis=1) + (rng.random(n) < 0.2)) % CLASSES
+    return x, y.astype(np.int64)
+
+
+def tiny_model(seed=1, dropout=0.0):
+    init = keras.initializers.GlorotUniform
+    layers = [keras.Input((FEATURES,)),
+              keras.layers.Dense(16, activation="relu", kernel_initializer=init(seed),
+                                 kernel_regularizer=keras.regularizers.L2(1e-3))]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout, seed=seed))
+    return keras.Sequential(layers + [keras.layers.Dense(CLASSES,
+                                                         kernel_initializer=init(seed + 1))])
+
+
+def sgd(**kwargs):
+    """SGD on a schedule that halves the rate at every optimizer step."""
+    return keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.5),
+        **kwargs)
+
+
+OPTIMIZERS = {"sgd_schedule": sgd, "adam": lambda **kw: keras.optimizers.Adam(0.05, **kw)}
+
+
+def compiled(model, optimizer):
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+def fit(model, x, y, batch_size, source="numpy", epochs=2, **kwargs):
+    if source == "tf.data":
+        return model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size),
+                         epochs=epochs, verbose=0, **kwargs)
+    return model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0,
+                     **kwargs)
+
+
+def max_difference(a, b):
+    return max(float(np.abs(u - v).max()) for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+
+# ---------------------------------------------------------------- the TF2 accumulators: MNIST
+
+WINDOWS = ((8, 8, 8), (8, 3, 5), (8, 2))
+
+
+def small_conv_net(dropout=0.5, seed=0):
+    """A ConvNet with dropout and an L2 regularizer: every kind of model state is used."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((28, 28, 1)), keras.layers.Dropout(min(0.2, dropout), seed=seed + 10),
+        keras.layers.Conv2D(4, 5, activation="relu", kernel_initializer=init(seed)),
+        keras.layers.MaxPool2D(4), keras.layers.Flatten(),
+        keras.layers.Dropout(dropout, seed=seed + 11),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(seed + 1),
+                           kernel_regularizer=keras.regularizers.L2(1e-3)),
+        keras.layers.Dense(10, kernel_initializer=init(seed + 2))])
+
+
+def cross_entropy(labels, logits):
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+
+
+def mini_batches(split, sizes, start=0):
+    """Consecutive (images, labels) slices of `split`, of the given sizes."""
+    out = []
+    for size in sizes:
+        out.append((split.images[start:start + size], split.labels[start:start + size]))
+        start += size
+    return out
+
+
+def windows(split, shape=WINDOWS):
+    batches = mini_batches(split, [size for window in shape for size in window])
+    out = []
+    for window in shape:
+        out.append(batches[:len(window)])
+        batches = batches[len(window):]
+    return out
+
+
+
+# ---------------------------------------------------------------- two mirrored replicas
+
+
+def mirrored_fit(strategy):
+    """Run by test_tf2_accumulator's mirrored script: accumulate under 2 replicas
+    against one device, and the all-reduces traced into one train_step."""
+    x, y = data()
+    one_device = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(one_device, x, y, B)
+    with strategy.scope():
+        model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(model, x, y, B)
+    specs = ((tf.TensorSpec([None, None, FEATURES]), tf.TensorSpec([None, None], tf.int64)),
+             tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32))
+    specs = tf.nest.map_structure(lambda s: tf.TensorSpec([1] + s.shape.as_list(), s.dtype),
+                                  specs)
+    # The step as Keras runs it, per replica (each gets its share on a leading axis).
+    step = tf.function(lambda data: strategy.run(model.train_step, args=(data,)))
+    return {"fit_difference": max_difference(model, one_device),
+            "fit_updates": int(model.optimizer.iterations.numpy()),
+            "fit_all_reduces": count_all_reduces(
+                step.get_concrete_function(specs)),
+            "fit_variables": len(model.trainable_variables)}
+
+
+def check_mirrored_fit(result):
+    """test_tf2_accumulator's assertions on mirrored_fit's result."""
+    assert result["fit_difference"] < 1e-5 and result["fit_updates"] == 8
+    # The optimizer's all-reduce of the applied mean, once per window; nothing per
+    # mini-batch (their N is not even known when traced).
+    assert 1 <= result["fit_all_reduces"] <= 2 * result["fit_variables"] + 1
