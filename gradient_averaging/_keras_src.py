@@ -1,12 +1,17 @@
-"""Every use of Keras's private modules (`keras.src`), behind a check of the version.
+"""Every use of Keras's internals, behind a check of the version.
 
-`accumulate` builds on Keras's data adapters and its loss scaling for distribution, which
-Keras does not export and may change in any release: this module imports them once, and
-refuses, in one line, a Keras it was not tested on. requirements.txt pins that version;
-pyproject.toml bounds it.
+`accumulate` builds on Keras's data adapters, its loss scaling for distribution and two
+private Model methods; the batch-norm statistics on BatchNormalization's `_moments`.
+Keras exports none of them and may change any in a release: this module is the one place
+that touches them, and it refuses, in one line, a Keras it was not tested on.
+requirements.txt pins that version; pyproject.toml bounds it.
 """
 
+import contextlib
+import functools
+
 import keras
+import tensorflow as tf
 
 SUPPORTED = (3, 15)  # major, minor: Keras 3.15.x
 SUPPORTED_RANGE = ">=3.15,<3.16"
@@ -33,8 +38,9 @@ from keras.src.trainers import data_adapters  # noqa: E402
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split  # noqa: E402
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E402
 
-__all__ = ["DataAdapter", "check_version", "data_adapters", "loss_tracker", "symbolic_build",
-           "train_validation_split", "unscale_loss_for_distribution"]
+__all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_version",
+           "data_adapters", "loss_tracker", "symbolic_build", "train_validation_split",
+           "unscale_loss_for_distribution"]
 
 
 def symbolic_build(model, data_batch):
@@ -47,3 +53,105 @@ def symbolic_build(model, data_batch):
 def loss_tracker(model):
     """The Mean metric that fit's logs call `loss` (Trainer._loss_tracker)."""
     return model._loss_tracker  # noqa: SLF001
+
+
+# ---------------------------------------------------------------- batch normalization
+
+
+def batch_norm_layers(model, poolable=True):
+    """The model's BatchNormalization layers, nested ones included, each once.
+
+    Args:
+      poolable: refuse the layers whose statistics the window cannot pool (below).
+
+    Raises:
+      ValueError: a layer whose statistics the window cannot pool: synchronized (its
+        forward pass all-reduces every mini-batch), renorm (its corrections depend on
+        each batch's spread), or a subclass with its own `call` or `_moments`.
+    """
+    base = keras.layers.BatchNormalization
+    found, seen = [], set()
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001
+        if not isinstance(layer, base) or id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        why = ("synchronized=True (its forward pass all-reduces each mini-batch; the "
+               "window pools the statistics across replicas anyway: use "
+               "synchronized=False)" if layer.synchronized
+               else "renorm=True" if getattr(layer, "renorm", False)
+               else "a subclass with its own call or _moments"
+               if type(layer).call is not base.call
+               or type(layer)._moments is not base._moments  # noqa: SLF001
+               else None)
+        if why and poolable:
+            raise ValueError(
+                f"BatchNormalization layer {layer.name!r} has {why}: gradient averaging "
+                "cannot give it the window's statistics; pass bn_statistics='mini_batch' "
+                "for Keras's own per-mini-batch behaviour")
+        found.append(layer)
+    return found
+
+
+@contextlib.contextmanager
+def captured_moments(layers, row_mask, records):
+    """While the block runs the model forward: each layer's batch moments, appended to
+    `records` as (layer index, count, mean, variance) per call, counts and moments per
+    channel; padded rows (row_mask False) enter neither the normalization nor the
+    statistics, and an empty batch normalizes with zeros, not NaN."""
+    for index, layer in enumerate(layers):
+        object.__setattr__(layer, "_moments", functools.partial(
+            _moments, layer, type(layer)._moments.__get__(layer), index,  # noqa: SLF001
+            row_mask, records))
+    try:
+        yield records
+    finally:
+        for layer in layers:
+            object.__delattr__(layer, "_moments")
+
+
+def _moments(layer, original, index, row_mask, records, inputs, mask):
+    axes = list(layer._reduction_axes)  # noqa: SLF001
+    weights = None
+    if row_mask is not None:
+        weights = tf.reshape(tf.cast(row_mask, inputs.dtype),
+                             [-1] + [1] * (len(inputs.shape) - 1))
+    if mask is not None:
+        keep = tf.cast(tf.expand_dims(mask, -1), inputs.dtype)
+        weights = keep if weights is None else weights * keep
+    if weights is None:  # Keras's own moments, so the forward pass is Keras's
+        mean, variance = original(inputs, None)
+        size = tf.reduce_prod(tf.gather(tf.shape(inputs), axes))
+        count = tf.cast(size, tf.float64) * tf.ones_like(mean, tf.float64)
+    else:
+        weights = tf.broadcast_to(weights, tf.shape(inputs))
+        total = tf.reduce_sum(weights, axes, keepdims=True)
+        safe = tf.maximum(total, 1.0)
+        mean = tf.reduce_sum(tf.where(weights > 0, inputs, 0.0), axes, keepdims=True) / safe
+        centered = tf.where(weights > 0, inputs - mean, 0.0)
+        variance = tf.reduce_sum(tf.square(centered), axes, keepdims=True) / safe
+        mean, variance = tf.squeeze(mean), tf.squeeze(variance)
+        count = tf.cast(tf.squeeze(total), tf.float64)
+    empty = count <= 0
+    mean = tf.where(empty, tf.zeros_like(mean), mean)
+    variance = tf.where(empty, tf.zeros_like(variance), variance)
+    records.append((index, count, mean, variance))
+    return mean, variance
+
+
+def with_row_mask(outputs, row_mask):
+    """`outputs` whose Keras masks leave out padded rows (row_mask False): Keras's losses
+    then average over the real rows only, and its metrics count only them, weighted or
+    not. A mask an output already has is kept too."""
+    from keras.src.backend.common import masking
+
+    def masked(t):
+        rank = len(t.shape)
+        rows = tf.reshape(row_mask, [-1] + [1] * max(rank - 2, 0))
+        mask = tf.broadcast_to(rows, tf.shape(t)[:max(rank - 1, 1)])
+        existing = masking.get_keras_mask(t)
+        t = tf.identity(t)  # a tensor of its own: the mask is an attribute of it
+        masking.set_keras_mask(t, mask if existing is None
+                               else tf.logical_and(tf.cast(existing, tf.bool), mask))
+        return t
+
+    return tf.nest.map_structure(masked, outputs)

@@ -21,7 +21,7 @@ from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 
 
-def accumulate(model, average_gradients, check_finite=True):
+def accumulate(model, average_gradients, check_finite=True, bn_statistics="update"):
     """`model` for Keras's `compile`/`fit`, training with exact gradient averaging.
 
     Each update applies the gradient of the mean loss over the window's samples, as one
@@ -33,6 +33,9 @@ def accumulate(model, average_gradients, check_finite=True):
         keeps Keras's own `train_step`.
       average_gradients: N, mini-batches (fit's batch_size) per update.
       check_finite: skip (not apply) a window holding a NaN or Inf loss or gradient.
+      bn_statistics: "update": BatchNormalization layers take one moving-average step
+        per update on the window's statistics (the direct batch's); "mini_batch": a step
+        per mini-batch, as Keras takes them (tf2.BatchNormStatistics).
 
     Returns:
       An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
@@ -46,7 +49,8 @@ def accumulate(model, average_gradients, check_finite=True):
             "without running it; accumulate inside your own step instead, with "
             "gradient_averaging.GradientAccumulator (accumulate(x, y) per mini-batch, "
             "apply() every N)")
-    return AccumulatingModel(model, average_gradients, check_finite=check_finite)
+    return AccumulatingModel(model, average_gradients, check_finite=check_finite,
+                             bn_statistics=bn_statistics)
 
 
 # Registered under the name the first release used, so that its .keras files load.
@@ -72,11 +76,18 @@ class AccumulatingModel(keras.Model):
       skipped_windows: windows skipped for a non-finite loss or gradient so far.
     """
 
-    def __init__(self, model, average_gradients, check_finite=True, **kwargs):
+    def __init__(self, model, average_gradients, check_finite=True, bn_statistics="update",
+                 **kwargs):
         super().__init__(**kwargs)
         self.model = model
         self.average_gradients = window_lib.check_average_gradients(average_gradients)
         self.check_finite = check_finite
+        if bn_statistics not in tf2.BN_STATISTICS:
+            raise ValueError(f"bn_statistics must be one of {', '.join(tf2.BN_STATISTICS)}; "
+                             f"got {bn_statistics!r}")
+        self.bn_statistics = bn_statistics
+        self._statistics = None  # BatchNormStatistics, made by fit
+        self._single_values = None
         # Counted once per window (the first replica's count), never saved.
         self._skipped = tf2._local_variable(tf.constant(0, tf.int64),  # noqa: SLF001
                                             tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -94,7 +105,7 @@ class AccumulatingModel(keras.Model):
         config = super().get_config()
         config.update(model=keras.saving.serialize_keras_object(self.model),
                       average_gradients=self.average_gradients,
-                      check_finite=self.check_finite)
+                      check_finite=self.check_finite, bn_statistics=self.bn_statistics)
         return config
 
     @classmethod
@@ -125,6 +136,15 @@ class AccumulatingModel(keras.Model):
         windows = self._windows(x, y, sample_weight, batch_size, shuffle, class_weight)
         # Keras would build the metrics from the first element: a window. A mini-batch's.
         _keras_src.symbolic_build(self, windows.mini_batches.get_tf_dataset().element_spec)
+        padded = bool(self.jit_compile)
+        if self._statistics is None or self._statistics.padded != padded:
+            self._statistics = tf2.BatchNormStatistics(self, self.bn_statistics, padded)
+            with self.distribute_strategy.scope():
+                self._single_values = tf.Variable(
+                    tf.zeros([len(self._statistics.layers)], tf.float64), trainable=False)
+            self.train_function = None  # traced again with them
+        if self._statistics:
+            callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
         return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
                            validation_data=validation_data, initial_epoch=initial_epoch,
                            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
@@ -161,36 +181,48 @@ class AccumulatingModel(keras.Model):
         if self.distribute_strategy.num_replicas_in_sync > 1:
             data = tf.nest.map_structure(lambda t: t[0], data)
         batch, sizes, global_sizes = data
+        # Under XLA (Keras's jit_compile) every mini-batch runs at the window's padded
+        # width, a shape known when traced; its padding weighs nothing.
+        padded = bool(self.jit_compile)
+        statistics = self._batch_norm(padded)
         trainable = self.trainable_variables
         non_trainable = self.non_trainable_variables
         metrics = self.metrics_variables
         weights = [tf.convert_to_tensor(v) for v in trainable]
+        state = [tf.convert_to_tensor(v) for v in non_trainable]
         count = tf.cast(tf.reduce_sum(global_sizes), tf.float32)
+        if statistics:
+            statistics.discover(self, weights, state, keras.utils.unpack_x_y_sample_weight(
+                tf2.first_rows(batch))[0])
+        shifts = statistics.shifts(state) if statistics else []
 
-        def mini_batch(unused_i, mini_batch_data, state):
+        def mini_batch(i, mini_batch_data, carried):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(mini_batch_data)
-            non_trainable_values, metrics_values, nonfinite = state
-            n_local = tf.shape(tf.nest.flatten(x)[0])[0]
+            non_trainable_values, metrics_values, nonfinite, moments = carried
+            n_local = sizes[i]
             n = tf.cast(n_local, tf.float32)
+            mask = (window_lib.row_mask(n_local, tf.shape(tf.nest.flatten(x)[0])[0])
+                    if padded else None)
 
             def objective(y_pred, unused_regularization, non_trainable_values):
+                if padded:  # Keras's losses and metrics leave masked rows out
+                    y_pred = _keras_src.with_row_mask(y_pred, mask)
                 # As Keras's JAX trainer: the model, then the loss, on values.
-                loss, (_, non_trainable_values, metrics_values_after) = \
-                    self.stateless_compute_loss(
-                        weights, non_trainable_values, metrics_values, x=x, y=y,
-                        y_pred=y_pred, sample_weight=sample_weight, training=True)
+                loss, (_, non_trainable_values, metrics_after) = self.stateless_compute_loss(
+                    weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
+                    sample_weight=sample_weight, training=True)
                 loss = _keras_src.unscale_loss_for_distribution(loss)
                 # The mini-batch's part of the window's mean loss, scaled (mixed
                 # precision) as Keras scales a batch's: the float16 gradients are those
                 # of the direct batch, and their sum is the mean's gradient.
                 scaled = self.optimizer.scale_loss(loss * (n / count))
-                return scaled, (loss, y_pred, non_trainable_values, metrics_values_after)
+                return scaled, (loss, y_pred, non_trainable_values, metrics_after)
 
-            grads, self._no_gradient, _, (loss, y_pred, non_trainable_values,
-                                          metrics_values_after) = tf2.mini_batch_gradients(
-                self, weights, non_trainable_values, x, objective)
-            with keras.StatelessScope(
-                    state_mapping=list(zip(metrics, metrics_values_after))) as scope:
+            step = tf2.mini_batch_gradients(self, weights, non_trainable_values, x,
+                                            objective, statistics or None, mask)
+            self._no_gradient = step.no_gradient
+            loss, y_pred, non_trainable_values, metrics_after = step.extra
+            with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_after))) as scope:
                 _keras_src.loss_tracker(self).update_state(loss, sample_weight=n_local)
                 self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             # A non-finite mini-batch (its window is skipped) is left out of the logs.
@@ -198,27 +230,33 @@ class AccumulatingModel(keras.Model):
             metrics_values = [tf.where(finite, scope.get_current_value(v), old)
                               for v, old in zip(metrics, metrics_values)]
             nonfinite += 1.0 - tf.cast(finite, tf.float32)
-            return grads, (non_trainable_values, metrics_values, nonfinite)
+            if statistics:
+                moments = statistics.add(moments, step.moments, shifts)
+            return step.gradients, (non_trainable_values, metrics_values, nonfinite, moments)
 
-        sums, (non_trainable_values, metrics_values, nonfinite) = window_lib.sum_window(
-            mini_batch, [tf.zeros(v.shape, v.dtype) for v in trainable],
-            ([tf.convert_to_tensor(v) for v in non_trainable],
-             [tf.convert_to_tensor(v) for v in metrics], tf.constant(0.0)), batch, sizes)
+        sums, (non_trainable_values, metrics_values, nonfinite, moments) = \
+            window_lib.sum_window(
+                mini_batch, [tf.zeros(v.shape, v.dtype) for v in trainable],
+                (state, [tf.convert_to_tensor(v) for v in metrics], tf.constant(0.0),
+                 statistics.zeros() if statistics else tf.zeros([0], tf.float64)),
+                batch, sizes, padded=padded)
         for variable, value in zip(non_trainable + metrics,
                                    non_trainable_values + metrics_values):
             variable.assign(value)
         # This replica's share of the mean (its mini-batch parts summed).
         shares = [total for total, none in zip(sums, self._no_gradient) if not none]
         applied = tf.distribute.get_replica_context().merge_call(
-            self._apply_window, args=(shares, nonfinite + tf2.not_finite(shares)))
+            self._apply_window, args=(shares, nonfinite + tf2.not_finite(shares), moments))
         self._skipped.assign_add(1 - tf.cast(applied, tf.int64))
         return self.get_metrics_result()
 
-    def _apply_window(self, strategy, shares, nonfinite):
-        """Cross-replica: applies the window unless non-finite (see check_finite).
+    def _apply_window(self, strategy, shares, nonfinite, moments):
+        """Cross-replica: applies the window unless non-finite (see check_finite), and
+        steps the batch-norm statistics once.
 
         A LossScaleOptimizer is given every window: it skips a non-finite one itself,
-        and lowers its scale, which a window skipped before it would never do.
+        and lowers its scale, which a window skipped before it would never do; the
+        statistics then move as the direct batch's do, skipped step or not.
         """
         variables = self.trainable_variables
         scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -228,7 +266,45 @@ class AccumulatingModel(keras.Model):
         if scaled:
             votes = strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
             applied = votes == 0
+        statistics = self._statistics
+        if statistics:
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, moments, axis=None)
+            if statistics.per_update:
+                statistics.step(total, tf.constant(True) if scaled else applied)
+            self._single_values.assign_add(statistics.single_value_counts(total))
         return applied
+
+    def _batch_norm(self, padded):
+        """The BatchNormStatistics of this fit (made in `fit`, outside the trace)."""
+        if self._statistics is None or self._statistics.padded != padded:
+            raise RuntimeError("train_step runs inside fit(); call fit, not train_step")
+        return self._statistics
+
+
+class _SingleValueWarning(keras.callbacks.Callback):
+    """Warns, once per layer, of a BatchNormalization layer that normalized one value
+    per channel: checked after each epoch's first window and at each epoch's end."""
+
+    def __init__(self, accumulating):
+        super().__init__()
+        self.accumulating = accumulating
+        self._first = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._first = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._first:
+            self._first = False
+            self._check()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._check()
+
+    def _check(self):
+        statistics = self.accumulating._statistics  # noqa: SLF001
+        if statistics:
+            statistics.warn_single_values(self.accumulating._single_values.numpy())  # noqa: SLF001
 
 
 class _WindowAdapter(_keras_src.DataAdapter):

@@ -38,10 +38,13 @@ optimizer all-reduces (sums) the replicas' shares of the mean.
 """
 
 import collections
+import contextlib
 import logging
 
+import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import _keras_src
 from gradient_averaging import window as window_lib
 
 FitSummary = collections.namedtuple(
@@ -121,13 +124,17 @@ def _local_variable(initial_value, aggregation, name):
                        aggregation=aggregation)
 
 
-def _loss_sum(loss_fn, y, outputs, regularization, n_local):
-    """The sum of a mini-batch's per-sample losses, regularization once per sample."""
+def _loss_sum(loss_fn, y, outputs, regularization, n_local, row_mask=None):
+    """The sum of a mini-batch's per-sample losses, regularization once per sample;
+    padded rows (row_mask False) left out."""
     losses = loss_fn(y, outputs)
     if losses.shape.rank == 0:
         raise ValueError("loss_fn must return one loss per sample, not their mean "
                          "(use a Keras loss with reduction=None)")
-    loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
+    losses = tf.cast(losses, tf.float32)
+    if row_mask is not None:
+        losses = tf.where(row_mask, losses, tf.zeros_like(losses))
+    loss_sum = tf.reduce_sum(losses)
     if regularization:  # regularizers count once per sample, so once per mean
         loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(regularization)
     return loss_sum
@@ -141,7 +148,12 @@ def _gradient_tensors(grads):
     return [None if g is None else tf.convert_to_tensor(g) for g in grads], no_gradient
 
 
-def mini_batch_gradients(model, weights, non_trainable, x, objective):
+MiniBatch = collections.namedtuple(
+    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments"])
+
+
+def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics=None,
+                         row_mask=None):
     """One mini-batch's forward and backward pass, on values: every path's step.
 
     Args:
@@ -150,18 +162,41 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective):
       x: the mini-batch's inputs (this replica's share).
       objective: (outputs, regularization losses, non_trainable) -> (the scalar to
         differentiate, anything else to return), computed under the tape.
+      statistics: the model's BatchNormStatistics, or None.
+      row_mask: bool [B] where x is padded (its rows from the mini-batch's size on
+        weigh nothing, batch normalization included); None where every row counts.
 
     Returns:
-      (gradients: a tensor or None per weight, no_gradient: which are None, the model's
-      other state after the pass, what `objective` returned beside its scalar).
+      MiniBatch(gradients: a tensor or None per weight, no_gradient: which are None,
+      state: the model's other state after the pass (batch norm's moving statistics
+      as they were, where they step once per update), extra: what `objective`
+      returned beside its scalar, moments: the batch-norm moments of the pass).
     """
+    moments = []
+    capture = (statistics.capture(row_mask, moments) if statistics is not None
+               else contextlib.nullcontext())
     with tf.GradientTape() as tape:
         tape.watch(weights)
-        outputs, non_trainable, regularization = model.stateless_call(
-            weights, non_trainable, x, training=True, return_losses=True)
-        value, extra = objective(outputs, regularization, non_trainable)
+        with capture:
+            outputs, after, regularization = model.stateless_call(
+                weights, non_trainable, x, training=True, return_losses=True)
+        if statistics is not None:
+            after = statistics.held(non_trainable, after)
+        value, extra = objective(outputs, regularization, after)
     grads, no_gradient = _gradient_tensors(tape.gradient(value, weights))
-    return grads, no_gradient, non_trainable, extra
+    return MiniBatch(grads, no_gradient, after, extra, moments)
+
+
+def first_rows(data):
+    """The first mini-batch of a stacked window as one batch of B rows (none where the
+    window is empty): an input to trace a forward pass on, whatever N."""
+    def rows(t):
+        tail = t.shape[2:].as_list()
+        if None in tail:
+            return t[0]
+        return tf.reshape(t[:1], [-1] + tail)
+
+    return tf.nest.map_structure(rows, data)
 
 
 def not_finite(tensors):
@@ -197,6 +232,140 @@ def apply_unless_nonfinite(strategy, optimizer, variables, shares, no_gradient, 
     return tf.cond(apply_it, apply, lambda: tf.constant(False))
 
 
+BN_STATISTICS = ("update", "mini_batch")
+
+
+class BatchNormStatistics:
+    """A model's BatchNormalization layers under accumulation: their moving statistics.
+
+    With bn_statistics="update" (the default) a layer in training mode takes one
+    moving-average step per update, on the mean and (biased) variance of every value the
+    window reduced for it, as the direct batch computes them: each mini-batch's moments
+    are kept as float64 sums, around the moving mean (count, sum and sum of squares of
+    x - moving mean, so no large numbers cancel), added across mini-batches and, under a
+    tf.distribute strategy, across replicas (one all-reduce per update), and merged
+    once. A layer called twice in a forward pass steps twice, in order. A skipped window
+    leaves them as they were. The normalization inside each forward pass stays that of
+    the mini-batch (of the replica's share): one pass cannot know the window's.
+    "mini_batch" is Keras's own behaviour: a step per mini-batch on its moments.
+
+    Padded rows (an XLA window) enter neither the normalization nor the statistics.
+    """
+
+    def __init__(self, model, bn_statistics="update", padded=False):
+        if bn_statistics not in BN_STATISTICS:
+            raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}; "
+                             f"got {bn_statistics!r}")
+        self.per_update = bn_statistics == "update"
+        self.padded = padded
+        captured = self.per_update or padded
+        self.layers = _keras_src.batch_norm_layers(model, poolable=True) if captured else []
+        position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        self._moving = {position[id(layer.moving_mean)] for layer in self.layers} | {
+            position[id(layer.moving_variance)] for layer in self.layers}
+        self._shift_positions = [position[id(layer.moving_mean)] for layer in self.layers]
+        self.keys = None  # (layer index, channels) per call, in a forward pass's order
+        self._warned = set()
+
+    def __bool__(self):
+        return bool(self.layers)
+
+    @property
+    def size(self):
+        """The flat float64 vector of a window's sums: count, sum, sum of squares per call
+        and channel, then per layer the mini-batches that gave it one value a channel."""
+        return sum(3 * channels for _, channels in self.keys) + len(self.layers)
+
+    def capture(self, row_mask, moments):
+        return _keras_src.captured_moments(self.layers, row_mask, moments)
+
+    def held(self, before, after):
+        """The model's other state after a pass, the moving statistics as before it."""
+        if not self.per_update:
+            return after
+        return [b if i in self._moving else a for i, (b, a) in enumerate(zip(before, after))]
+
+    def shifts(self, non_trainable):
+        """Each layer's moving mean at the window's start, float64: the sums' origin."""
+        return [tf.cast(non_trainable[i], tf.float64) for i in self._shift_positions]
+
+    def discover(self, model, weights, non_trainable, x):
+        """Learns the calls a forward pass makes (`keys`), from a pass traced on `x` whose
+        results are never used."""
+        if self.keys is not None or not self.layers:
+            return
+        moments = []
+        with self.capture(None, moments):
+            model.stateless_call(weights, non_trainable, x, training=True)
+        self.keys = [(index, int(np.prod(mean.shape))) for index, _, mean, _ in moments]
+
+    def zeros(self):
+        return tf.zeros([self.size], tf.float64)
+
+    def add(self, total, moments, shifts):
+        """`total` plus one pass's moments (as `capture` recorded them)."""
+        by_layer = collections.defaultdict(list)
+        for index, count, mean, variance in moments:
+            by_layer[index].append((count, mean, variance))
+        parts, single = [], [0.0] * len(self.layers)
+        for index, channels in self.keys:
+            count, mean, variance = by_layer[index].pop(0)
+            count = tf.reshape(tf.stop_gradient(count), [channels])
+            offset = tf.reshape(tf.cast(tf.stop_gradient(mean), tf.float64), [channels]) \
+                - tf.reshape(shifts[index], [channels])
+            variance = tf.reshape(tf.cast(tf.stop_gradient(variance), tf.float64), [channels])
+            parts += [count, count * offset, count * (variance + tf.square(offset))]
+            single[index] = tf.maximum(tf.convert_to_tensor(single[index], tf.float64),
+                                       tf.cast(tf.reduce_any(tf.equal(count, 1.0)),
+                                               tf.float64))
+        return total + tf.concat(parts + [tf.stack(single)], 0)
+
+    def step(self, total, move):
+        """One moving-average step per call from a window's sums (all replicas'), where
+        `move` (a bool tensor) says the window counts. Cross-replica context."""
+        shifts = [tf.cast(layer.moving_mean, tf.float64) for layer in self.layers]
+        steps, start = [], 0
+        for index, channels in self.keys:
+            count, s1, s2 = (total[start + k * channels:start + (k + 1) * channels]
+                             for k in range(3))
+            start += 3 * channels
+            safe = tf.maximum(count, 1.0)
+            offset = s1 / safe
+            mean = tf.reshape(shifts[index], [channels]) + offset
+            variance = tf.maximum(s2 / safe - tf.square(offset), 0.0)
+            steps.append((index, count > 0, mean, variance))
+        finite = window_lib.all_finite([total])
+
+        def assign():
+            for index, seen, mean, variance in steps:  # in call order: a step per call
+                layer = self.layers[index]
+                for variable, value in ((layer.moving_mean, mean),
+                                        (layer.moving_variance, variance)):
+                    old = tf.cast(variable, tf.float64)
+                    shape = tf.shape(old)
+                    new = tf.reshape(tf.where(seen, tf.reshape(old, [-1]) * layer.momentum
+                                              + value * (1.0 - layer.momentum),
+                                              tf.reshape(old, [-1])), shape)
+                    variable.assign(tf.cast(new, variable.dtype))
+            return tf.constant(True)
+
+        return tf.cond(tf.logical_and(move, finite), assign, lambda: tf.constant(False))
+
+    def single_value_counts(self, total):
+        return total[self.size - len(self.layers):]
+
+    def warn_single_values(self, counts):
+        """One warning per layer that normalized one value a channel (a dead layer)."""
+        for layer, count in zip(self.layers, np.asarray(counts)):
+            if count > 0 and layer.name not in self._warned:
+                self._warned.add(layer.name)
+                logging.warning(
+                    "BatchNormalization layer %r normalized a single value per channel in "
+                    "a mini-batch (or a replica's share of one): its output was its beta, "
+                    "whatever the input. Use GroupNormalization or LayerNormalization, a "
+                    "larger mini-batch, or freeze the layer (trainable=False).", layer.name)
+
+
 class _Accumulator:
     """What both accumulators share: the model, optimizer and strategy, their counters.
 
@@ -205,9 +374,13 @@ class _Accumulator:
       skipped_windows: windows skipped for a non-finite value (check_finite).
       loss_total, samples_total: replica-local float64 variables, monitoring only (never
         reset): the running sum of finite per-sample losses and their samples.
+      statistics: the model's BatchNormStatistics.
     """
 
-    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True):
+    PADDED = False  # mini-batches reach the loss padded to a shape known when traced
+
+    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True,
+                 bn_statistics="update", jit_compile=False):
         """Builds the optimizer beside the model's variables.
 
         Args:
@@ -218,15 +391,22 @@ class _Accumulator:
           strategy: a tf.distribute.Strategy, or None for the default (one device).
           check_finite: skip (not apply) a window holding a NaN or Inf loss or
             gradient; costs one small reduction per window.
+          bn_statistics: "update": BatchNormalization layers take one moving-average step
+            per update, on the window's statistics (see BatchNormStatistics);
+            "mini_batch": a step per mini-batch, as Keras takes them.
+          jit_compile: compile the gradient computation with XLA.
         """
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.strategy = strategy or tf.distribute.get_strategy()
         self.check_finite = check_finite
+        self.jit_compile = bool(jit_compile)
+        self.padded = self.PADDED and self.jit_compile
         self.variables = list(model.trainable_variables)
         if not self.variables:
             raise ValueError("the model has no trainable variables")
+        self.statistics = BatchNormStatistics(model, bn_statistics, self.padded)
         with self.strategy.scope():
             if not optimizer.built:
                 optimizer.build(self.variables)
@@ -243,19 +423,27 @@ class _Accumulator:
     def _make_variables(self):
         """Creates the path's own variables, under the strategy's scope."""
 
-    def _mini_batch(self, weights, non_trainable, x, y, n_local):
+    def _mini_batch(self, weights, non_trainable, x, y, n_local, row_mask=None):
         """This replica's loss sum and gradients for its share of one mini-batch.
 
         Returns:
-          (gradients, the model's other state after it, the loss sum).
+          MiniBatch, its `extra` the loss sum.
         """
         def objective(outputs, regularization, unused_state):
-            loss_sum = _loss_sum(self.loss_fn, y, outputs, regularization, n_local)
+            loss_sum = _loss_sum(self.loss_fn, y, outputs, regularization, n_local, row_mask)
             return loss_sum, loss_sum
 
-        grads, self._no_gradient, non_trainable, loss_sum = mini_batch_gradients(
-            self.model, weights, non_trainable, x, objective)
-        return grads, non_trainable, loss_sum
+        step = mini_batch_gradients(self.model, weights, non_trainable, x, objective,
+                                    self.statistics or None, row_mask)
+        self._no_gradient = step.no_gradient
+        return step
+
+    def _step_statistics(self, total, move):
+        """Cross-replica: one step from the window's batch-norm sums (over all replicas)
+        where `move`; returns the sums' single-value counts (for the warning)."""
+        if self.statistics.per_update:
+            self.statistics.step(total, move)
+        return self.statistics.single_value_counts(total)
 
     def _counted(self, applied):
         if applied:
@@ -311,38 +499,68 @@ class WindowAccumulator(_Accumulator):
         says whether it was applied (compiled on the first window; see apply_stacked).
     """
 
-    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True):
-        super().__init__(model, optimizer, loss_fn, strategy, check_finite)
-        self.window_step = None  # compiled on the first stacked window
+    PADDED = True  # under XLA: a window's loop needs shapes known when traced
 
-    def _replica_window(self, data, sizes, global_sizes):
-        """One whole window on this replica: its share of mini-batch i is
-        data[i, :sizes[i]]; the model's other state is written back once, after the loop.
+    def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True,
+                 bn_statistics="update", jit_compile=False):
+        """As _Accumulator; with jit_compile the window's loop (the gradients of all its
+        mini-batches) is one XLA computation, each mini-batch run at the window's padded
+        width, its padding masked out of the losses and the batch-norm statistics."""
+        super().__init__(model, optimizer, loss_fn, strategy, check_finite, bn_statistics,
+                         jit_compile)
+        self.window_step = None  # compiled on the first stacked window
+        self._window_values = (tf.function(self._sum_window, jit_compile=True)
+                               if self.jit_compile else self._sum_window)
+
+    def _sum_window(self, weights, state, data, sizes, global_sizes):
+        """The window loop on values (XLA compiles it whole under jit_compile): this
+        replica's share of mini-batch i is data[i, :sizes[i]].
 
         Returns:
-          (shares, nonfinite): this replica's share of the window's mean gradient, one
-          per variable that gets a gradient, and its count of non-finite values.
+          (gradient sums, the model's other state, non-finite mini-batches, the finite
+          ones' float64 loss sum and samples, the batch-norm sums).
+        """
+        zero = tf.constant(0.0, tf.float64)
+        statistics = self.statistics
+        if statistics:
+            statistics.discover(self.model, weights, state, first_rows(data[0]))
+        shifts = statistics.shifts(state) if statistics else []
+
+        def mini_batch(i, batch, carried):
+            (x, y), n_global = batch
+            non_trainable, nonfinite, loss_total, samples_total, moments = carried
+            n_local = sizes[i]
+            mask = (window_lib.row_mask(n_local, tf.shape(tf.nest.flatten(x)[0])[0])
+                    if self.padded else None)
+            step = self._mini_batch(weights, non_trainable, x, y, n_local, mask)
+            finite = tf.math.is_finite(step.extra)
+            nonfinite += 1.0 - tf.cast(finite, tf.float32)
+            loss_total += tf.where(finite, tf.cast(step.extra, tf.float64), zero)
+            samples_total += tf.where(finite, tf.cast(n_global, tf.float64), zero)
+            if statistics:
+                moments = statistics.add(moments, step.moments, shifts)
+            return step.gradients, (step.state, nonfinite, loss_total, samples_total, moments)
+
+        sums, carried = window_lib.sum_window(
+            mini_batch, [tf.zeros(v.shape, v.dtype) for v in self.variables],
+            (state, tf.constant(0.0), zero, zero,
+             statistics.zeros() if statistics else tf.zeros([0], tf.float64)),
+            (data, window_lib.Unbatched(global_sizes)), sizes, padded=self.padded)
+        return (sums, *carried)
+
+    def _replica_window(self, data, sizes, global_sizes):
+        """One whole window on this replica; the model's other state is written back once,
+        after the loop.
+
+        Returns:
+          (shares, nonfinite, statistics): this replica's share of the window's mean
+          gradient, one per variable that gets a gradient, its count of non-finite
+          values, and its batch-norm sums.
         """
         state_variables = self.model.non_trainable_variables
-        weights = [tf.convert_to_tensor(v) for v in self.variables]
-        zero = tf.constant(0.0, tf.float64)
-
-        def mini_batch(i, batch, state):
-            (x, y), n_global = batch
-            non_trainable, nonfinite, loss_total, samples_total = state
-            n_local = tf.shape(tf.nest.flatten(x)[0])[0]
-            grads, non_trainable, loss_sum = self._mini_batch(weights, non_trainable, x, y,
-                                                              n_local)
-            finite = tf.math.is_finite(loss_sum)
-            nonfinite += 1.0 - tf.cast(finite, tf.float32)
-            loss_total += tf.where(finite, tf.cast(loss_sum, tf.float64), zero)
-            samples_total += tf.where(finite, tf.cast(n_global, tf.float64), zero)
-            return grads, (non_trainable, nonfinite, loss_total, samples_total)
-
-        sums, (state, nonfinite, loss_total, samples_total) = window_lib.sum_window(
-            mini_batch, [tf.zeros(v.shape, v.dtype) for v in self.variables],
-            ([tf.convert_to_tensor(v) for v in state_variables], tf.constant(0.0), zero, zero),
-            (data, window_lib.Unbatched(global_sizes)), sizes)
+        sums, state, nonfinite, loss_total, samples_total, statistics = self._window_values(
+            [tf.convert_to_tensor(v) for v in self.variables],
+            [tf.convert_to_tensor(v) for v in state_variables], data, sizes, global_sizes)
         for variable, value in zip(state_variables, state):
             variable.assign(value)
         self.loss_total.assign_add(loss_total)
@@ -351,7 +569,8 @@ class WindowAccumulator(_Accumulator):
         # This replica's share of the mean; the optimizer all-reduces (sums) the shares.
         shares = [total / tf.cast(count, total.dtype)
                   for total, none in zip(sums, self._no_gradient) if not none]
-        return shares, nonfinite + not_finite(shares)  # a sum is finite only if every term was
+        # A sum is finite only if every term was.
+        return shares, nonfinite + not_finite(shares), statistics
 
     def _compile_window_step(self, xs, ys, sizes):
         def spec(t):
@@ -365,12 +584,17 @@ class WindowAccumulator(_Accumulator):
         def window_step(xs, ys, sizes):
             sizes = tf.cast(sizes, tf.int32)
             data, local_sizes = _distribute(self.strategy, (xs, ys), sizes)
-            shares, nonfinite = self.strategy.run(self._replica_window,
-                                                  args=(data, local_sizes, sizes))
+            shares, nonfinite, statistics = self.strategy.run(
+                self._replica_window, args=(data, local_sizes, sizes))
             # An empty window (N = 0) trains nothing: build_window runs one.
-            return apply_unless_nonfinite(self.strategy, self.optimizer, self.variables,
-                                          shares, self._no_gradient, nonfinite,
-                                          self.check_finite, tf.size(sizes) > 0)
+            applied = apply_unless_nonfinite(self.strategy, self.optimizer, self.variables,
+                                             shares, self._no_gradient, nonfinite,
+                                             self.check_finite, tf.size(sizes) > 0)
+            single = tf.zeros([0], tf.float64)
+            if self.statistics:
+                single = self._step_statistics(self.strategy.reduce(
+                    tf.distribute.ReduceOp.SUM, statistics, axis=None), applied)
+            return applied, single
 
         return window_step
 
@@ -381,11 +605,15 @@ class WindowAccumulator(_Accumulator):
         and TensorFlow's set-up of the function out of a timed loop: it runs the step once
         on an empty window, which trains nothing. Any N and B then run without retracing.
         Under a multi-worker strategy every worker must call it (the empty window still
-        votes).
+        votes). Under jit_compile it only traces: XLA compiles for each shape the window
+        step meets (an empty window's loop does not compile), on the first of each.
         """
         if self.window_step is None:
             self.window_step = self._compile_window_step(xs, ys, sizes)
-            self.window_step(*tf.nest.map_structure(lambda t: t[:0], (xs, ys, sizes)))
+            if self.jit_compile:
+                self.window_step.get_concrete_function()
+            else:
+                self.window_step(*tf.nest.map_structure(lambda t: t[:0], (xs, ys, sizes)))
 
     def apply_window(self, mini_batches):
         """Trains one whole window, given as its N global mini-batches, in one call.
@@ -419,7 +647,10 @@ class WindowAccumulator(_Accumulator):
           True where the window was applied, False where it was skipped.
         """
         self.build_window(xs, ys, sizes)
-        return self._counted(bool(self.window_step(xs, ys, sizes)))
+        applied, single = self.window_step(xs, ys, sizes)
+        if self.statistics:
+            self.statistics.warn_single_values(single)
+        return self._counted(bool(applied))
 
     def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
         """One pass over `dataset`, one compiled call per N mini-batches.
@@ -503,15 +734,27 @@ class GradientAccumulator(_Accumulator):
         # gradient sums are checked when the window closes: a sum is finite only if every
         # term was).
         self.nonfinite = _local_variable(0.0, tf.VariableAggregation.SUM, "window_nonfinite")
+        self.statistics_sums = None  # the window's batch-norm sums, made with the step
         self.mini_batch_step = None  # compiled on the first batch, with its shapes
         self.apply_step = tf.function(self._apply_step)
+        self._gradient_values = (tf.function(self._gradients, jit_compile=True)
+                                 if self.jit_compile else self._gradients)
         self.window = 0
+
+    def _gradients(self, weights, state, x, y, n_local):
+        """One mini-batch's gradients on values (XLA compiles it under jit_compile):
+        (gradients, the model's other state, the loss sum, the batch-norm sums)."""
+        step = self._mini_batch(weights, state, x, y, n_local)
+        statistics = self.statistics
+        moments = (statistics.add(statistics.zeros(), step.moments, statistics.shifts(state))
+                   if statistics else tf.zeros([0], tf.float64))
+        return step.gradients, step.state, step.extra, moments
 
     def _replica_mini_batch(self, data, local_size, n_global):
         """Adds this replica's share of one global mini-batch to its sums."""
         x, y = tf.nest.map_structure(lambda t: t[0, :local_size[0]], data)
         state_variables = self.model.non_trainable_variables
-        grads, state, loss_sum = self._mini_batch(
+        grads, state, loss_sum, moments = self._gradient_values(
             [tf.convert_to_tensor(v) for v in self.variables],
             [tf.convert_to_tensor(v) for v in state_variables], x, y, local_size[0])
         for variable, value in zip(state_variables, state):
@@ -519,6 +762,8 @@ class GradientAccumulator(_Accumulator):
         for total, g in zip(self.sums, grads):
             if g is not None:
                 total.assign_add(g)
+        if self.statistics:
+            self.statistics_sums.assign_add(moments)
         self.samples.assign_add(tf.cast(n_global, tf.float32))
         finite = tf.math.is_finite(loss_sum)
         self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))
@@ -539,6 +784,8 @@ class GradientAccumulator(_Accumulator):
             total.assign(tf.zeros_like(total))
         self.samples.assign(0.0)
         self.nonfinite.assign(0.0)
+        if self.statistics:
+            self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
 
     def _compile_mini_batch_step(self, x, y):
         def spec(t):
@@ -546,6 +793,19 @@ class GradientAccumulator(_Accumulator):
             return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
 
         signature = tf.nest.map_structure(spec, (x, y))
+
+        if self.statistics:  # the calls a forward pass makes, then a sum for each
+            @tf.function(input_signature=signature[:1])
+            def discover(x):
+                self.statistics.discover(self.model, [tf.convert_to_tensor(v)
+                                                      for v in self.variables],
+                                         [tf.convert_to_tensor(v)
+                                          for v in self.model.non_trainable_variables], x)
+
+            with self.strategy.scope():
+                discover.get_concrete_function()
+                self.statistics_sums = _local_variable(
+                    self.statistics.zeros(), tf.VariableAggregation.SUM, "statistics_sums")
 
         @tf.function(input_signature=signature)
         def mini_batch_step(x, y):
@@ -564,9 +824,12 @@ class GradientAccumulator(_Accumulator):
         applied = apply_unless_nonfinite(self.strategy, self.optimizer, self.variables,
                                          shares, self._no_gradient, nonfinite,
                                          self.check_finite)
-        with tf.control_dependencies([applied]):
+        single = tf.zeros([0], tf.float64)
+        if self.statistics:  # a SUM replica-local variable, read across replicas: summed
+            single = self._step_statistics(self.statistics_sums.read_value(), applied)
+        with tf.control_dependencies([applied, single]):
             self.strategy.run(self._replica_reset)
-        return tf.identity(applied)
+        return tf.identity(applied), tf.identity(single)
 
     def build(self, x, y):
         """Compiles the mini-batch step for batches shaped like (x, y), without training."""
@@ -591,7 +854,10 @@ class GradientAccumulator(_Accumulator):
         if not self.window:
             raise ValueError("no mini-batch accumulated since the last update")
         self.window = 0
-        return self._counted(bool(self.apply_step()))
+        applied, single = self.apply_step()
+        if self.statistics:
+            self.statistics.warn_single_values(single)
+        return self._counted(bool(applied))
 
     def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
         """One pass over `dataset`, one call per mini-batch, an update every N.
@@ -613,11 +879,13 @@ class GradientAccumulator(_Accumulator):
 
 
 def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strategy=None,
-                    callback=None, one_call=True, check_finite=True):
+                    callback=None, one_call=True, check_finite=True, bn_statistics="update",
+                    jit_compile=False):
     """Trains a Keras model on `dataset`, one update per `average_gradients` mini-batches.
 
     Each update applies the gradient of the mean loss over all samples of its window, as
-    one batch of those samples would; see WindowAccumulator.fit for the arguments.
+    one batch of those samples would; see WindowAccumulator.fit and _Accumulator for the
+    arguments.
 
     Args:
       one_call: train each window in one compiled call (WindowAccumulator); False: one
@@ -627,5 +895,5 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strat
       FitSummary(mini_batches, updates, partial_window, skipped_windows).
     """
     accumulator = WindowAccumulator if one_call else GradientAccumulator
-    return accumulator(model, optimizer, loss_fn, strategy, check_finite).fit(
-        dataset, average_gradients, callback=callback)
+    return accumulator(model, optimizer, loss_fn, strategy, check_finite, bn_statistics,
+                       jit_compile).fit(dataset, average_gradients, callback=callback)

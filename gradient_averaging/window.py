@@ -128,21 +128,23 @@ def _empty(shape, dtype, alignment):
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def sum_window(mini_batch_gradients, sums, state, data, sizes,
+def sum_window(mini_batch_gradients, sums, state, data, sizes, padded=False,
                parallel_iterations=PARALLEL_ITERATIONS):
     """The window loop, in the graph: adds up each mini-batch's gradients, in order.
 
     Args:
       mini_batch_gradients: (i, batch, state) -> (gradients, state) for mini-batch i,
-        given as `batch`, each tensor of `data` sliced [i, :sizes[i]] (scalars and
-        arrays of no sample axis: [i]); a gradient may be None (the loss does not reach
-        that variable).
+        given as `batch`, each tensor of `data` sliced [i, :sizes[i]] (an `Unbatched`
+        entry: [i]); a gradient may be None (the loss does not reach that variable).
       sums: one zero tensor per gradient, in the type it is summed in.
       state: a nested structure of tensors carried from mini-batch to mini-batch (a
         model's other state, running totals, a TensorArray...).
-      data: a nested structure of stacked tensors, [N, B, ...]; an entry that is a
+      data: a nested structure of stacked tensors, [N, B, ...]; an entry that is an
         `Unbatched` holds per-mini-batch values without a sample axis ([N, ...]).
       sizes: int [N], each mini-batch's samples.
+      padded: hand mini-batch i over whole, [i] with its padding (B rows, a shape
+        known when traced, as XLA needs): rows from sizes[i] on must then weigh
+        nothing (`row_mask`).
 
     Returns:
       (sums, state) after the last mini-batch. The loop holds the activations of at
@@ -150,7 +152,8 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes,
     """
     def body(i, state, sums):
         batch = tf.nest.map_structure(
-            lambda t: t.values[i] if isinstance(t, Unbatched) else t[i, :sizes[i]], data)
+            lambda t: t.values[i] if isinstance(t, Unbatched)
+            else t[i] if padded else t[i, :sizes[i]], data)
         gradients, state = mini_batch_gradients(i, batch, state)
         sums = [s if g is None else s + tf.cast(g, s.dtype) for s, g in zip(sums, gradients)]
         return i + 1, state, sums
@@ -159,6 +162,11 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes,
         lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
         parallel_iterations=parallel_iterations)
     return sums, state
+
+
+def row_mask(size, width):
+    """bool [width]: which rows of a padded mini-batch of `size` samples are samples."""
+    return tf.range(width) < tf.cast(size, tf.int32)
 
 
 class Unbatched:

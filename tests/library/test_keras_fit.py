@@ -2,7 +2,8 @@
 
 Against the direct batch (the same model fitted with batch_size=N*B, same data order):
 the same weights and History, for SGD with a LearningRateSchedule and Adam, numpy and
-tf.data, 250 samples (not a multiple of N*B) over two epochs; and Keras's own
+tf.data, 270 samples (not a multiple of N*B: each epoch ends with a window of a whole
+mini-batch and a short one) over two epochs; and Keras's own
 `gradient_accumulation_steps` shown to miss on the same cases. Tiny models: a Dense
 layer or two on synthetic data (tests/library/toys.py). The two-replica MirroredStrategy
 check runs inside test_tf2_accumulator's mirrored subprocess (logical devices must be set
@@ -15,8 +16,8 @@ import pytest
 import tensorflow as tf
 
 from gradient_averaging import keras_fit
-from tests.library.toys import (B, N, OPTIMIZERS, SAMPLES, compiled, data, fit,
-                                max_difference, sgd, tiny_model)
+from tests.library.toys import (B, CLASSES, FEATURES, N, OPTIMIZERS, SAMPLES, compiled, data,
+                                fit, max_difference, sgd, tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +169,105 @@ def test_mixed_float16_with_keras_loss_scale_optimizer():
     # float16 activations: as close as the direct batch's own rounding allows.
     assert max_difference(model, reference) < 1e-2
     assert max_difference(model, tiny_model()) > 1e-2
+
+
+# ---------------------------------------------------------------- XLA (jit_compile)
+# Keras compiles fit's step with XLA by default on a GPU (jit_compile="auto"); XLA on the
+# CPU stands in for it here. Under XLA every mini-batch runs at its window's padded width.
+
+
+def xla_compiled(model, optimizer):
+    model.compile(optimizer=optimizer, metrics=["accuracy"], jit_compile=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("optimizer, source", [("adam", "numpy"), ("sgd_schedule", "tf.data")])
+def test_fit_under_xla_equals_the_direct_batch(direct, optimizer, source):
+    x, y = data()
+    reference, reference_history = direct[optimizer]
+    model = xla_compiled(keras_fit.accumulate(tiny_model(), N), OPTIMIZERS[optimizer]())
+    history = fit(model, x, y, B, source).history
+    assert model.jit_compile is True  # XLA stayed on: nothing turned it off
+    assert max_difference(model, reference) < 1e-5
+    assert int(model.optimizer.iterations) == 8
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(history[key], reference_history[key], rtol=1e-5)
+
+
+def test_a_nan_window_is_skipped_under_xla_and_mixed_float16_trains():
+    x, y = data()
+    bad = x.copy()
+    bad[N * B + 5, 2] = np.nan
+    model = xla_compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(model, bad, y, B)
+    keep = np.r_[0:N * B, 2 * N * B:SAMPLES]
+    reference = xla_compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(reference, x[keep], y[keep], B)
+    assert model.skipped_windows == 2 and int(model.optimizer.iterations) == 6
+    assert max_difference(model, reference) == 0.0  # as if never seen
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        mixed = xla_compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+        direct_mixed = compiled(tiny_model(), sgd())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    fit(mixed, x, y, B)
+    fit(direct_mixed, x, y, N * B)
+    assert mixed.jit_compile is True
+    assert int(mixed.optimizer.iterations) == int(direct_mixed.optimizer.iterations) > 0
+    assert max_difference(mixed, direct_mixed) < 1e-2
+
+
+# ---------------------------------------------------------------- what accumulate refuses, embeddings
+
+
+class OwnStep(keras.Sequential):
+    """A model with a train_step of its own (a GAN's, a VAE's)."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def test_a_model_with_its_own_train_step_is_refused_in_one_clear_error():
+    model = OwnStep([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    with pytest.raises(TypeError, match="overrides train_step.*GradientAccumulator"):
+        keras_fit.accumulate(model, N)
+
+
+class OneHotLookup(keras.layers.Layer):
+    """An embedding lookup as a one-hot matmul: its gradient is dense."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = self.add_weight(shape=table.shape, initializer=keras.initializers.Constant(
+            table))
+
+    def call(self, ids):
+        return tf.matmul(tf.one_hot(ids, self.table.shape[0]), self.table)
+
+
+def embedding_model(table, dense=False):
+    lookup = OneHotLookup(table) if dense else keras.layers.Embedding(
+        *table.shape, embeddings_initializer=keras.initializers.Constant(table))
+    return keras.Sequential([keras.Input((3,), dtype="int32"), lookup, keras.layers.Flatten(),
+                             keras.layers.Dense(CLASSES, kernel_initializer=keras.initializers.
+                                                GlorotUniform(5))])
+
+
+def test_an_embedding_under_adam_gets_the_dense_mean_of_the_direct_batch():
+    """Ids repeat within windows: accumulate applies the window's mean gradient as one
+    dense tensor, the direct batch's update when its lookup's gradient is dense; Keras's
+    own Adam on the Embedding's sparse gradient (repeated rows) differs."""
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=(6, 4)).astype(np.float32)
+    ids = rng.integers(0, 6, size=(SAMPLES, 3)).astype(np.int32)
+    labels = rng.integers(0, CLASSES, size=SAMPLES)
+    ours = compiled(keras_fit.accumulate(embedding_model(table), N), keras.optimizers.Adam(0.05))
+    fit(ours, ids, labels, B)
+    dense_direct = compiled(embedding_model(table, dense=True), keras.optimizers.Adam(0.05))
+    fit(dense_direct, ids, labels, N * B)
+    sparse_direct = compiled(embedding_model(table), keras.optimizers.Adam(0.05))
+    fit(sparse_direct, ids, labels, N * B)
+    assert max_difference(ours, dense_direct) < 1e-5
+    assert max_difference(sparse_direct, dense_direct) > 1e-3  # Keras's sparse Adam

@@ -26,8 +26,10 @@ def count_all_reduces(concrete_function):
 
 # ---------------------------------------------------------------- Keras fit: tiny models
 
-N, B = 4, 20  # an update per 80 samples: 250 = 3 x 80 + 10, a partial window per epoch
-SAMPLES, FEATURES, CLASSES = 250, 8, 3
+N, B = 4, 20  # an update per 80 samples
+# 270 = 3 x 80 + 30: each epoch ends with a partial window of a whole mini-batch and a
+# short one, (20, 10), which must weigh 2:1.
+SAMPLES, FEATURES, CLASSES = 270, 8, 3
 
 
 def data(n=SAMPLES, seed=0):
@@ -122,9 +124,53 @@ def windows(split, shape=WINDOWS):
 # ---------------------------------------------------------------- two mirrored replicas
 
 
+def reduce_calls(strategy, trace, *args):
+    """How many times tracing `trace(*args)` asks `strategy` for a cross-replica reduction
+    (strategy.reduce: the window's non-finite vote, the batch-norm statistics)."""
+    calls = []
+    reduce = strategy.reduce
+
+    def counted(*a, **k):
+        calls.append(1)
+        return reduce(*a, **k)
+
+    strategy.reduce = counted
+    try:
+        trace(*args)
+    finally:
+        del strategy.reduce
+    return len(calls)
+
+
+def bn_model(seed=1, nested=False, momentum=0.99):
+    """BatchNormalization on the inputs (its statistics depend on no weight), then the
+    tiny model; `nested`: inside a Sequential block of its own."""
+    init = keras.initializers.GlorotUniform
+    norm = keras.layers.BatchNormalization(momentum=momentum)
+    if nested:
+        norm = keras.Sequential([keras.Input((FEATURES,)), norm], name="block")
+    return keras.Sequential([
+        keras.Input((FEATURES,)), norm,
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(seed)),
+        keras.layers.Dense(CLASSES, kernel_initializer=init(seed + 1))])
+
+
+def moving_statistics(model):
+    """Every BatchNormalization layer's moving mean and variance, in layer order."""
+    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001
+              if isinstance(layer, keras.layers.BatchNormalization)]
+    return [v.numpy() for layer in layers for v in (layer.moving_mean, layer.moving_variance)]
+
+
+def statistics_difference(a, b):
+    return max(float(np.abs(u - v).max()) for u, v in zip(moving_statistics(a),
+                                                          moving_statistics(b)))
+
+
 def mirrored_fit(strategy):
-    """Run by test_tf2_accumulator's mirrored script: accumulate under 2 replicas
-    against one device, and the all-reduces traced into one train_step."""
+    """Run by test_tf2_accumulator's mirrored script: Keras fit through accumulate under
+    2 replicas, as Keras's distributed guide writes it (model and compile in the scope,
+    fit, evaluate and predict outside), against one device."""
     x, y = data()
     one_device = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
     fit(one_device, x, y, B)
@@ -137,16 +183,55 @@ def mirrored_fit(strategy):
                                   specs)
     # The step as Keras runs it, per replica (each gets its share on a leading axis).
     step = tf.function(lambda data: strategy.run(model.train_step, args=(data,)))
+    # What Keras distributes: each window as the replicas' shares, [K, N, ceil(B/K), ...].
+    (share, local_sizes, global_sizes), = model._windows(  # noqa: SLF001
+        x, y, None, B, False, None).get_tf_dataset().take(1)
+    # Batch norm on the inputs, pooled across the replicas; a last mini-batch of one
+    # sample (81 = 4 x 20 + 1): one replica's share is empty.
+    bn_reference = compiled(bn_model(), sgd())
+    fit(bn_reference, x, y, N * B)
+    with strategy.scope():
+        bn = compiled(keras_fit.accumulate(bn_model(), N), sgd())
+        tiny_last = compiled(keras_fit.accumulate(bn_model(), N), sgd())
+    fit(bn, x, y, B)
+    fit(tiny_last, x[:81], y[:81], B, epochs=1)
+    bn_step = tf.function(lambda data: strategy.run(bn.train_step, args=(data,)))
+    fit_reduces, bn_reduces = (reduce_calls(strategy, f.get_concrete_function, specs)
+                               for f in (step, bn_step))
     return {"fit_difference": max_difference(model, one_device),
             "fit_updates": int(model.optimizer.iterations.numpy()),
-            "fit_all_reduces": count_all_reduces(
-                step.get_concrete_function(specs)),
-            "fit_variables": len(model.trainable_variables)}
+            "fit_all_reduces": count_all_reduces(step.get_concrete_function(specs)),
+            "fit_variables": len(model.trainable_variables),
+            "evaluate_difference": abs(model.evaluate(x, y, verbose=0)[0]
+                                       - one_device.evaluate(x, y, verbose=0)[0]),
+            "predict_difference": float(np.abs(model.predict(x, verbose=0)
+                                               - one_device.predict(x, verbose=0)).max()),
+            "share_shape": list(share[0].shape), "local_sizes": local_sizes.numpy().tolist(),
+            "global_sizes": global_sizes.numpy().tolist(),
+            "bn_difference": statistics_difference(bn.model, bn_reference),
+            "bn_all_reduces": count_all_reduces(bn_step.get_concrete_function(specs)),
+            "fit_reduce_calls": fit_reduces, "bn_reduce_calls": bn_reduces,
+            "tiny_last_skipped": tiny_last.skipped_windows,
+            "tiny_last_updates": int(tiny_last.optimizer.iterations.numpy()),
+            "tiny_last_finite": all(np.isfinite(w).all() for w in tiny_last.get_weights())}
 
 
 def check_mirrored_fit(result):
     """test_tf2_accumulator's assertions on mirrored_fit's result."""
     assert result["fit_difference"] < 1e-5 and result["fit_updates"] == 8
+    assert result["evaluate_difference"] < 1e-5 and result["predict_difference"] < 1e-5
     # The optimizer's all-reduce of the applied mean, once per window; nothing per
     # mini-batch (their N is not even known when traced).
     assert 1 <= result["fit_all_reduces"] <= 2 * result["fit_variables"] + 1
+    # Each replica receives its share only: 20 samples a mini-batch, 10 a replica.
+    assert result["share_shape"] == [2, N, B // 2, FEATURES]
+    assert result["local_sizes"] == [[B // 2] * N] * 2
+    assert result["global_sizes"] == [[B] * N] * 2
+    # Batch norm: the one-device (direct batch's) statistics, for one reduction more per
+    # update (a local AddN between the replicas of one process: no collective op here).
+    assert result["bn_difference"] < 1e-5
+    assert result["bn_reduce_calls"] == result["fit_reduce_calls"] + 1
+    assert result["fit_all_reduces"] <= result["bn_all_reduces"] <= result["fit_all_reduces"] + 1
+    # An empty share: the window is applied, nothing turns NaN.
+    assert result["tiny_last_skipped"] == 0 and result["tiny_last_updates"] == 2
+    assert result["tiny_last_finite"]
