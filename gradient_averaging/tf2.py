@@ -318,7 +318,7 @@ class BatchNormStatistics:
             single[index] = tf.maximum(tf.convert_to_tensor(single[index], tf.float64),
                                        tf.cast(tf.reduce_any(tf.equal(count, 1.0)),
                                                tf.float64))
-        return total + tf.concat(parts + [tf.stack(single)], 0)
+        return total + tf.concat(parts + [tf.cast(tf.stack(single), tf.float64)], 0)
 
     def step(self, total, move):
         """One moving-average step per call from a window's sums (all replicas'), where
