@@ -5,9 +5,10 @@ How they run, for speed: in this process with runpy, by default. The test proces
 imported TensorFlow already (conftest.py), so an example then costs only its own work (a
 graph-mode TF1 example: well under a second), where a process of its own pays ~5 s of
 TensorFlow import first. An example that changes the process for good (TF1 behaviour
-switched on, devices or threads configured, a global Keras policy or seed) or that parses absl
-flags of its own (they would clash with main.py's, defined in this process) would spoil
-the tests after it, so it gets a process of its own: PROCESS_WIDE lists what sends it there.
+switched on, devices or threads configured, a global Keras policy or seed, tf.keras made
+Keras 2 by TF_USE_LEGACY_KERAS) or that parses absl flags of its own (they would clash with
+main.py's, defined in this process) would spoil the tests after it, so it gets a process of
+its own: PROCESS_WIDE lists what sends it there.
 """
 
 import glob
@@ -24,7 +25,7 @@ EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 # Calls whose effect outlives the example, or absl flags of its own: a process of its own.
 PROCESS_WIDE = ("disable_v2_behavior", "disable_eager_execution", "enable_v2_behavior",
                 "tf.config.", "set_global_policy", "set_floatx", "set_random_seed",
-                "set_seed", "app.run(", "flags.DEFINE", "TF_CONFIG")
+                "set_seed", "app.run(", "flags.DEFINE", "TF_CONFIG", "TF_USE_LEGACY_KERAS")
 TIMEOUT = 300  # seconds for an example in a process of its own
 
 
