@@ -271,15 +271,16 @@ print(json.dumps({
     "discarded": not one_call.apply_window(poisoned),
     "unchanged": all(np.array_equal(a, b) for a, b in zip(before, one_call.model.get_weights())),
     "updates": int(one_call.optimizer.iterations.numpy()),
-    **toys.mirrored_fit(strategy)}))
+    **toys.mirrored_fit(strategy), **toys.multi_worker_fit()}))
 """
 
 
 def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     """Logical devices must be set before TensorFlow starts: a fresh process. Both paths,
-    one call per window and a call per micro-batch: the same bits, one all-reduce per
-    update, and a NaN on one replica discards the window for all; and Keras fit through
-    `accumulate` ends with the one-device weights (test_keras_fit.mirrored_fit)."""
+    one call per window and a call per mini-batch: the same bits, one all-reduce per
+    update, and a NaN on one replica skips the window for all; and Keras fit through
+    `accumulate` as Keras's distributed guide writes it, under two mirrored replicas and
+    one multi-worker worker (toys.mirrored_fit, toys.multi_worker_fit)."""
     path = tmp_path / "mirrored_window.py"
     path.write_text(MIRRORED_SCRIPT)
     proc = run_cli(script=str(path), timeout=180, env=CPU_ONLY)

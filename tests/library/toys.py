@@ -216,6 +216,22 @@ def mirrored_fit(strategy):
             "tiny_last_finite": all(np.isfinite(w).all() for w in tiny_last.get_weights())}
 
 
+def multi_worker_fit():
+    """Run by the same script, after mirrored_fit: one local MultiWorkerMirroredStrategy
+    worker, model and compile in its scope, fit, evaluate and predict outside."""
+    x, y = data()
+    one_device = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(one_device, x, y, B)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    fit(model, x, y, B)
+    return {"multi_worker_difference": max(
+        max_difference(model, one_device),
+        abs(model.evaluate(x, y, verbose=0)[0] - one_device.evaluate(x, y, verbose=0)[0]),
+        float(np.abs(model.predict(x, verbose=0) - one_device.predict(x, verbose=0)).max()))}
+
+
 def check_mirrored_fit(result):
     """test_tf2_accumulator's assertions on mirrored_fit's result."""
     assert result["fit_difference"] < 1e-5 and result["fit_updates"] == 8
@@ -235,3 +251,4 @@ def check_mirrored_fit(result):
     # An empty share: the window is applied, nothing turns NaN.
     assert result["tiny_last_skipped"] == 0 and result["tiny_last_updates"] == 2
     assert result["tiny_last_finite"]
+    assert result["multi_worker_difference"] < 1e-5
