@@ -1,0 +1,157 @@
+"""Batch norm under accumulation, measured: BatchNormalization and GroupNormalization at
+N x B against the direct batch of N*B, on MNIST.
+
+    python -m tools.batch_norm            # about 10 minutes on 2 cores
+    python -m tools.batch_norm --quick    # a smoke test (a few updates)
+
+A small ConvNet with three normalization layers (after each conv and the first dense
+layer), Adam 1e-3, Keras's default momentum 0.99, every configuration trained on the same
+samples in the same order (the experiment's sample stream: N mini-batches of B hold the
+samples of one batch of N*B) for the same number of updates. For each: test accuracy in
+inference mode (what the moving statistics give) and how far its moving statistics end
+from the direct batch's. It rewrites the table of docs/batch-norm.md, with the command,
+the machine and the date.
+"""
+
+import datetime
+import os
+import shlex
+import sys
+import time
+
+from experiment import cli
+
+cli.import_tensorflow_quietly()
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+from experiment import data  # noqa: E402
+from experiment import results  # noqa: E402
+from gradient_averaging import accumulate  # noqa: E402
+from tools import common  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+SEED, UPDATES, WINDOW = 0, 300, 100  # updates of WINDOW samples each
+CONFIGS = ((1, 100), (20, 5), (100, 1))  # (N, B): the direct batch first
+BEGIN, END = "<!-- table: python -m tools.batch_norm -->", "<!-- end of table -->"
+
+
+def conv_net(norm):
+    """The ConvNet, its normalization layers made by `norm(channels)`."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input(data.IMAGE_SHAPE),
+        keras.layers.Conv2D(6, 5, kernel_initializer=init(SEED + 1)), norm(6),
+        keras.layers.ReLU(), keras.layers.MaxPool2D(2),
+        keras.layers.Conv2D(16, 5, kernel_initializer=init(SEED + 2)), norm(16),
+        keras.layers.ReLU(), keras.layers.MaxPool2D(2), keras.layers.Flatten(),
+        keras.layers.Dense(120, kernel_initializer=init(SEED + 3)), norm(120),
+        keras.layers.ReLU(), keras.layers.Dense(data.NUM_CLASSES,
+                                                kernel_initializer=init(SEED + 4))])
+
+
+NORMS = {"BatchNormalization": lambda channels: keras.layers.BatchNormalization(),
+         "GroupNormalization": lambda channels: keras.layers.GroupNormalization(
+             groups=2 if channels == 6 else 4)}
+
+
+def statistics(model):
+    return [v.numpy() for layer in model._flatten_layers()  # noqa: SLF001
+            if isinstance(layer, keras.layers.BatchNormalization)
+            for v in (layer.moving_mean, layer.moving_variance)]
+
+
+def train(norm, n, b, bn_statistics, x, y, datasets):
+    """One configuration: (test accuracy %, its model, seconds)."""
+    keras.utils.set_random_seed(SEED)
+    model = conv_net(NORMS[norm])
+    fitted = model if n == 1 else accumulate(model, n, bn_statistics=bn_statistics)
+    fitted.compile(optimizer=keras.optimizers.Adam(1e-3),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   metrics=["accuracy"])
+    start = time.perf_counter()
+    fitted.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    seconds = time.perf_counter() - start
+    logits = model.predict(datasets.test.images, batch_size=1000, verbose=0)
+    accuracy = float(np.mean(logits.argmax(axis=1) == datasets.test.labels))
+    return 100.0 * accuracy, model, seconds
+
+
+def measure(updates, log=print):
+    datasets = data.load_mnist()
+    x, y = next(data.batches(datasets.train, SEED, updates * WINDOW, 0, 1))
+    rows = []
+    for norm in NORMS:
+        reference = None
+        for n, b in CONFIGS:
+            for mode in (("update", "mini_batch") if n > 1 and norm.startswith("Batch")
+                         else ("update",)):
+                accuracy, model, seconds = train(norm, n, b, mode, x, y, datasets)
+                if reference is None:
+                    reference = statistics(model)
+                off = max((float(np.abs(a - r).max()) for a, r in
+                           zip(statistics(model), reference)), default=None)
+                rows.append((norm, n, b, mode if n > 1 else "(direct)", accuracy, off))
+                log(f"{norm} N={n} B={b} {rows[-1][3]}: accuracy {accuracy:.2f}%, "
+                    f"statistics off by {'-' if off is None else f'{off:.2g}'}, "
+                    f"{seconds:.0f} s")
+    return rows
+
+
+def table(rows, command, updates):
+    lines = [f"Measured {datetime.date.today()} by `{command}` on {common.machine()}: "
+             f"{updates} updates of {WINDOW} samples, Adam 1e-3, momentum 0.99, test "
+             "accuracy on the 10,000 test images in inference mode.", "",
+             "| normalization | N x B | moving statistics | moving-average steps | test "
+             "accuracy | moving statistics: largest difference from the direct batch's |",
+             "|---|---|---|---|---|---|"]
+    for norm, n, b, mode, accuracy, off in rows:
+        how = {"update": "a step per update (`bn_statistics=\"update\"`, the default)",
+               "mini_batch": "a step per mini-batch (`\"mini_batch\"`, Keras's own)",
+               "(direct)": "the direct batch"}[mode]
+        steps = f"{updates * (n if mode == 'mini_batch' else 1):,}"
+        if not norm.startswith("Batch"):
+            how, steps = "none (normalizes each sample alone)", "-"
+        lines.append(f"| {norm} | {n} x {b} | {how} | {steps} | {accuracy:.2f}% | "
+                     f"{'-' if off is None else f'{off:.2g}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    command = shlex.join(["python", "-m", "tools.batch_norm"] + sys.argv[1:])
+    updates = 2 if FLAGS.quick else UPDATES
+    text = table(measure(updates), command, updates)
+    print(text)
+    if FLAGS.quick:
+        return 0
+    path = FLAGS.output
+    try:
+        with open(path) as f:
+            doc = f.read()
+        head, rest = doc.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+    except (OSError, ValueError) as e:
+        cli.fail(f"--output {path}: needs a table between {BEGIN} and {END} ({e})")
+    try:
+        results.atomic_write_text(path, f"{head}{BEGIN}\n{text}{END}{tail}")
+    except OSError as e:
+        cli.fail(f"--output {path}: cannot write ({e.strerror or e})", code=1)
+    return 0
+
+
+def define_flags():
+    """Defined only when run as a script, so tests can import it beside other tools."""
+    cli.define("bool", "quick", False, "A few updates only (a smoke test); writes nothing.")
+    cli.define("string", "output", os.path.join(common.ROOT, "docs", "batch-norm.md"),
+               "The markdown file whose table is rewritten.")
+
+
+if __name__ == "__main__":
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)
