@@ -20,7 +20,8 @@ brings them back when TF_USE_LEGACY_KERAS=1 is set before TensorFlow is imported
 the first lines, and a process of its own in the tests (the variable would turn tf.keras
 into Keras 2 for whatever runs after it in the same process).
 
-    .venv/bin/python -m examples.tf1_legacy_layers  (docs/tf1-code.md, "Legacy layers")
+    .venv/bin/python -m examples.tf1_legacy_layers
+(docs/tf1-code.md, "Legacy layers and batch norm per update")
 """
 
 import os
