@@ -1,6 +1,6 @@
 """Keras `compile`/`fit` with exact gradient averaging: one line, `accumulate(model, N)`.
 
-Fits 250 samples for 2 epochs in micro-batches of B=20, one update per N=4 of them, with
+Fits 250 samples for 2 epochs in mini-batches of B=20, one update per N=4 of them, with
 an SGD learning-rate schedule, and checks what it claims: the weights and History equal
 those of the plain model fitted with batch_size=N*B=80 (the short last batch and each
 epoch's partial window weighted by their samples, the schedule stepping once per update),

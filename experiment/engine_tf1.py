@@ -49,14 +49,14 @@ class RunGraph:
                     config.lr_decay_rate)
             optimizer = optimizer or v1.train.AdamOptimizer(self.learning_rate)
 
-            def micro_batch_loss(images, labels, dropout_seed):
+            def mini_batch_loss(images, labels, dropout_seed):
                 return model.build(config.model, images, labels, self.training,
                                    dropout_seed, config.dropout).loss
 
             self.averager = averagers.make_averager(
                 config.accumulate, self.ops.loss, optimizer, config.average_gradients,
                 var_list=v1.trainable_variables(), global_step=self.global_step,
-                loss_fn=micro_batch_loss,
+                loss_fn=mini_batch_loss,
                 inputs=[self.images, self.labels, self.dropout_seed], check_finite=True)
             self.init_op = v1.global_variables_initializer()
             self.saver = v1.train.Saver(max_to_keep=2)

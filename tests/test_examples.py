@@ -100,6 +100,7 @@ def documented_flag_errors():
 def test_bad_input_doc_shows_the_parsers_real_lines(capsys):
     """Each flags-only row of docs/bad-input.md, parsed in this process: the line it prints
     is the one the table shows, and it exits 2."""
+    import flags  # noqa: F401  (defines main.py's flags in this process)
     from experiment import cli  # main.py's parser
     from absl.testing import flagsaver
 

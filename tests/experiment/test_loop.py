@@ -8,7 +8,7 @@ import pytest
 from experiment import checkpoint
 from tests.helpers import run_main_in_process
 
-# 20 windows of 2; the third (iterations 5-6) is discarded, so 19 updates.
+# 20 windows of 2; the third (iterations 5-6) is skipped, so 19 updates.
 CADENCE_FLAGS = ("--average-gradients=2", "--batch-size=10", "--iterations=40",
                  "--eval-every=0", "--eval-every-updates=2", "--inject-nonfinite=5",
                  "--verbose", "--reps=1")

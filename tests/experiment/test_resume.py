@@ -232,13 +232,13 @@ def stack_run_poisoned_at_14(mnist_quick):
 
 
 @pytest.mark.parametrize("strategy", averagers.AVERAGERS)
-def test_a_nonfinite_window_is_discarded_whole(mnist_quick, stack_run_poisoned_at_14, strategy):
+def test_a_nonfinite_window_is_skipped_whole(mnist_quick, stack_run_poisoned_at_14, strategy):
     poisoned = loop.train_once(config(accumulate=strategy, inject_nonfinite=(12,)),
                                      mnist_quick, seed=0)
     assert poisoned["skipped_windows"] == 1 and poisoned["updates"] == 11
     assert np.isfinite(poisoned["final_accuracy"])
     # the same as a run of the stack strategy poisoned elsewhere in that window: the
-    # discarded window changed nothing else
+    # skipped window changed nothing else
     assert poisoned["weights_sha256"] == stack_run_poisoned_at_14["weights_sha256"]
     clean = loop.train_once(config(accumulate=strategy), mnist_quick, seed=0)
     assert clean["skipped_windows"] == 0 and clean["updates"] == 12

@@ -78,7 +78,7 @@ def test_weights_after_sgd_updates_are_the_direct_batch_weights(mnist, strategy)
 def test_weights_after_adam_updates_are_the_direct_batch_weights(mnist, strategy):
     """Adam's step g / (sqrt(v) + 1e-8) turns float rounding into a visible difference
     where a gradient is near 1e-7 (measured: one conv weight of 44,426, whose gradient is
-    2.4e-7, differs by 2.8e-6 after 3 updates, because N micro-batches and one batch sum
+    2.4e-7, differs by 2.8e-6 after 3 updates, because N mini-batches and one batch sum
     in different orders). Elsewhere the weights must agree tightly."""
     before, after = trained(mnist, strategy, "adam")
     _, expected = trained(mnist, None, "adam")
@@ -93,7 +93,7 @@ def test_weights_after_adam_updates_are_the_direct_batch_weights(mnist, strategy
 
 @pytest.mark.parametrize("strategy", [s for s in averagers.AVERAGERS if s != "stack"])
 def test_strategies_apply_bit_identical_updates(mnist, strategy):
-    """Same micro-batch gradients, summed in the same order: the same bits as `stack`."""
+    """Same mini-batch gradients, summed in the same order: the same bits as `stack`."""
     _, after = trained(mnist, strategy, "adam")
     _, expected = trained(mnist, "stack", "adam")
     for a, e in zip(after, expected):
@@ -265,7 +265,7 @@ def test_a_saver_alone_restores_the_open_window_and_its_count(tmp_path, strategy
 def test_low_precision_gradients_sum_in_float32_and_nonfinite_ones_are_caught(strategy,
                                                                              dtype):
     """20 gradients of about 4e3: their float16 sum (8e4) would overflow 65504. A window
-    with a real Inf is discarded whole."""
+    with a real Inf is skipped whole."""
     with tf.Graph().as_default():
         grad = v1.placeholder(dtype, [3])
         w = tf.Variable(tf.zeros([3], dtype))

@@ -87,7 +87,7 @@ def test_keras_convnet_matches_the_posts_architecture():
 # ---------------------------------------------------------------- exactness, one device
 
 
-def test_unequal_micro_batches_apply_the_gradient_of_the_concatenated_batch():
+def test_unequal_mini_batches_apply_the_gradient_of_the_concatenated_batch():
     x, y = synthetic_data(16)
     slices = [(0, 1), (1, 5), (5, 16)]  # 1, 4 and 11 samples
     model = regression_mlp()
@@ -105,7 +105,7 @@ def test_unequal_micro_batches_apply_the_gradient_of_the_concatenated_batch():
     for got, want in zip(applied, reference):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
-    # The plain mean of the three micro-batch means is a different gradient: the test
+    # The plain mean of the three mini-batch means is a different gradient: the test
     # above would see it.
     model_naive = regression_mlp()
     per_slice = []
@@ -120,7 +120,7 @@ def test_unequal_micro_batches_apply_the_gradient_of_the_concatenated_batch():
 
 
 def test_fit_accumulated_equals_big_batches_including_a_short_last_window():
-    """40 samples in micro-batches of 4 at N=4: windows of 16, 16 and a partial 8."""
+    """40 samples in mini-batches of 4 at N=4: windows of 16, 16 and a partial 8."""
     x, y = synthetic_data(40, seed=1)
     dataset = tf.data.Dataset.from_tensor_slices((x, y))
     accumulated, direct = regression_mlp(seed=5), regression_mlp(seed=5)
@@ -155,7 +155,7 @@ def infinite_loss_of_large_targets(y, prediction):
 
 
 @pytest.mark.parametrize("poison", ["nan_input", "inf_loss_finite_gradient"])
-def test_a_nonfinite_window_is_discarded_and_the_optimizer_does_not_step(poison):
+def test_a_nonfinite_window_is_skipped_and_the_optimizer_does_not_step(poison):
     x, y = synthetic_data(12)
     bad_x, bad_y = x.copy(), y.copy()
     if poison == "nan_input":
@@ -174,7 +174,7 @@ def test_a_nonfinite_window_is_discarded_and_the_optimizer_does_not_step(poison)
     for before, after in zip(start, weights(model)):
         np.testing.assert_array_equal(before, after)
     assert all(not np.any(s.numpy()) for s in accumulator.sums)
-    # The next window is applied as if the discarded one had never been.
+    # The next window is applied as if the skipped one had never been.
     accumulator.accumulate(x[8:], y[8:])
     assert accumulator.apply() is True
     fresh = regression_mlp()
@@ -189,7 +189,7 @@ def test_a_nonfinite_window_is_discarded_and_the_optimizer_does_not_step(poison)
 # ---------------------------------------------------------------- LR schedules
 
 
-def test_tf2_lr_schedule_counts_updates_not_micro_batches():
+def test_tf2_lr_schedule_counts_updates_not_mini_batches():
     x, y = synthetic_data(64)
     rates = {}
     for n in (1, 8):
@@ -276,7 +276,7 @@ def test_tf2_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist_quic
     assert os.listdir(directory) == [checkpoint.STATE_FILE]
 
 
-def test_tf2_nonfinite_windows_are_discarded_whole(mnist_quick):
+def test_tf2_nonfinite_windows_are_skipped_whole(mnist_quick):
     # Windows 1-5 and 11-15 are bad, not in a row: the run goes on.
     poisoned = loop.train_once(tf2_config(inject_nonfinite=(2, 12), max_bad_windows=2),
                                      mnist_quick, seed=0)

@@ -318,7 +318,7 @@ def test_low_precision_gradients_sum_in_float32(dtype):
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_check_finite_discards_the_window_and_counts_it(bad, n):
+def test_check_finite_skips_the_window_and_counts_it(bad, n):
     grads = np.arange(6 * n, dtype=np.float32).reshape(2 * n, 3) / 10
     grads[n // 2, 1] = bad  # in the first window
     with tf.Graph().as_default():

@@ -53,9 +53,9 @@ def test_fit_equals_the_direct_batch_and_keras_accumulation_does_not(direct, opt
         assert max_difference(keras_own, reference) > 1e-2
 
 
-def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_micro_batches():
+def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_mini_batches():
     """240 samples, whole windows only: Keras's own accumulation is exact with a constant
-    rate, not with a schedule (it steps at micro-batch N-1, 2N-1...); accumulate is."""
+    rate, not with a schedule (it steps at mini-batch N-1, 2N-1...); accumulate is."""
     x, y = data(240)
     constant = lambda **kw: keras.optimizers.SGD(0.1, **kw)  # noqa: E731
     for make, keras_exact in ((constant, True), (sgd, False)):
@@ -69,14 +69,14 @@ def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_micro_bat
         assert (max_difference(keras_own, reference) < 1e-5) == keras_exact
 
 
-def test_a_window_with_a_nan_is_discarded_whole_and_counted():
+def test_a_window_with_a_nan_is_skipped_whole_and_counted():
     x, y = data()
     bad = x.copy()
     bad[N * B + 5, 2] = np.nan  # window 2 of each epoch
     model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
     history = fit(model, bad, y, B).history
     assert model.skipped_windows == 2 and int(model.optimizer.iterations) == 6
-    assert np.isfinite(history["loss"]).all()  # the NaN micro-batch is left out of the logs
+    assert np.isfinite(history["loss"]).all()  # the NaN mini-batch is left out of the logs
     # The same as never seeing that window's samples (and the schedule did not step).
     keep = np.r_[0:N * B, 2 * N * B:SAMPLES]
     reference = compiled(keras_fit.accumulate(tiny_model(), N), sgd())

@@ -1,5 +1,5 @@
 """The TF2 library's one-call window (WindowAccumulator.apply_window, fit's default)
-against its per-micro-batch path (GradientAccumulator.accumulate + apply), on real MNIST;
+against its per-mini-batch path (GradientAccumulator.accumulate + apply), on real MNIST;
 and the tf2 engine's window buffer, which trains through the one-call window.
 
 The model is a small ConvNet with seeded dropout defined here (the library is for your
@@ -27,7 +27,7 @@ from tests.library.toys import (check_mirrored_fit, cross_entropy, mini_batches,
                                 small_conv_net, windows)
 from trainer import Outcome
 
-# Three windows at N=3: equal micro-batches, unequal ones (a short slice), and a partial
+# Three windows at N=3: equal mini-batches, unequal ones (a short slice), and a partial
 # window of two (the run's trailing one).
 def accumulator(optimizer, model=None, **kwargs):
     """The one-call window's trainer."""
@@ -35,7 +35,7 @@ def accumulator(optimizer, model=None, **kwargs):
                                              cross_entropy, **kwargs)
 
 
-def per_micro_batch(optimizer, model=None, **kwargs):
+def per_mini_batch(optimizer, model=None, **kwargs):
     return tf2.GradientAccumulator(model or small_conv_net(), optimizer,
                                                cross_entropy, **kwargs)
 
@@ -48,25 +48,25 @@ def assert_same_weights(a, b):
 @pytest.mark.parametrize("make_optimizer", [lambda: keras.optimizers.Adam(1e-2),
                                             lambda: keras.optimizers.SGD(0.1)],
                          ids=["adam", "sgd"])
-def test_one_call_window_equals_the_per_micro_batch_path(mnist, make_optimizer):
-    per_micro, one_call = per_micro_batch(make_optimizer()), accumulator(make_optimizer())
+def test_one_call_window_equals_the_per_mini_batch_path(mnist, make_optimizer):
+    per_mini, one_call = per_mini_batch(make_optimizer()), accumulator(make_optimizer())
     start = [w.copy() for w in one_call.model.get_weights()]
     for window in windows(mnist.train):
         for x, y in window:
-            per_micro.accumulate(x, y)
-        assert per_micro.apply() is True
+            per_mini.accumulate(x, y)
+        assert per_mini.apply() is True
         assert one_call.apply_window(window) is True
-    assert_same_weights(per_micro, one_call)
+    assert_same_weights(per_mini, one_call)
     assert not np.array_equal(start[0], one_call.model.get_weights()[0])  # it trained
     assert one_call.updates == int(one_call.optimizer.iterations.numpy()) == 3
-    assert one_call.loss_totals() == pytest.approx(per_micro.loss_totals(), rel=1e-12)
+    assert one_call.loss_totals() == pytest.approx(per_mini.loss_totals(), rel=1e-12)
     # dropout's seed generators advanced alike: the next masks are the same too
-    for a, b in zip(per_micro.model.non_trainable_variables,
+    for a, b in zip(per_mini.model.non_trainable_variables,
                     one_call.model.non_trainable_variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
-def test_padding_of_short_micro_batches_is_left_out(mnist):
+def test_padding_of_short_mini_batches_is_left_out(mnist):
     """The same window stacked wider (more zero padding) trains to the same weights."""
     window = mini_batches(mnist.train, (6, 2, 5))
     xs, ys, sizes = tf2.stack_window(window)
@@ -85,8 +85,8 @@ def test_padding_of_short_micro_batches_is_left_out(mnist):
 
 
 @pytest.mark.parametrize("source", ["tf.data", "list"])
-def test_fit_in_one_call_per_window_equals_fit_per_micro_batch(mnist, source):
-    """10 micro-batches at N=4 (a short last one): windows of 4, 4 and a partial 2."""
+def test_fit_in_one_call_per_window_equals_fit_per_mini_batch(mnist, source):
+    """10 mini-batches at N=4 (a short last one): windows of 4, 4 and a partial 2."""
     images, labels = mnist.train.images[:75], mnist.train.labels[:75]
     if source == "tf.data":
         dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(8)
@@ -110,9 +110,9 @@ def test_fit_in_one_call_per_window_equals_fit_per_micro_batch(mnist, source):
 
 @pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,
                                      tf2.GradientAccumulator])
-def test_each_fits_summary_counts_its_own_updates_and_discarded_windows(mnist, trainer):
+def test_each_fits_summary_counts_its_own_updates_and_skipped_windows(mnist, trainer):
     """Two fits on one trainer: each FitSummary counts that fit's windows only, a
-    window holding a NaN as discarded; the trainer's counters hold both fits'."""
+    window holding a NaN as skipped; the trainer's counters hold both fits'."""
     batches = mini_batches(mnist.train, [5] * 6)  # 3 windows of 2
     nan = (batches[2][0].copy(), batches[2][1])
     nan[0][1] = np.nan
@@ -126,7 +126,7 @@ def test_each_fits_summary_counts_its_own_updates_and_discarded_windows(mnist, t
     assert (fitted.updates, fitted.skipped_windows) == (5, 1)
 
 
-def test_a_nonfinite_window_is_discarded_whole_in_one_call(mnist):
+def test_a_nonfinite_window_is_skipped_whole_in_one_call(mnist):
     good, bad, after = windows(mnist.train, ((5, 5), (5, 5), (5, 5)))
     bad[1] = (bad[1][0].copy(), bad[1][1])  # windows() returns views of MNIST
     bad[1][0][3] = np.nan
@@ -138,7 +138,7 @@ def test_a_nonfinite_window_is_discarded_whole_in_one_call(mnist):
     assert int(one_call.optimizer.iterations.numpy()) == 1  # LR schedules stay put
     for a, b in zip(before, one_call.model.get_weights()):
         np.testing.assert_array_equal(a, b)
-    # The next window applies as if the discarded one had never been.
+    # The next window applies as if the skipped one had never been.
     reference = accumulator(keras.optimizers.Adam(1e-2), small_conv_net(dropout=0.0))
     reference.apply_window(good)
     assert one_call.apply_window(after) and reference.apply_window(after)
@@ -175,8 +175,8 @@ def test_build_window_trains_nothing(mnist, check_finite):
     assert_same_weights(one_call, fresh)
 
 
-def test_the_loop_holds_two_micro_batches_in_flight_and_touches_no_variable(mnist):
-    """Peak activations are two micro-batches' (parallel_iterations), whatever N: the
+def test_the_loop_holds_two_mini_batches_in_flight_and_touches_no_variable(mnist):
+    """Peak activations are two mini-batches' (parallel_iterations), whatever N: the
     loop body is stateless, so no iteration waits on another's variable reads."""
     one_call = accumulator(keras.optimizers.SGD(0.1))
     xs, ys, sizes = tf2.stack_window(mini_batches(mnist.train, (4, 4)))
@@ -187,14 +187,14 @@ def test_the_loop_holds_two_micro_batches_in_flight_and_touches_no_variable(mnis
     assert parallel == window_lib.PARALLEL_ITERATIONS == 2
 
 
-def test_the_engine_trains_each_window_in_one_call_as_the_per_micro_batch_path(
+def test_the_engine_trains_each_window_in_one_call_as_the_per_mini_batch_path(
         mnist, tmp_path):
     """engine_tf2.Engine buffers N mini-batches and trains them in one call, a partial
     window by its samples, with the ConvNet's dropout on; a saved open window resumes."""
     config = loop.Config(engine="tf2", average_gradients=3, batch_size=4)
     engine = engine_tf2.Engine(config, seed=1)
     batches = list(data.batches(mnist.train, 1, 4, 0, 8))  # windows of 3, 3 and a partial 2
-    reference = tf2.GradientAccumulator(  # one call per micro-batch
+    reference = tf2.GradientAccumulator(  # one call per mini-batch
         models.keras_model("convnet", config.dropout, seed=1), keras.optimizers.Adam(1e-3),
         engine_tf2.sparse_cross_entropy)
     closed = []
@@ -246,15 +246,15 @@ def accumulator(trainer):
         model, optimizer = small_conv_net(), keras.optimizers.Adam(1e-2)
     return trainer(model, optimizer, cross_entropy, strategy)
 
-per_micro = accumulator(tf2.GradientAccumulator)
+per_mini = accumulator(tf2.GradientAccumulator)
 one_call = accumulator(tf2.WindowAccumulator)
 split = data.load_mnist().train
 for window in windows(split):  # 8 samples: 4 a replica; 3: 1 / 2; 5: 2 / 3
     for x, y in window:
-        per_micro.accumulate(x, y)
-    per_micro.apply()
+        per_mini.accumulate(x, y)
+    per_mini.apply()
     one_call.apply_window(window)
-same = all(np.array_equal(a, b) for a, b in zip(per_micro.model.get_weights(),
+same = all(np.array_equal(a, b) for a, b in zip(per_mini.model.get_weights(),
                                                 one_call.model.get_weights()))
 before = [w.copy() for w in one_call.model.get_weights()]
 window = windows(split, [(6, 6)])[0]
@@ -265,10 +265,10 @@ print(json.dumps({
     "replicas": strategy.num_replicas_in_sync, "same": same,
     "window": count_all_reduces(
         one_call.window_step.get_concrete_function(xs, ys, sizes)),
-    "apply": count_all_reduces(per_micro.apply_step.get_concrete_function()),
-    "micro": count_all_reduces(per_micro.mini_batch_step.get_concrete_function()),
-    "variables": len(per_micro.variables),
-    "discarded": not one_call.apply_window(poisoned),
+    "apply": count_all_reduces(per_mini.apply_step.get_concrete_function()),
+    "mini_batch": count_all_reduces(per_mini.mini_batch_step.get_concrete_function()),
+    "variables": len(per_mini.variables),
+    "skipped": not one_call.apply_window(poisoned),
     "unchanged": all(np.array_equal(a, b) for a, b in zip(before, one_call.model.get_weights())),
     "updates": int(one_call.optimizer.iterations.numpy()),
     **toys.mirrored_fit(strategy), **toys.multi_worker_fit()}))
@@ -289,10 +289,10 @@ def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     assert result["replicas"] == 2 and result["same"]
     # The optimizer's all-reduce of the applied mean (at most one per variable and replica)
     # and the non-finite vote (one scalar, summed locally by AddN here, one collective
-    # across workers), the same in both paths' apply; nothing per micro-batch.
-    assert result["micro"] == 0
+    # across workers), the same in both paths' apply; nothing per mini-batch.
+    assert result["mini_batch"] == 0
     assert 1 <= result["apply"] <= result["replicas"] * result["variables"] + 1
     assert result["window"] == result["apply"]
-    assert result["discarded"] and result["unchanged"] and result["updates"] == 3
+    assert result["skipped"] and result["unchanged"] and result["updates"] == 3
     # In the same process (one TensorFlow start less): Keras fit through accumulate.
     check_mirrored_fit(result)
