@@ -36,9 +36,9 @@ def stop_at(iteration_to_stop, counter):
 
 # ---------------------------------------------------------------- exact resume, in process
 
-@pytest.mark.parametrize("strategy", averagers.AVERAGERS)
-def test_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist_quick, strategy):
-    cfg = config(accumulate=strategy)
+@pytest.mark.parametrize("averager", averagers.AVERAGERS)
+def test_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist_quick, averager):
+    cfg = config(accumulate=averager)
     uninterrupted = loop.train_once(cfg, mnist_quick, seed=4)
     directory = str(tmp_path / "ckpt")
     with pytest.raises(loop.Stopped, match="3 mini-batches in the open window"):
@@ -231,16 +231,16 @@ def stack_run_poisoned_at_14(mnist_quick):
     return loop.train_once(config(inject_nonfinite=(14,)), mnist_quick, seed=0)
 
 
-@pytest.mark.parametrize("strategy", averagers.AVERAGERS)
-def test_a_nonfinite_window_is_skipped_whole(mnist_quick, stack_run_poisoned_at_14, strategy):
-    poisoned = loop.train_once(config(accumulate=strategy, inject_nonfinite=(12,)),
+@pytest.mark.parametrize("averager", averagers.AVERAGERS)
+def test_a_nonfinite_window_is_skipped_whole(mnist_quick, stack_run_poisoned_at_14, averager):
+    poisoned = loop.train_once(config(accumulate=averager, inject_nonfinite=(12,)),
                                      mnist_quick, seed=0)
     assert poisoned["skipped_windows"] == 1 and poisoned["updates"] == 11
     assert np.isfinite(poisoned["final_accuracy"])
-    # the same as a run of the stack strategy poisoned elsewhere in that window: the
+    # the same as a run of the stack averager poisoned elsewhere in that window: the
     # skipped window changed nothing else
     assert poisoned["weights_sha256"] == stack_run_poisoned_at_14["weights_sha256"]
-    clean = loop.train_once(config(accumulate=strategy), mnist_quick, seed=0)
+    clean = loop.train_once(config(accumulate=averager), mnist_quick, seed=0)
     assert clean["skipped_windows"] == 0 and clean["updates"] == 12
 
 

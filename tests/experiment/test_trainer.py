@@ -173,16 +173,16 @@ def test_rejects_n_below_one_and_unknown_averagers():
             averagers.make_averager("magic", loss, v1.train.GradientDescentOptimizer(1.0), 2)
 
 
-def test_every_strategy_ends_with_the_same_bits_with_dropout_on(mnist_quick):
+def test_every_averager_ends_with_the_same_bits_with_dropout_on(mnist_quick):
     """Same samples, same stateless dropout masks, sums in the same order: same weights.
 
-    This is what lets `make reproduce` use the fastest strategy without changing a number.
+    This is what lets `make reproduce` use the fastest averager without changing a number.
     """
     digests = {}
-    for strategy in averagers.AVERAGERS:
+    for averager in averagers.AVERAGERS:
         config = loop.Config(average_gradients=4, batch_size=10, iterations=42,
-                                   eval_every=0, dropout=0.5, accumulate=strategy)
-        digests[strategy] = loop.train_once(config, mnist_quick, seed=5)["weights_sha256"]
+                                   eval_every=0, dropout=0.5, accumulate=averager)
+        digests[averager] = loop.train_once(config, mnist_quick, seed=5)["weights_sha256"]
     assert len(set(digests.values())) == 1, digests
     other_seed = loop.train_once(config, mnist_quick, seed=6)["weights_sha256"]
     assert other_seed != digests["stack"]

@@ -1,4 +1,4 @@
-"""Every accumulation strategy applies the direct batch's update; both models train.
+"""Every averager applies the direct batch's update; both models train.
 
 Trained as main.py trains (engine_tf1.Engine), dropout off, the same seed: the N
 mini-batches of B hold exactly the samples of the direct batch of N*B.
@@ -21,9 +21,9 @@ N, B, UPDATES, SEED = 5, 20, 3, 7
 MLP_PARAMETERS = 784 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
 
 
-def train(mnist, strategy, n, b, updates, sgd_rate=None):
+def train(mnist, kind, n, b, updates, sgd_rate=None):
     """Trainable weights before and after `updates` updates (Adam 1e-3, or plain SGD)."""
-    config = loop.Config(average_gradients=n, batch_size=b, dropout=0.0, accumulate=strategy)
+    config = loop.Config(average_gradients=n, batch_size=b, dropout=0.0, accumulate=kind)
     optimizer = v1.train.GradientDescentOptimizer(sgd_rate) if sgd_rate else None
     engine = engine_tf1.Engine(config, SEED, optimizer=optimizer)
     try:
@@ -42,21 +42,21 @@ def train(mnist, strategy, n, b, updates, sgd_rate=None):
 _CACHE = {}
 
 
-def trained(mnist, strategy, how):
+def trained(mnist, kind, how):
     """Cached runs: "gradient" is one SGD step at rate 1 (before - after is exactly the
     applied mean gradient), "sgd" UPDATES steps at 0.1, "adam" UPDATES Adam updates.
-    `strategy` None is the direct batch of N*B."""
-    key = (strategy, how)
+    `kind` None is the direct batch of N*B."""
+    key = (kind, how)
     if key not in _CACHE:
-        n, b = (1, N * B) if strategy is None else (N, B)
+        n, b = (1, N * B) if kind is None else (N, B)
         updates, rate = {"gradient": (1, 1.0), "sgd": (UPDATES, 0.1), "adam": (UPDATES, None)}[how]
-        _CACHE[key] = train(mnist, strategy or "stack", n, b, updates, rate)
+        _CACHE[key] = train(mnist, kind or "stack", n, b, updates, rate)
     return _CACHE[key]
 
 
-@pytest.mark.parametrize("strategy", averagers.AVERAGERS)
-def test_applied_mean_gradient_is_the_direct_batch_gradient(mnist, strategy):
-    before, after = trained(mnist, strategy, "gradient")
+@pytest.mark.parametrize("kind", averagers.AVERAGERS)
+def test_applied_mean_gradient_is_the_direct_batch_gradient(mnist, kind):
+    before, after = trained(mnist, kind, "gradient")
     d_before, d_after = trained(mnist, None, "gradient")
     for b, a, db, da in zip(before, after, d_before, d_after):
         np.testing.assert_array_equal(b, db)  # same seed, same start
@@ -65,22 +65,22 @@ def test_applied_mean_gradient_is_the_direct_batch_gradient(mnist, strategy):
         np.testing.assert_allclose(applied, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", averagers.AVERAGERS)
-def test_weights_after_sgd_updates_are_the_direct_batch_weights(mnist, strategy):
-    before, after = trained(mnist, strategy, "sgd")
+@pytest.mark.parametrize("kind", averagers.AVERAGERS)
+def test_weights_after_sgd_updates_are_the_direct_batch_weights(mnist, kind):
+    before, after = trained(mnist, kind, "sgd")
     _, expected = trained(mnist, None, "sgd")
     for b, a, e in zip(before, after, expected):
         assert not np.array_equal(a, b)
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", averagers.AVERAGERS)
-def test_weights_after_adam_updates_are_the_direct_batch_weights(mnist, strategy):
+@pytest.mark.parametrize("kind", averagers.AVERAGERS)
+def test_weights_after_adam_updates_are_the_direct_batch_weights(mnist, kind):
     """Adam's step g / (sqrt(v) + 1e-8) turns float rounding into a visible difference
     where a gradient is near 1e-7 (measured: one conv weight of 44,426, whose gradient is
     2.4e-7, differs by 2.8e-6 after 3 updates, because N mini-batches and one batch sum
     in different orders). Elsewhere the weights must agree tightly."""
-    before, after = trained(mnist, strategy, "adam")
+    before, after = trained(mnist, kind, "adam")
     _, expected = trained(mnist, None, "adam")
     g_before, g_after = trained(mnist, None, "gradient")
     for b, a, e, gb, ga in zip(before, after, expected, g_before, g_after):
@@ -91,10 +91,10 @@ def test_weights_after_adam_updates_are_the_direct_batch_weights(mnist, strategy
         np.testing.assert_allclose(a[~near_rounding], e[~near_rounding], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", [s for s in averagers.AVERAGERS if s != "stack"])
-def test_strategies_apply_bit_identical_updates(mnist, strategy):
+@pytest.mark.parametrize("kind", [s for s in averagers.AVERAGERS if s != "stack"])
+def test_averagers_apply_bit_identical_updates(mnist, kind):
     """Same mini-batch gradients, summed in the same order: the same bits as `stack`."""
-    _, after = trained(mnist, strategy, "adam")
+    _, after = trained(mnist, kind, "adam")
     _, expected = trained(mnist, "stack", "adam")
     for a, e in zip(after, expected):
         np.testing.assert_array_equal(a, e)
@@ -163,11 +163,11 @@ def tiny_loss(x, y):
     return tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(x, w1)), w2) - y))
 
 
-def tiny_graph(strategy, make_optimizer, n):
+def tiny_graph(kind, make_optimizer, n):
     x = v1.placeholder(tf.float64, [None, 4], "x")
     y = v1.placeholder(tf.float64, [None, 2], "y")
     averager = averagers.make_averager(
-        strategy, tiny_loss(x, y), make_optimizer(), n, loss_fn=tiny_loss, inputs=[x, y],
+        kind, tiny_loss(x, y), make_optimizer(), n, loss_fn=tiny_loss, inputs=[x, y],
         global_step=v1.train.get_or_create_global_step(), check_finite=True)
     return x, y, averager
 
@@ -177,10 +177,10 @@ def tiny_batches(sizes):
     return [(X[a:b], Y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def train_tiny(strategy, make_optimizer, sizes, n):
+def train_tiny(kind, make_optimizer, sizes, n):
     """The weights after training the mini-batches of `sizes`, N at a time, flushed."""
     with tf.Graph().as_default():
-        x, y, averager = tiny_graph(strategy, make_optimizer, n)
+        x, y, averager = tiny_graph(kind, make_optimizer, n)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
             for images, labels in tiny_batches(sizes):
@@ -201,8 +201,8 @@ def test_fused_trains_a_tf_variable_model_weighting_unequal_minibatches(name):
         np.testing.assert_allclose(f, d, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("strategy", ["graph", "optimizer"])
-def test_two_variable_windows_share_a_graph_under_auto_reuse(strategy):
+@pytest.mark.parametrize("kind", ["graph", "optimizer"])
+def test_two_variable_windows_share_a_graph_under_auto_reuse(kind):
     """A GAN's two averagers, N=2 and N=3, in one reusing scope: each keeps its own
     window, so both train bit for bit as two `stack` averagers do."""
     def train(kind):
@@ -225,20 +225,20 @@ def test_two_variable_windows_share_a_graph_under_auto_reuse(strategy):
                 return sess.run([d, g])
 
     expected = train("stack")
-    for a, e in zip(train(strategy), expected):
+    for a, e in zip(train(kind), expected):
         assert not np.array_equal(a, W1) and not np.array_equal(a, W2)
         np.testing.assert_array_equal(a, e)
 
 
-@pytest.mark.parametrize("strategy", ["graph", "optimizer"])
-def test_a_saver_alone_restores_the_open_window_and_its_count(tmp_path, strategy):
+@pytest.mark.parametrize("kind", ["graph", "optimizer"])
+def test_a_saver_alone_restores_the_open_window_and_its_count(tmp_path, kind):
     """Saved after 2 mini-batches of a window of 3 and restored by a plain Saver (no
     restore_window): the 3rd mini-batch closes the window, as uninterrupted."""
     sizes, path = [8] * 8, str(tmp_path / "model.ckpt")
 
     def run(feeds, restore):
         with tf.Graph().as_default():
-            x, y, averager = tiny_graph(strategy, OPTIMIZERS["adam"], 3)
+            x, y, averager = tiny_graph(kind, OPTIMIZERS["adam"], 3)
             saver = v1.train.Saver()
             with v1.Session() as sess:
                 sess.run(v1.global_variables_initializer())
@@ -261,8 +261,8 @@ def test_a_saver_alone_restores_the_open_window_and_its_count(tmp_path, strategy
 
 
 @pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16])
-@pytest.mark.parametrize("strategy", averagers.AVERAGERS)
-def test_low_precision_gradients_sum_in_float32_and_nonfinite_ones_are_caught(strategy,
+@pytest.mark.parametrize("kind", averagers.AVERAGERS)
+def test_low_precision_gradients_sum_in_float32_and_nonfinite_ones_are_caught(kind,
                                                                              dtype):
     """20 gradients of about 4e3: their float16 sum (8e4) would overflow 65504. A window
     with a real Inf is skipped whole."""
@@ -274,7 +274,7 @@ def test_low_precision_gradients_sum_in_float32_and_nonfinite_ones_are_caught(st
             return tf.reduce_sum(w * g)  # its gradient is g
 
         averager = averagers.make_averager(
-            strategy, loss_fn(grad), v1.train.GradientDescentOptimizer(1.0), 20,
+            kind, loss_fn(grad), v1.train.GradientDescentOptimizer(1.0), 20,
             loss_fn=loss_fn, inputs=[grad], check_finite=True)
         with v1.Session() as sess:
             sess.run(v1.global_variables_initializer())
