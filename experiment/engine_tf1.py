@@ -134,7 +134,7 @@ class Engine:
 
     def write_variables(self, path):
         """Every global variable (weights, Adam's slots, the global step, the `graph`
-        strategy's window), by the RunGraph's Saver."""
+        averager's window), by the RunGraph's Saver."""
         with self.run_graph.graph.as_default():  # a Saver works in graph mode only
             self.run_graph.saver.save(self.sess, path, write_meta_graph=False,
                                       write_state=False)
@@ -144,7 +144,7 @@ class Engine:
             self.run_graph.saver.restore(self.sess, path)
 
     def window_arrays(self):
-        """The strategy's open window (gradients, sums or fed inputs)."""
+        """The averager's open window (gradients, sums or fed inputs)."""
         return self.averager.window_state()
 
     def restore_window(self, arrays, state):

@@ -263,8 +263,9 @@ class AveragingOptimizer(v1.train.Optimizer):
     def accumulate_gradients(self, grads_and_vars, global_step=None, name=None, weight=None):
         """As apply_gradients, but the op only adds the mini-batch: `flush_op()` applies.
 
-        For a loop that decides itself when a window ends (strategies.GraphAverager runs
-        it N times, then flush_op); `global_step` is the one flush_op advances.
+        For a loop that decides itself when a window ends (the experiment's `graph`
+        averager runs it N times, then flush_op); `global_step` is the one flush_op
+        advances.
         """
         return self._build(grads_and_vars, global_step, name, weight, apply_when_full=False)
 
