@@ -108,6 +108,26 @@ def test_fit_in_one_call_per_window_equals_fit_per_mini_batch(mnist, source):
         np.testing.assert_array_equal(a, b)
 
 
+def test_fit_accumulated_under_xla_equals_the_direct_batch(mnist):
+    """jit_compile=True, both paths: windows of (8, 8, 8, 8) and (8, 8, 8, 3) samples run
+    under XLA (the one-call window at its padded width), dropout off, against the direct
+    batch of each window's samples (32, then 27) fitted by plain Keras."""
+    images, labels = mnist.train.images[:59], mnist.train.labels[:59]
+    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(8)  # 7 x 8 + 3
+    direct = small_conv_net(dropout=0.0)
+    direct.compile(optimizer=keras.optimizers.SGD(0.1),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    direct.fit(images, labels, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for one_call in (True, False):
+        model = small_conv_net(dropout=0.0)
+        summary = tf2.fit_accumulated(model, dataset, keras.optimizers.SGD(0.1), cross_entropy,
+                                      average_gradients=4, one_call=one_call,
+                                      jit_compile=True)
+        assert summary == tf2.FitSummary(mini_batches=8, updates=2, partial_window=0)
+        for a, b in zip(model.get_weights(), direct.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 @pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,
                                      tf2.GradientAccumulator])
 def test_each_fits_summary_counts_its_own_updates_and_skipped_windows(mnist, trainer):
