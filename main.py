@@ -3,6 +3,7 @@
     python main.py --average-gradients=5 --batch-size=20 --iterations=5000
 """
 
+import contextlib
 import logging as std_logging
 import signal
 import sys
@@ -54,30 +55,29 @@ def main(argv):
     from experiment import data
     from experiment import loop
     from experiment import results
+    from experiment import runlock
 
     config, runs = flags.train_config(), flags.runs()
     try:
         loop.prepare(config)  # devices are fixed once TensorFlow's runtime starts
     except ValueError as e:  # the engine cannot run this configuration here
         cli.fail(str(e))
-    try:
-        if runs.results_path:
-            results.check_writable(runs.results_path)
-        if runs.logdir:
-            results.check_directory(runs.logdir, "--logdir")
-        if runs.checkpoint_dir:
-            results.check_directory(runs.checkpoint_dir, "--checkpoint-dir")
-        datasets = data.load_mnist(runs.data_dir)
-    except (data.DataError, results.ResultsError) as e:
-        cli.fail(str(e))
-
-    with StopSignals() as stop:
+    with contextlib.ExitStack() as held:  # the checkpoint directory's lock, to the end
         try:
-            loop.train_reps(config, datasets, runs, flags.all_values(), stop)
-        except checkpoint.CheckpointError as e:
+            runs = results.check_outputs(config, runs, held)
+            datasets = data.load_mnist(runs.data_dir)
+        except (data.DataError, results.ResultsError, runlock.LockError) as e:
             cli.fail(str(e))
-        except loop.Stopped as e:
-            cli.fail(str(e), code=128 + stop.received if stop.received else 3)
+
+        with StopSignals() as stop:
+            try:
+                loop.train_reps(config, datasets, runs, flags.all_values(), stop)
+            except checkpoint.CheckpointError as e:
+                cli.fail(str(e))
+            except results.WriteError as e:  # a full disk, a lost permission
+                cli.fail(str(e), code=1)
+            except loop.Stopped as e:
+                cli.fail(str(e), code=128 + stop.received if stop.received else 3)
 
 
 def parse_flags_then_import_tensorflow(argv):

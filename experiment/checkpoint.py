@@ -13,22 +13,35 @@ A run's directory holds
     identity of the configuration; it names the two files above and is written last,
     atomically, so it only ever points at files that are complete.
 A finished run's `state.json` holds its result instead, so that reps are not redone.
+
+A save that fails (a full disk, a lost permission) raises results.WriteError and leaves
+the checkpoint in force as it was; what it wrote is removed, and so is whatever a failed
+or interrupted save left (partial files, tf2's `model.ckpt-<i>_temp/` directories, the
+`.tmp-*` files of atomic writes) when the run is loaded again: nothing in the directory
+but what `state.json` names survives, so the next save never trips over it. That clean-up
+assumes one run per directory, which main.py's lock (runlock.py) ensures.
 """
 
 import hashlib
 import io
 import json
 import os
+import re
+import shutil
 import zipfile
 
 import numpy as np
 import tensorflow as tf
 
 from experiment import config
+from experiment import faults
 from experiment import results
 
 STATE_FILE = "state.json"
 CHECKPOINT_PREFIX = "model.ckpt"
+# Names a save writes, or leaves when it fails, beside state.json: anything of these that
+# state.json does not name is a previous checkpoint or the debris of a failed save.
+SAVED_NAMES = (CHECKPOINT_PREFIX + "-", "window-", ".tmp-")
 
 
 class CheckpointError(ValueError):
@@ -48,28 +61,47 @@ class RunCheckpoint:
         self.directory = directory
         self.identity = dict(identity)
         self.state_path = os.path.join(directory, STATE_FILE)
+        self.in_force = None  # the state that state.json holds: loaded, or last saved
 
     def load(self):
-        """Returns the saved state, or None where this run has no checkpoint yet.
+        """Returns the saved state, or None where this run has no checkpoint yet; removes
+        what state.json does not name (a usable checkpoint only).
 
         Raises:
           CheckpointError: unreadable, of another configuration, or missing its files.
         """
         if not os.path.exists(self.state_path):
+            self._remove_stale()
             return None
         try:
             with open(self.state_path) as f:
                 state = json.load(f)
             saved_identity = state["identity"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{self.state_path}: unreadable checkpoint state ({e})") \
-                from None
+            raise CheckpointError(f"{self.state_path}: unreadable checkpoint state ({e}); "
+                                  f"{self._move_aside()}") from None
         self._check_identity(saved_identity)
         if not state.get("finished"):
             for name in (state.get("checkpoint", "") + ".index", state.get("window", "")):
                 if not os.path.isfile(os.path.join(self.directory, name)):
-                    raise CheckpointError(f"{self.state_path}: names {name}, which is missing")
+                    raise CheckpointError(f"{self.state_path}: names {name}, which is "
+                                          f"missing; {self._move_aside()}")
+        self.in_force = state
+        self._remove_stale()
         return state
+
+    def _move_aside(self):
+        """The advice for a checkpoint that cannot be used: keep it, out of the way."""
+        return (f"move {self.directory} aside (keep it until you know why) to start this "
+                "run over")
+
+    def in_force_line(self):
+        """Which checkpoint the same command would resume from, for a failure's message."""
+        if self.in_force and not self.in_force.get("finished"):
+            return (f"the checkpoint in force is "
+                    f"{os.path.join(self.directory, self.in_force['checkpoint'])} (iteration "
+                    f"{self.in_force['iteration']}): the same command resumes from it")
+        return "no checkpoint of this run is in force yet: the same command starts it over"
 
     def _check_identity(self, saved):
         # A setting renamed since (--strategy is --distribute) still names the same thing.
@@ -86,19 +118,39 @@ class RunCheckpoint:
 
     def save(self, engine, iteration, state):
         """Saves an interfaces.Engine's variables and window, then `state`; returns the
-        state written."""
-        os.makedirs(self.directory, exist_ok=True)
+        state in force.
+
+        A save at the iteration of the checkpoint in force writes nothing: that checkpoint
+        holds this very state (a periodic save and a stop's at one iteration), and writing
+        over the files state.json names could damage it.
+
+        Raises:
+          results.WriteError: a file could not be written; the checkpoint in force is
+            unchanged, this save's files are removed, and the message names both.
+        """
         prefix = f"{CHECKPOINT_PREFIX}-{iteration}"
-        engine.write_variables(os.path.join(self.directory, prefix))
+        if self.in_force and self.in_force.get("checkpoint") == prefix:
+            return self.in_force
+        path = os.path.join(self.directory, prefix)
         window_name = f"window-{iteration}.npz"
-        buffer = io.BytesIO()
-        np.savez(buffer, **engine.window_arrays())
-        results.atomic_write_bytes(os.path.join(self.directory, window_name),
-                                   buffer.getvalue())
-        full = dict(state, identity=self.identity, finished=False,
-                    checkpoint=prefix, window=window_name)
-        results.atomic_write_json(self.state_path, full)
-        self._remove_stale(keep={prefix, window_name})
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            faults.check(path)
+            engine.write_variables(path)
+            buffer = io.BytesIO()
+            np.savez(buffer, **engine.window_arrays())
+            results.atomic_write_bytes(os.path.join(self.directory, window_name),
+                                       buffer.getvalue())
+            full = dict(state, identity=self.identity, finished=False,
+                        checkpoint=prefix, window=window_name)
+            results.atomic_write_json(self.state_path, full)
+        # ValueError: a tf1 Saver's "Parent directory of ... doesn't exist".
+        except (OSError, tf.errors.OpError, ValueError) as e:
+            self._remove_stale()
+            raise results.WriteError(f"cannot write the checkpoint {path} "
+                                     f"({results.cause(e)}); {self.in_force_line()}") from None
+        self.in_force = full
+        self._remove_stale()
         return full
 
     def restore(self, engine, state):
@@ -112,28 +164,57 @@ class RunCheckpoint:
             with np.load(os.path.join(self.directory, state["window"])) as arrays:
                 window = {key: arrays[key] for key in arrays.files}
             engine.restore_window(window, state)
-        except CheckpointError:
-            raise
+        except CheckpointError as e:  # the engine's own message names the file
+            raise CheckpointError(f"{e}; {self._move_aside()}") from None
         except (tf.errors.OpError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"checkpoint {self.directory} is corrupt ({reason}); "
-                                  "delete it to start this run again") from None
+                                  f"{self._move_aside()}") from None
 
     def save_finished(self, result):
-        os.makedirs(self.directory, exist_ok=True)
-        results.atomic_write_json(self.state_path, {"identity": self.identity,
-                                                    "finished": True, "result": result})
-        self._remove_stale(keep=set())
+        """Replaces the checkpoint by the run's result.
 
-    def _remove_stale(self, keep):
-        """Deletes checkpoint and window files that state.json no longer names."""
-        stems = {name.split(".data")[0].split(".index")[0] for name in keep}
-        for name in os.listdir(self.directory):
-            stale_ckpt = name.startswith(CHECKPOINT_PREFIX + "-") and \
-                name.split(".data")[0].split(".index")[0] not in stems
-            stale_window = name.startswith("window-") and name not in keep
-            if stale_ckpt or stale_window:
-                os.remove(os.path.join(self.directory, name))
+        Raises:
+          results.WriteError: state.json could not be written; the checkpoint in force is
+            unchanged.
+        """
+        finished = {"identity": self.identity, "finished": True, "result": result}
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            results.atomic_write_json(self.state_path, finished)
+        except OSError as e:
+            raise results.WriteError(f"the run finished, but {self.state_path} cannot be "
+                                     f"written ({results.cause(e)}); "
+                                     f"{self.in_force_line()}") from None
+        self.in_force = finished
+        self._remove_stale()
+
+    def _remove_stale(self):
+        """Removes what state.json does not name: the previous checkpoint's files, and what
+        failed or interrupted saves left (partial files, tf2's `<prefix>_temp/`
+        directories, `.tmp-*` files). Best effort: what cannot be removed now is removed
+        by a later save or load."""
+        if self.in_force is None and os.path.exists(self.state_path):
+            return  # never loaded: what it names is unknown, so nothing is stale
+        state = self.in_force or {}
+        prefix, window = state.get("checkpoint"), state.get("window")  # none once finished
+        named = prefix and re.compile(re.escape(prefix) + r"\.(index|data-\d+-of-\d+)")
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return
+        for name in names:
+            if not name.startswith(SAVED_NAMES) or name == window or (
+                    named and named.fullmatch(name)):
+                continue
+            path = os.path.join(self.directory, name)
+            try:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+            except OSError:
+                pass
 
 
 def digest_arrays(values):

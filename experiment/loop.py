@@ -22,6 +22,7 @@ import tensorflow as tf
 from experiment import checkpoint
 from experiment import config as config_lib
 from experiment import data
+from experiment import faults
 from experiment import progress
 from experiment import results
 from experiment.config import IDENTITY_FIELDS, Config, Runs, evaluation_due  # noqa: F401 (loop.Config)
@@ -76,6 +77,8 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
     Raises:
       Stopped: a run stopped early (the message names the rep).
       checkpoint.CheckpointError: a rep's checkpoint is unusable or of another config.
+      results.WriteError: a checkpoint or the results file could not be written; no
+        later rep is started (the message names the rep and what is kept).
     """
     log = log or _print
     finished = []
@@ -93,13 +96,36 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
                 run_index=rep + 1, runs=runs.reps, clock=clock)
         except Stopped as e:
             raise Stopped(f"run {rep + 1} of {runs.reps}: {e}") from None
+        except results.WriteError as e:
+            raise results.WriteError(f"run {rep + 1} of {runs.reps}: {e}") from None
         finished.append(run)
         log(results.run_line(run))
         if runs.results_path:
-            results.atomic_write_json(runs.results_path,
-                                      results.results_document(record or {}, finished))
+            try:
+                results.atomic_write_json(runs.results_path,
+                                          results.results_document(record or {}, finished))
+            except OSError as e:  # never train on when the results cannot be kept
+                raise results.WriteError(_results_not_written(runs, len(finished), e)) \
+                    from None
     log(results.summary_line([r["best_accuracy"] for r in finished]))
     return finished
+
+
+def _results_not_written(runs, count, error):
+    """What a failed results write keeps, after the `count`-th run finished."""
+    saved = (f"it holds runs 1-{count - 1}, not run {count}'s record" if count > 2
+             else "it holds run 1, not run 2's record" if count == 2
+             else "run 1's record is not in it")
+    if runs.checkpoint_dir:
+        kept = (f"{os.path.join(runs.checkpoint_dir, f'rep-{count - 1}')} keeps it: once "
+                f"the file can be written, the same command writes it without training again")
+    else:
+        kept = "without --checkpoint-dir it is lost (its line is above)"
+    left = runs.reps - count
+    not_started = ("" if not left else f"; run {runs.reps} was not started" if left == 1
+                   else f"; runs {count + 1}-{runs.reps} were not started")
+    return (f"--results {runs.results_path}: cannot write ({results.cause(error)}); {saved}: "
+            f"{kept}{not_started}")
 
 
 def _print(line):
@@ -145,6 +171,8 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
     Raises:
       Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite).
       checkpoint.CheckpointError: the checkpoint is unusable or of another configuration.
+      results.WriteError: a checkpoint could not be written (the message names the one
+        in force).
     """
     log = log or _print
     module = engine_module(config.engine)
@@ -158,6 +186,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
             return saved["result"]
     engine = module.Engine(config, seed)
     writer = _EventWriter(logdir) if logdir else None
+    closers = [engine.close] + ([writer.close] if writer else [])
     try:
         if verbose and engine.summary():
             log(engine.summary())
@@ -166,10 +195,15 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
         if saved:
             run.restore(saved)
         result = run.train(should_stop)
-    finally:
-        engine.close()
-        if writer:
-            writer.close()
+    except BaseException:
+        for close in closers:  # an error while closing must not hide the one raised
+            try:
+                close()
+            except Exception:
+                pass
+        raise
+    for close in closers:
+        close()
     if ckpt:
         ckpt.save_finished(result)
     return result
@@ -183,6 +217,8 @@ class _Run:
         self.config, self.datasets, self.seed = config, datasets, seed
         self.engine, self.ckpt, self.checkpoint_every = engine, ckpt, checkpoint_every
         self.writer = writer
+        if writer:
+            writer.warn = self._warn
         self.verbose, self.log = verbose, log
         self.position = position  # (run index from 1, runs, RunsClock or None): the bar's
         self.bar = None  # a progress.RunProgress while train() runs
@@ -223,12 +259,43 @@ class _Run:
             self.ckpt.save(self.engine, self.iteration, self.state())
 
     def stop(self, reason):
-        """Saves a checkpoint and raises Stopped, saying where."""
-        self.save()
-        where = (f"checkpoint in {self.ckpt.directory}; run the same command to resume"
-                 if self.ckpt else "no checkpoint directory, so this run is lost")
-        raise Stopped(f"{reason}; stopped at iteration {self.iteration} "
-                      f"({self.engine.window_size()} mini-batches in the open window); {where}")
+        """Saves a checkpoint and raises Stopped, saying where (or, when the save fails,
+        which checkpoint is in force)."""
+        try:
+            self.save()
+            where = (f"checkpoint in {self.ckpt.directory}; run the same command to resume"
+                     if self.ckpt else "no checkpoint directory, so this run is lost")
+        except results.WriteError as e:
+            where = str(e)
+        raise self._stopped(reason, where)
+
+    def _stopped(self, reason, where):
+        return Stopped(f"{reason}; stopped at iteration {self.iteration} ("
+                       f"{self.engine.window_size()} mini-batches in the open window); {where}")
+
+    def periodic_save(self, should_stop):
+        """The checkpoint every checkpoint_every updates. When it fails, a signal that
+        came meanwhile still ends the run as interrupted.
+
+        Raises:
+          results.WriteError: the save failed.
+          Stopped: the save failed and `should_stop` asks to stop.
+        """
+        try:
+            self.save()
+        except results.WriteError as e:
+            reason = should_stop() if should_stop else None
+            if not reason:
+                raise
+            raise self._stopped(f"interrupted by {reason}", str(e)) from None
+
+    def _warn(self, line):
+        """A warning, with the bar (if any) cleared around it."""
+        if self.bar is None:
+            logging.warning("%s", line)
+            return
+        with self.bar.paused():
+            logging.warning("%s", line)
 
     # ------------------------------------------------ the loop
 
@@ -267,7 +334,7 @@ class _Run:
                               closed is Outcome.APPLIED):
                 self.evaluate()
             if closed is Outcome.APPLIED and self.counts.updates % self.checkpoint_every == 0:
-                self.save()
+                self.periodic_save(should_stop)
             reason = should_stop() if should_stop else None
             if reason:
                 self.stop(f"interrupted by {reason}")
@@ -339,16 +406,45 @@ class _Run:
 
 
 class _EventWriter:
-    """TensorBoard scalars as plain `simple_value` events (no tensorboard package needed)."""
+    """TensorBoard scalars as plain `simple_value` events (no tensorboard package needed).
+
+    Events are a run's curves, not its results: the first write that fails (a full disk,
+    a lost permission) is warned about once, through `warn`, and the run goes on without
+    events. faults.check sees each write as one to LOGDIR/events.out.tfevents.
+    """
 
     def __init__(self, logdir):
-        self._writer = tf.summary.create_file_writer(logdir)
+        self.logdir = logdir
+        self.warn = lambda line: logging.warning("%s", line)
+        self._writer = None
+        self._writer = self._attempt(tf.summary.create_file_writer, logdir)
+
+    def _attempt(self, write, *args):
+        """write(*args), or None once writing failed (warned the first time)."""
+        if self.logdir is None:
+            return None
+        try:
+            faults.check(os.path.join(self.logdir, "events.out.tfevents"))
+            return write(*args)
+        except (tf.errors.OpError, OSError) as e:
+            self.warn(f"--logdir: cannot write TensorBoard events in {self.logdir} "
+                      f"({results.cause(e)}); the run goes on without them")
+            self.logdir, self._writer = None, None
+            return None
 
     def scalar(self, tag, value, step):
+        if self._writer is None:
+            return
         summary = tf.compat.v1.Summary(
             value=[tf.compat.v1.Summary.Value(tag=tag, simple_value=float(value))])
-        with self._writer.as_default():
-            tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
+
+        def write():
+            with self._writer.as_default():
+                tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
+
+        self._attempt(write)
 
     def close(self):
-        self._writer.close()
+        if self._writer is not None:
+            self._attempt(self._writer.close)
+            self._writer = None
