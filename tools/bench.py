@@ -253,17 +253,18 @@ def main_bench(argv):
     bench_report.print_targets(targets)
     figure = os.path.splitext(output)[0] + ".png"
     try:
-        figures.bench_ratios(speed, mem, figure, host)
+        png = figures.png_bytes(figures.bench_figure(speed, mem, host)[0])
         drawn = os.path.basename(figure)
     except ValueError as e:  # nothing measured that a figure could show
-        drawn = None
+        png = drawn = None
         print(f"{figure} not drawn: {e}")
-    except OSError as e:
-        cli.fail(f"{figure}: cannot write the figure ({e.strerror or e})")
     text = bench_report.render(command, settings, speed, keras_setup, mem, host, targets,
                                time.perf_counter() - start, kernels, figure=drawn)
     text += "\n" + bench_tf1_wrapper.markdown(wrapper, command)
-    results.atomic_write_text(output, text)
+    try:
+        bench_report.write(output, text, figure, png)
+    except results.WriteError as e:
+        cli.fail(str(e), code=1)
     print(f"\nWrote {output}" + (f" and {figure}" if drawn else "")
           + f" in {(time.perf_counter() - start) / 60:.1f} minutes.")
 

@@ -3,6 +3,7 @@
 import datetime
 
 from experiment import averagers
+from experiment import results
 from tools import bench_contenders
 from tools import bench_keras_fit
 from tools import bench_targets
@@ -191,3 +192,21 @@ def print_targets(targets):
     print("\nTargets:")
     for t in targets:
         print(f"  {t['status']:>13}: {t['target']} -- {t['measured']}")
+
+
+def write(output, text, figure=None, png=None):
+    """Writes BENCHMARKS.md (`text` at `output`) and its figure (`png` bytes at `figure`)
+    as a pair: neither is replaced unless both are written, so a full disk leaves the
+    previous pair, never a new half beside an old one.
+
+    Raises:
+      results.WriteError: naming both files, the cause, and that the previous ones stay.
+    """
+    items = [(figure, png)] if png is not None else []
+    items.append((output, text.encode()))
+    try:
+        results.atomic_write_files(items)
+    except OSError as e:
+        names = " and ".join(path for path, _ in items)
+        raise results.WriteError(f"cannot write {names} ({results.cause(e)}); what was "
+                                 "there before is kept") from None

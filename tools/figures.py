@@ -1,15 +1,21 @@
 """The figures of `make reproduce` and `make bench`, as PNG files.
 
 Each function takes plain data (numbers in dicts and lists, shapes in its docstring), writes
-one PNG and returns its path; the directory must exist. matplotlib draws through its Agg
-canvas directly, without pyplot, so no display is needed and no global figure state is kept.
-Accuracies are in percent, as main.py records them.
+one PNG and returns its path; the directory must exist. A PNG is written whole or not at all
+(through a temp file and a rename), so a full disk leaves the previous figure, never a
+0-byte one. matplotlib draws through its Agg canvas directly, without pyplot, so no display
+is needed and no global figure state is kept. Accuracies are in percent, as main.py records
+them.
 """
+
+import io
 
 import numpy as np
 from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from experiment import results
 
 DPI = 120
 PANEL_INCHES = (4.0, 3.4)  # one subplot
@@ -454,6 +460,13 @@ def _figure(rows, columns, width=PANEL_INCHES[0]):
     return fig
 
 
+def png_bytes(fig):
+    """The figure as PNG bytes, at DPI."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
 def _save(fig, path):
-    fig.savefig(path, dpi=DPI)
+    results.atomic_write_bytes(path, png_bytes(fig))
     return path

@@ -257,7 +257,10 @@ class Runner:
             # A run that was stopped part-way left events that would overlap the new ones.
             event_dir = results.event_dir(self.tb_dir, spec.setting, spec.seed)
             for path in glob.glob(os.path.join(event_dir, "events.out.tfevents.*")):
-                os.unlink(path)
+                try:
+                    os.unlink(path)
+                except OSError:  # old curves beside the new: untidy, not wrong numbers
+                    pass
             start = time.perf_counter()
             process = subprocess.Popen(self.command(spec), cwd=common.ROOT, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -364,7 +367,7 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         config = dict(read_document(group[0].path)["config"])
         path = os.path.join(out_dir, results.run_label(setting) + ".json")
         config.update(reps=reps, seed=seed, results=path)
-        results.atomic_write_json(path, results.results_document(config, runs))
+        _write(path, out_dir, results.atomic_write_json, results.results_document(config, runs))
         rows.append(reproduce_table.summarize(
             setting, runs, reference, POST_TABLE[post_key] if scale == 1 else None,
             experiment_config.evaluations(group[0].config)))
@@ -376,8 +379,27 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
     drawn, notes = draw_figures(out_dir, [(spec.setting.average_gradients, stored[spec])
                                           for spec in specs], scale == 1, log)
     text = reproduce_table.table_document(rows, fair, scale, command, timing, drawn, notes)
-    results.atomic_write_text(os.path.join(out_dir, "table.md"), text)
+    _write(os.path.join(out_dir, "table.md"), out_dir, results.atomic_write_text, text)
     return text
+
+
+def _write(path, out_dir, write, content):
+    """write(path, content) (an atomic write: the previous file stays if it fails).
+
+    Raises:
+      ReproduceError: the file could not be written; the message says the finished runs
+        are kept.
+    """
+    try:
+        write(path, content)
+    except OSError as e:
+        raise ReproduceError(f"{path}: cannot write ({results.cause(e)}); "
+                             f"{_runs_kept(out_dir)}") from None
+
+
+def _runs_kept(out_dir):
+    return (f"the finished runs are kept in {os.path.join(out_dir, 'runs')}: the same "
+            f"command writes it from them without running them again")
 
 
 def draw_figures(out_dir, pairs, with_post, log):
@@ -410,8 +432,8 @@ def draw_figures(out_dir, pairs, with_post, log):
             notes.append(f"{name} not drawn: {e}.")
             continue
         except OSError as e:
-            raise ReproduceError(f"{path}: cannot write the figure ({e.strerror or e})") \
-                from None
+            raise ReproduceError(f"{path}: cannot write the figure ({results.cause(e)}); "
+                                 f"{_runs_kept(out_dir)}") from None
         drawn.append(name)
     without = sum(1 for _, run in pairs if not run.get("evaluations"))
     if without and CURVES_PNG in drawn:

@@ -7,6 +7,8 @@ import pytest
 from absl.testing import flagsaver
 
 from experiment import cli
+from experiment import faults
+from experiment import results
 from tests.helpers import ROOT, run_cli
 from experiment import averagers
 from tools import bench_contenders
@@ -172,3 +174,17 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path, capsys):
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
             (args, captured.err[-500:])
         assert not os.path.exists(tmp_path / "missing"), args
+
+
+@pytest.mark.parametrize("victim", ["BENCHMARKS.png", "BENCHMARKS.md"])
+def test_a_full_disk_keeps_the_previous_benchmarks_pair(tmp_path, victim):
+    """Either file of the pair cannot be written: one line, and the old pair stays whole."""
+    md, png = tmp_path / "BENCHMARKS.md", tmp_path / "BENCHMARKS.png"
+    bench_report.write(str(md), "old report\n", str(png), b"old figure")
+    with faults.injected("ENOSPC", str(tmp_path / victim)):
+        with pytest.raises(results.WriteError) as raised:
+            bench_report.write(str(md), "new report\n", str(png), b"new figure")
+    assert str(raised.value) == (f"cannot write {png} and {md} (No space left on device); "
+                                 "what was there before is kept")
+    assert (md.read_text(), png.read_bytes()) == ("old report\n", b"old figure")
+    assert sorted(os.listdir(tmp_path)) == ["BENCHMARKS.md", "BENCHMARKS.png"]

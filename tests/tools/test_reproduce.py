@@ -19,6 +19,7 @@ from absl.testing import flagsaver
 
 from tests.helpers import ROOT, run_cli
 import flags
+from experiment import faults
 from experiment import loop
 from experiment import results
 from experiment import config
@@ -132,6 +133,24 @@ def test_a_figure_that_cannot_be_written_is_one_error(tmp_path):
     os.mkdir(tmp_path / reproduce.BEST_PNG)  # a directory where the figure should go
     with pytest.raises(reproduce.ReproduceError, match="best_accuracy.png: cannot write"):
         reproduce.draw_figures(str(tmp_path), [(1, run), (5, run)], True, print)
+
+
+def test_a_full_disk_under_the_results_dir_is_one_error_and_every_file_stays(tmp_path):
+    """A per-configuration JSON, a figure or table.md cannot be written: one line, and the
+    table's files and the finished runs are as they were, with no temp file beside them."""
+    planted_table(tmp_path)
+    before = {path: path.read_bytes() for path in tmp_path.rglob("*") if path.is_file()}
+    for victim, what in (("n5-b20-it5000.json", ""), (reproduce.BEST_PNG, " the figure"),
+                         ("table.md", "")):
+        with faults.injected("ENOSPC", str(tmp_path / victim)):
+            with pytest.raises(reproduce.ReproduceError) as raised:
+                reproduce.reproduce(str(tmp_path), reps=3, log=lambda line: None)
+        assert str(raised.value) == (
+            f"{tmp_path / victim}: cannot write{what} (No space left on device); the finished "
+            f"runs are kept in {tmp_path / 'runs'}: the same command writes it from them "
+            "without running them again")
+        assert {path: path.read_bytes() for path in tmp_path.rglob("*")
+                if path.is_file()} == before, victim
 
 
 def test_runs_made_with_other_settings_are_refused(tmp_path):
