@@ -56,6 +56,7 @@ def main(argv):
     from experiment import loop
     from experiment import results
     from experiment import runlock
+    import tensorflow as tf
 
     config, runs = flags.train_config(), flags.runs()
     try:
@@ -78,15 +79,22 @@ def main(argv):
                 cli.fail(str(e), code=1)
             except loop.Stopped as e:
                 cli.fail(str(e), code=128 + stop.received if stop.received else 3)
+            except tf.errors.OpError as e:  # an op with no deterministic kernel here
+                line = cli.missing_deterministic_kernel(e) if config.deterministic else None
+                if line is None:
+                    raise
+                cli.fail(line)
 
 
 def parse_flags_then_import_tensorflow(argv):
     """app.run's flags_parser: help and bad flags are answered (and exit) before the
-    slow TensorFlow import; then TensorFlow, quietly and deterministic."""
+    slow TensorFlow import; then TensorFlow, quietly, deterministic unless
+    --nodeterministic."""
     args = cli.parse_flags(argv)
     cli.import_tensorflow_quietly()
     import tensorflow as tf
-    tf.config.experimental.enable_op_determinism()  # same flags, same bits (on CPU)
+    if FLAGS.deterministic:
+        tf.config.experimental.enable_op_determinism()  # same flags, same bits
     return args
 
 

@@ -10,6 +10,7 @@ each flag once and `--help` lists it once.
 """
 
 import os
+import re
 import sys
 
 from absl import flags
@@ -24,6 +25,29 @@ def fail(message, code=2):
     """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+def missing_deterministic_kernel(error):
+    """The one line for an op TensorFlow cannot run deterministically here, or None.
+
+    Under op determinism TensorFlow refuses an op that has no deterministic kernel on the
+    device (many GPU kernels; XLA's max-pooling gradient anywhere) when it first runs,
+    with an OpError ("A deterministic GPU implementation of ... is not available",
+    "... do not yet have a deterministic XLA implementation") whose text names the node.
+
+    Args:
+      error: what training raised (a tf.errors.OpError, read as text only).
+    """
+    text = str(getattr(error, "message", None) or error)
+    reason = next((line.strip() for line in text.splitlines()
+                   if "determinis" in line.lower()), None)
+    if reason is None:
+        return None
+    node = re.search(r"\{\{node ([^}]+)\}\}", text)
+    op = f" (node {node.group(1).rsplit('/', 1)[-1]})" if node else ""
+    return (f"op determinism is on and TensorFlow has no deterministic kernel here: "
+            f"{reason.rstrip('.')}{op}; run with --nodeterministic to train without op "
+            f"determinism (runs may then differ in their last bits)")
 
 
 def define(kind, name, default, help, lower_bound=None, upper_bound=None,  # noqa: A002

@@ -125,6 +125,10 @@ class Config:
                          identity=True, post="convnet")
     threads: int = setting(0, "TensorFlow intra- and inter-op threads (0: TensorFlow's "
                            "default).", lower=0)
+    deterministic: bool = setting(
+        True, "TensorFlow's op determinism: the same flags give the same bits (on one "
+        "machine). --nodeterministic turns it off, for an op with no deterministic kernel "
+        "on this device (a GPU's, or XLA's max-pooling gradient); runs may then differ.")
 
     # ------------------------------------------------------------ the tf2 engine, tf.distribute
     engine: str = setting("tf1", described(ENGINES) + ".", choices=tuple(ENGINES),
@@ -146,6 +150,11 @@ class Config:
         0, "Replicas for --distribute=mirrored: the first K GPUs, or without a GPU the CPU "
         "split into K logical devices (0: every visible device). --batch-size stays the "
         "global mini-batch, split over the replicas.", lower=0)
+    # A checkpoint records it through engine_tf2.identity (XLA gives other bits).
+    jit_compile: bool = setting(
+        False, "tf2 engine: compile each window's loop with XLA (other bits than without). "
+        "Under op determinism TensorFlow refuses XLA's max-pooling gradient: with the "
+        "convnet it needs --nodeterministic.")
 
     # ------------------------------------------------------------ reproduction and reporting
     eval_every_updates: int = setting(
@@ -202,6 +211,13 @@ RULES = (
     Rule(("engine", "accumulate"), lambda v: v["engine"] == "tf1" or v["accumulate"] == "stack",
          "--accumulate picks a tf1 averager; the tf2 engine buffers a window's inputs and "
          "trains them in one call (leave --accumulate out)"),
+    Rule(("engine", "jit-compile"), lambda v: v["engine"] == "tf2" or not v["jit-compile"],
+         "--jit-compile needs --engine=tf2 (the tf1 engine runs a TF1 graph in a session)"),
+    Rule(("jit-compile", "model", "deterministic"),
+         lambda v: not (v["jit-compile"] and v["model"] == "convnet" and v["deterministic"]),
+         "--jit-compile with --model=convnet needs --nodeterministic: under op determinism "
+         "TensorFlow has no XLA gradient of max pooling (or keep determinism with "
+         "--model=mlp)"),
     Rule(("distribute", "replicas"),
          lambda v: v["replicas"] == 0 or v["distribute"] == "mirrored",
          "--replicas needs --distribute=mirrored"),

@@ -128,6 +128,9 @@ def identity(config):
     """Settings a checkpoint must share beyond the run's Config.
 
     The replica count shapes the saved loss totals (one copy per replica), so it counts.
+    XLA (jit_compile) trains to other bits, so a run with it resumes only from its own
+    checkpoints; it is recorded only where on, so checkpoints made before the flag existed
+    still resume without it.
 
     Raises:
       ConfigError: multi_worker, where every worker would write the same files.
@@ -135,12 +138,14 @@ def identity(config):
     if config.distribute == "multi_worker":
         raise ConfigError("checkpoints do not work with distribute=multi_worker (every "
                           "worker would write the same files)")
-    return {"distribute": config.distribute, "replicas": prepare(config).num_replicas_in_sync}
+    return dict({"distribute": config.distribute,
+                 "replicas": prepare(config).num_replicas_in_sync},
+                **({"jit_compile": True} if config.jit_compile else {}))
 
 
 class Engine:
     """One tf2 run (an interfaces.Engine): the Keras model, Adam and a WindowAccumulator,
-    under the tf.distribute strategy.
+    under the tf.distribute strategy, its window's loop compiled by XLA with jit_compile.
 
     A window trains in one compiled call (WindowAccumulator.apply_stacked): `step`
     copies each mini-batch into a window buffer, and the N-th runs the window. The open
@@ -156,7 +161,7 @@ class Engine:
                 config.learning_rate, config.lr_schedule, config.lr_decay_steps,
                 config.lr_decay_rate))
         self.accumulator = WindowAccumulator(self.net, self.optimizer, sparse_cross_entropy,
-                                             self.strategy)
+                                             self.strategy, jit_compile=config.jit_compile)
         n, b = config.average_gradients, config.batch_size
         self._images = np.zeros((n, b) + data.IMAGE_SHAPE, data.IMAGE_DTYPE)
         self._labels = np.zeros((n, b), data.LABEL_DTYPE)

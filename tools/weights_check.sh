@@ -3,7 +3,8 @@
 # A refactor keeps every line: run it before and after, on the same machine, and diff.
 #   tools/weights_check.sh [REPO] > before.txt
 # Every accumulation strategy at N=1, N=3 and N=3 with a NaN mini-batch; the mlp; the
-# exponential LR schedule; the tf2 engine alike; tf2 mirrored over 2 CPU replicas.
+# exponential LR schedule; the tf2 engine alike; tf2 mirrored over 2 CPU replicas; tf2
+# under XLA on the mlp (the convnet's XLA gradient needs --nodeterministic).
 set -euo pipefail
 repo=$(cd "${1:-$(dirname "$0")/..}" && pwd)
 py=${PYTHON:-$repo/.venv/bin/python}
@@ -30,3 +31,4 @@ run tf2-n3 --engine=tf2 --average-gradients=3
 run tf2-n3-nan --engine=tf2 --average-gradients=3 --inject-nonfinite=4
 run tf2-exp --engine=tf2 --average-gradients=3 --lr-schedule=exponential --lr-decay-steps=2 --lr-decay-rate=0.5
 run tf2-mirrored2 --engine=tf2 --average-gradients=3 --distribute=mirrored --replicas=2
+run tf2-jit-mlp-n3 --engine=tf2 --average-gradients=3 --model=mlp --jit-compile
