@@ -1,15 +1,30 @@
-"""Shared test fixtures: the real MNIST once per session, as arrays and as IDX files."""
+"""Shared test fixtures: the real MNIST once per session, as arrays and as IDX files.
+
+The suite sees no GPU. Its checks are about this CPU's bits and tolerances (runs equal bit
+for bit, N x B against the direct batch to 1e-6) and its logical devices (two CPU replicas
+for MirroredStrategy); a GPU has other kernels, TF32 matmuls and its own devices. So every
+test process, and every process a test starts, runs with CUDA_VISIBLE_DEVICES empty,
+unless GPU_TESTS=1: `make gpu-check` sets it to run the GPU tests (tests that need a GPU
+skip without one, saying so) with the GPU visible, TF32 off in the test processes (the
+exactness tests compare float32 with float32; main.py's runs keep TensorFlow's default).
+"""
 
 import os
 
-import numpy as np
-import pytest
+if os.environ.get("GPU_TESTS") != "1":  # before TensorFlow starts in any test process
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from experiment import cli
-from experiment import data
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from experiment import cli  # noqa: E402
+from experiment import data  # noqa: E402
 from tests.helpers import N_TEST_SMALL, N_TRAIN_SMALL, QUICK_TEST_IMAGES, as_bytes, write_idx_dir
 
 cli.import_tensorflow_quietly()  # before any test module imports TensorFlow
+if os.environ.get("GPU_TESTS") == "1":  # float32 is float32: no TF32 matmuls on the GPU
+    import tensorflow as tf
+    tf.config.experimental.enable_tensor_float_32_execution(False)
 
 @pytest.fixture(scope="session")
 def mnist():
