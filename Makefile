@@ -68,6 +68,13 @@ distributed-demo: install
 bench: install
 	$(PY) -m tools.bench $(ARGS)
 
+# On a GPU: the GPU tests (with the GPU visible; `make test` hides it) and the bench's
+# device sections (peak device memory, speed), into GPU.md with the device, its driver
+# and TensorFlow's build. Without a GPU it measures nothing and GPU.md says so (seconds).
+.PHONY: gpu-check
+gpu-check: install
+	$(PY) -m tools.gpu_check $(ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 	find . -name __pycache__ -not -path "./.venv/*" -prune -exec rm -rf {} +

@@ -14,6 +14,7 @@ one run, on this machine:
     and fused against direct again on Eigen kernels (oneDNN off, a fresh process);
   * peak memory, each measurement in a fresh process (`--probe`): a large effective
     batch direct against accumulated, and the host memory of each strategy as N grows.
+  * on a GPU, peak device memory and speed (bench_device.py); without one, "no GPU".
 Each target of the issue is printed and written as met or missed, with its ratio, and the
 ratios are drawn into a PNG next to the markdown (BENCHMARKS.png), which links it. On a
 terminal, stderr shows a bar of the measurements done and the time left.
@@ -42,6 +43,7 @@ from experiment import progress  # noqa: E402
 from experiment import results  # noqa: E402
 from experiment import averagers  # noqa: E402
 from tools import bench_contenders  # noqa: E402
+from tools import bench_device  # noqa: E402
 from tools import bench_keras_fit  # noqa: E402
 from tools import bench_probes  # noqa: E402
 from tools import bench_profile  # noqa: E402
@@ -247,9 +249,12 @@ def main_bench(argv):
     wrapper = bench_tf1_wrapper.measure(  # AveragingOptimizer against the plain optimizer
         bench_tf1_wrapper.QUICK if FLAGS.quick else bench_tf1_wrapper.FULL)
     lap("AveragingOptimizer")
+    device = bench_device.measure(  # on a GPU: its peak memory and speed ("no GPU" without)
+        bench_device.QUICK if FLAGS.quick else bench_device.FULL)
+    lap("device")
     targets = (bench_targets.evaluate_targets(speed, mem, host, kernels)
                + bench_keras_fit.targets(speed))
-    targets += bench_tf1_wrapper.targets(wrapper)
+    targets += bench_tf1_wrapper.targets(wrapper) + bench_targets.device_targets(device)
     bench_report.print_targets(targets)
     figure = os.path.splitext(output)[0] + ".png"
     try:
@@ -261,6 +266,7 @@ def main_bench(argv):
     text = bench_report.render(command, settings, speed, keras_setup, mem, host, targets,
                                time.perf_counter() - start, kernels, figure=drawn)
     text += "\n" + bench_tf1_wrapper.markdown(wrapper, command)
+    text += "\n" + "\n".join(bench_device.markdown(device))
     try:
         bench_report.write(output, text, figure, png)
     except results.WriteError as e:

@@ -69,15 +69,10 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
                   "model; the engine buffers N mini-batches (numpy, the post's order) and "
                   "trains the window in one compiled tf.function call: a loop over the "
                   "micro-batches inside it, two in flight, one Adam update.",
-                  "", "XLA (`jit_compile`) is not offered for the tf2 window: under op "
-                  "determinism (on in `main.py` and here) TensorFlow refuses to compile it "
-                  "(`UnimplementedError: GPU MaxPool gradient ops do not yet have a "
-                  "deterministic XLA implementation`, raised on this CPU); without determinism, "
-                  "and with the window's micro-batches made equal-sized so that XLA accepts "
-                  "it, the window step with `jit_compile=True` ran 5.6x slower at N=20/B=5 "
-                  "(892 vs 159 ms per window) and 5-10x slower at N=5/B=20 (399-485 vs "
-                  "47-79 ms): 40 windows timed after 5 warm-up windows, on this project's "
-                  "2-core machine while other jobs ran."]
+                  "", "`--jit-compile` (XLA for the tf2 window) is not timed here: under op "
+                  "determinism (on in `main.py` and here) TensorFlow has no XLA gradient of "
+                  "max pooling, so with the ConvNet it runs only with `--nodeterministic`; "
+                  "its speed on this CPU is in docs/tf2-engine.md."]
         lines += bench_keras_fit.report(speed)
     if keras_setup:
         lines += ["", f"### Keras used plainly (N={keras_setup['n']} x B={keras_setup['b']})",

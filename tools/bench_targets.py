@@ -14,6 +14,10 @@ KERAS_SPEEDUP = 2.0
 ACCUMULATED_VS_SMALL, ACCUMULATED_VS_DIRECT = 1.25, 0.25
 FLAT_GRADIENTS_PER_N = 0.1  # host memory "flat in N": what one more micro-batch may add
 TF2_VS_FUSED = 1.15  # the tf2 engine's window against tf1's fused, at the FUSED_LIMITS configs
+# On a GPU (bench_device.py): device memory at N x B against B alone and the direct batch
+# of N*B, and time against the direct batch's at every B of at least DEVICE_SPEED_MIN_B.
+DEVICE_VS_ALONE, DEVICE_VS_DIRECT = 1.1, 0.3
+DEVICE_SPEED, DEVICE_SPEED_MIN_B = 1.1, 32
 
 
 def _classes_delta(slow, fast):
@@ -264,4 +268,75 @@ def host_targets(host):
             f"{s} grew by {slope:.1f} MB per added micro-batch, {per_n:.2f} of a gradient "
             f"({host['grad_mb']:.0f} MB): more than {FLAT_GRADIENTS_PER_N} gradients per "
             "micro-batch."))
+    return out
+
+
+def device_targets(device):
+    """On a GPU (bench_device.measure): each engine's accumulated peak device memory
+    against its own B alone and direct batch, and the time of fused and of the tf2 window
+    against their engine's direct batch at B >= DEVICE_SPEED_MIN_B. Without a GPU each is
+    "not measured", its measured value "no GPU"."""
+    b = DEVICE_SPEED_MIN_B
+    names = [f"accumulated device peak <= {DEVICE_VS_ALONE}x that of B alone",
+             f"accumulated device peak <= {DEVICE_VS_DIRECT:g} of the direct batch's",
+             f"fused <= {DEVICE_SPEED}x the direct batch's time on the device, B >= {b}",
+             f"tf2 <= {DEVICE_SPEED}x the tf2 direct batch's time on the device, B >= {b}"]
+    if not device["gpu"]:
+        return [dict(target=name, measured="no GPU", status="not measured") for name in names]
+    from tools import bench_device  # TensorFlow-free at import, but kept to its callers
+    return (_device_memory_targets(bench_device.memory_table(device), names[:2])
+            + _device_speed_targets(device["speed"], names[2:]))
+
+
+def _device_memory_targets(table, names):
+    measured, failed = [], []
+    for engine, runs in table.items():
+        for strategy, p in runs["accumulated"].items():
+            probes = {"accumulated": p, "alone": runs.get("alone", {}),
+                      "direct": runs.get("direct", {})}
+            bad = [q.get("error", "not measured") for q in probes.values() if "peak_mb" not in q]
+            if bad:
+                failed.append(f"{engine} {strategy}: {bad[0]}")
+            else:
+                measured.append((f"{engine} {strategy}", probes))
+    if not measured:
+        return [dict(target=name, measured="probe failed", status="missed",
+                     why="; ".join(failed)) for name in names]
+    out = []
+    for name, base, limit, what in ((names[0], "alone", DEVICE_VS_ALONE, "B alone"),
+                                    (names[1], "direct", DEVICE_VS_DIRECT, "the direct batch")):
+        label, probes = max(measured, key=lambda m: m[1]["accumulated"]["peak_mb"]
+                            / m[1][base]["peak_mb"])
+        p, ref = probes["accumulated"], probes[base]
+        ratio = p["peak_mb"] / ref["peak_mb"]
+        out.append(_judged(
+            name, f"worst {ratio:.2f}x ({label})", ratio <= limit and not failed,
+            f"{label} peaked at {p['peak_mb']:.1f} MB against {ref['peak_mb']:.1f} MB for "
+            f"{what} ({p['before_mb']:.1f} MB in use before training, +{p['increment_mb']:.1f} "
+            f"MB in training against +{ref['increment_mb']:.1f} MB)."
+            + (" Not measured: " + "; ".join(failed) if failed else "")))
+    return out
+
+
+def _device_speed_targets(speed, names):
+    rows = [r for r in speed if r["b"] >= DEVICE_SPEED_MIN_B]
+    failed = [f"N={r['n']} x B={r['b']}: {r['error']}" for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
+    out = []
+    for name, ratio_of in ((names[0], lambda r: r["vs_direct"]["fused"]),
+                           (names[1], lambda r: r["tf2_vs_tf2_direct"])):
+        if not rows:
+            out.append(dict(target=name, measured="not measured" if not failed else
+                            "probe failed", status="not measured" if not failed else "missed",
+                            why="; ".join(failed) or None))
+            continue
+        worst = max(rows, key=lambda r: ratio_of(r)["ratio"])
+        r = ratio_of(worst)
+        out.append(_judged(
+            name, f"worst {r['ratio']:.2f}x at N={worst['n']}/B={worst['b']}",
+            r["ratio"] <= DEVICE_SPEED and not failed,
+            f"{r['ratio']:.2f}x at N={worst['n']}/B={worst['b']} (paired rounds, quartiles "
+            f"{r['q1']:.2f}-{r['q3']:.2f}; milliseconds per update: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in worst["median_ms"].items()) + ")."
+            + (" Not measured: " + "; ".join(failed) if failed else "")))
     return out

@@ -1,0 +1,156 @@
+"""make gpu-check: the GPU tests and the device sections of the bench, into GPU.md.
+
+    python -m tools.gpu_check                 # writes GPU.md
+    python -m tools.gpu_check --quick         # the device sections scaled down
+
+On a GPU it runs, with the GPU visible (GPU_TESTS=1; the rest of the suite hides it), the
+tests that are about a GPU: tests/experiment/test_gpu.py (both engines, --jit-compile and
+--distribute=mirrored through main.py, determinism run to run, Keras fit under the XLA
+Keras turns on there) and tests/library/test_keras_fit.py (accumulate against the direct
+batch, under that XLA). Then bench_device's peak device memory and speed, judged against
+bench_targets' device targets. GPU.md records the device, its driver, TensorFlow's build,
+each test's outcome, every number and each target met or missed.
+
+Without a GPU it measures nothing, in seconds, and GPU.md says so.
+"""
+
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+
+from experiment import cli
+
+cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+from experiment import results  # noqa: E402
+from tools import bench_device  # noqa: E402
+from tools import bench_targets  # noqa: E402
+from tools import common  # noqa: E402
+
+FLAGS = flags.FLAGS
+GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")
+TESTS_TIMEOUT = 1200
+
+
+def run_gpu_tests():
+    """GPU_TESTS under pytest with the GPU visible; [(test, outcome, first line)]."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "junit.xml")
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                 f"--junitxml={report}", *GPU_TESTS], cwd=common.ROOT, capture_output=True,
+                text=True, timeout=TESTS_TIMEOUT, env=dict(os.environ, GPU_TESTS="1"))
+        except subprocess.TimeoutExpired:
+            return [("all", "not finished", f"timed out after {TESTS_TIMEOUT} s")]
+        if not os.path.exists(report):
+            tail = (proc.stdout + proc.stderr).strip().splitlines() or ["no output"]
+            return [("all", "not run", tail[-1])]
+        return _outcomes(ElementTree.parse(report).getroot())
+
+
+def _outcomes(root):
+    out = []
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        outcome, line = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            element = case.find(kind)
+            if element is not None:
+                outcome = {"failure": "failed", "error": "error"}.get(kind, kind)
+                text = element.get("message") or element.text or ""
+                line = (text.strip().splitlines() or [""])[0]
+                break
+        out.append((name, outcome, line))
+    return out
+
+
+def render(gpus, build, tests, device, targets, command, elapsed):
+    """GPU.md's text."""
+    lines = ["# GPU check", "",
+             f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
+             f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
+             "TensorFlow's build (`tf.sysconfig.get_build_info()`): "
+             + ", ".join(f"{k}={v}" for k, v in build.items()) + ".", ""]
+    if not gpus:
+        return "\n".join(lines + [
+            "**No GPU was found**: TensorFlow sees no GPU on this machine, so nothing here is "
+            "measured on a GPU. The GPU paths (both engines, `--jit-compile`, "
+            "`--distribute=mirrored` on GPUs, op determinism on a GPU, peak device memory "
+            "and speed on a device) are not yet measured on a GPU. `make gpu-check` on a "
+            "machine with one runs the GPU tests and the bench's device sections and "
+            "rewrites this file with what it measured.", "",
+            "## Targets", "", "| target | measured | status |", "|---|---|---|"]
+            + [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets]) + "\n"
+    lines += ["## Device", "", "| device | name | compute capability | driver | memory |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {g['name']} | {g['device_name']} | {g['compute_capability']} | "
+              f"{g['driver']} | {g['memory']} |" for g in gpus]
+    passed = sum(outcome == "passed" for _, outcome, _ in tests)
+    lines += ["", "## Tests with the GPU visible", "",
+              f"`GPU_TESTS=1 pytest {' '.join(GPU_TESTS)}`: {passed} of {len(tests)} passed.",
+              "", "| test | outcome | message |", "|---|---|---|"]
+    lines += [f"| {name} | {outcome} | {line.replace('|', '/')} |"
+              for name, outcome, line in tests]
+    lines += ["", "## Targets", "", "| target | measured | status |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets]
+    whys = [t for t in targets if t.get("why")]
+    if whys:
+        lines += ["", "### Why targets were missed", ""]
+        lines += [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys]
+    lines += [""] + bench_device.markdown(device)
+    return "\n".join(lines) + "\n"
+
+
+def check(output, quick=False, command="python -m tools.gpu_check", log=print):
+    """Measures what there is to measure here and writes GPU.md at `output`; returns its
+    text. Without a GPU: nothing run, a GPU.md that says so."""
+    start = time.perf_counter()
+    gpus = bench_device.gpus()
+    tests, device = [], {"gpu": None}
+    if gpus:
+        log(f"GPU tests ({', '.join(GPU_TESTS)}) with the GPU visible")
+        tests = run_gpu_tests()
+        for name, outcome, line in tests:
+            log(f"  {outcome}: {name}" + (f" -- {line}" if line else ""))
+        device = bench_device.measure(bench_device.QUICK if quick else bench_device.FULL, log)
+    else:
+        log("No GPU: nothing to measure here")
+    targets = bench_targets.device_targets(device)
+    text = render(gpus, bench_device.build_info(), tests, device, targets, command,
+                  time.perf_counter() - start)
+    results.atomic_write_text(output, text)
+    return text
+
+
+def main_check(argv):
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        results.check_writable(FLAGS.output, "--output")
+    except results.ResultsError as e:
+        cli.fail(str(e))
+    command = "python -m tools.gpu_check" + (" --quick" if FLAGS.quick else "") + (
+        f" --output={FLAGS.output}" if FLAGS.output != "GPU.md" else "")
+    try:
+        check(FLAGS.output, FLAGS.quick, command)
+    except OSError as e:  # the disk filled or the directory went since the check
+        cli.fail(f"--output {FLAGS.output}: cannot write it ({e.strerror or e})", code=1)
+    print(f"Wrote {FLAGS.output}")
+
+
+if __name__ == "__main__":
+    from absl import logging
+    logging.set_verbosity(logging.WARNING)
+    # Defined here, not at import: tools.bench defines the same names, and a test process
+    # may import both.
+    cli.define("string", "output", "GPU.md", "Markdown file to write.")
+    cli.define("bool", "quick", False, "The device sections scaled down (a smoke test).")
+    app.run(main_check, flags_parser=cli.parse_flags)
