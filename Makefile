@@ -12,9 +12,9 @@ ARGS ?=
 
 install: $(STAMP)
 
-# uv installs the pinned requirements into the venv in ~15-25 s where pip took ~75 s
-# (parallel downloads), which keeps a fresh clone's `make test` within 5 minutes. The
-# bytecode is compiled at install, as pip does: else every test process compiles it.
+# uv installs the pinned requirements into the venv several times faster than pip
+# (parallel downloads; README gives the times). The bytecode is compiled at install, as
+# pip does: else every test process compiles it.
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(UV)
@@ -50,27 +50,26 @@ reproduce: install
 
 # Two worker processes on 127.0.0.1 (free ports) train one model together with
 # MultiWorkerMirroredStrategy: a line per worker (address, role), then worker 0's lines and
-# its live bar. Extra flags: ARGS="--dropout=0". 100 updates is a tenth of the post's run:
-# measured, it ends at 58.41% (one tf2 process with the same flags: 52.12%, the tf1 engine
-# 38.76%; the masks of dropout differ), on the steep early part of a curve that reaches 95%.
+# its live bar. Extra flags: ARGS="--dropout=0". 100 updates is a tenth of the post's run,
+# on the steep early part of a curve that reaches 95% (README: what it ends at).
 WORKERS ?= 2
 .PHONY: distributed-demo
 distributed-demo: install
 	@echo "distributed-demo: $(WORKERS) workers, 500 mini-batches of 20 at N=5 = 100 updates," \
-	  "a tenth of the post's 1,000. Expect about 58% test accuracy at the end (the post's" \
-	  "95% takes 1,000 updates): still learning, not a failure. Under 2 minutes."
+	  "a tenth of the post's 1,000: the test accuracy at the end is far below the post's" \
+	  "95%, which takes 1,000 updates: still learning, not a failure."
 	$(PY) -m tools.launch_workers --workers=$(WORKERS) --timeout=600 -- --average-gradients=5 \
 	  --batch-size=20 --iterations=500 --reps=1 --verbose $(ARGS)
 
-# Speed and memory of every accumulation strategy against the direct batch and Keras's
-# built-in accumulation; writes BENCHMARKS.md (about 17 minutes; run it on a quiet machine).
+# Speed and memory of every averager against the direct batch and Keras's built-in
+# accumulation; writes BENCHMARKS.md (README gives its duration; run it on a quiet machine).
 .PHONY: bench
 bench: install
 	$(PY) -m tools.bench $(ARGS)
 
 # On a GPU: the GPU tests (with the GPU visible; `make test` hides it) and the bench's
 # device sections (peak device memory, speed), into GPU.md with the device, its driver
-# and TensorFlow's build. Without a GPU it measures nothing and GPU.md says so (seconds).
+# and TensorFlow's build. Without a GPU it measures nothing and GPU.md says so.
 .PHONY: gpu-check
 gpu-check: install
 	$(PY) -m tools.gpu_check $(ARGS)

@@ -1,21 +1,21 @@
-"""Benchmarks the accumulation strategies and writes BENCHMARKS.md.
+"""Benchmarks the averagers and writes BENCHMARKS.md.
 
-    python -m tools.bench            # the full benchmark, about 17 minutes on 2 cores
+    python -m tools.bench            # the full benchmark (README gives how long)
     python -m tools.bench --quick    # a smoke test: every section scaled down, no host sweep
 
 Accumulation exists to save memory, so it must not cost speed; this measures both, in
 one run, on this machine:
   * speed: training seconds per update (no evaluation) of the direct batch N*B, of each
-    strategy at N x B, of Keras 3's built-in `gradient_accumulation_steps` and of the tf2
+    averager at N x B, of Keras 3's built-in `gradient_accumulation_steps` and of the tf2
     engine, for the post's four (N, B). The contenders take turns (round robin, rotating
     who goes first), so drift of a shared machine hits them alike; ratios are paired per
-    round, and at N=1, where every strategy is the same graph, they show the noise.
+    round, and at N=1, where every averager is the same graph, they show the noise.
   * a profile of each (tf.profiler, one block of updates), to say where the time goes,
     and fused against direct again on Eigen kernels (oneDNN off, a fresh process);
   * peak memory, each measurement in a fresh process (`--probe`): a large effective
-    batch direct against accumulated, and the host memory of each strategy as N grows.
+    batch direct against accumulated, and the host memory of each averager as N grows.
   * on a GPU, peak device memory and speed (bench_device.py); without one, "no GPU".
-Each target of the issue is printed and written as met or missed, with its ratio, and the
+Each target is printed and written as met or missed, with its ratio, and the
 ratios are drawn into a PNG next to the markdown (BENCHMARKS.png), which links it. On a
 terminal, stderr shows a bar of the measurements done and the time left.
 
@@ -59,14 +59,14 @@ CONFIGS = ((1, 100), (5, 20), (10, 10), (20, 5))  # the post's (N, B)
 # Speed: a measurement is a block of UPDATES updates, after one untimed block.
 FULL = dict(configs=CONFIGS, updates=20, repeats=7, keras_setup=True, mem_samples=16384,
             mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64),
-            host_strategies=averagers.AVERAGERS + ("tf2",),
-            mem_strategies=averagers.AVERAGERS, probe_jobs=1)
+            host_averagers=averagers.AVERAGERS + ("tf2",),
+            mem_averagers=averagers.AVERAGERS, probe_jobs=1)
 # Quick: a smoke test of every code path, each fresh process (~8 s of TensorFlow and MNIST
 # start-up on 2 cores) counted; no host-memory sweep (its probe is the memory probes' code
 # on another model).
 QUICK = dict(configs=((5, 20),), updates=1, repeats=2, keras_setup=False, mem_samples=512,
-             mem_batch=128, host_ns=(), host_strategies=("stack",),
-             mem_strategies=("fused",), probe_jobs=3)
+             mem_batch=128, host_ns=(), host_averagers=("stack",),
+             mem_averagers=("fused",), probe_jobs=3)
 
 cli.define("bool", "quick", False,
            "Every section scaled down, without the host-memory sweep (a smoke test).")
@@ -78,7 +78,7 @@ cli.define("string", "probe", None, "Internal: one memory measurement, as JSON; 
 
 
 def keras_setup_section(datasets, settings, n=5, b=20):
-    """Keras used plainly (a call per micro-batch) against one compiled call per update."""
+    """Keras used plainly (a call per mini-batch) against one compiled call per update."""
     updates = settings["updates"]
     modes = {label: kw for label, kw in bench_contenders.keras_modes(n, updates).items()
              if not label.endswith("U")}
@@ -142,43 +142,43 @@ def memory_section(settings):
     """Direct batch of S samples against B x (S/B) accumulated, and against B alone."""
     s, b = settings["mem_samples"], settings["mem_batch"]
     n = s // b
-    direct = dict(model="convnet", strategy="stack", n=1, b=s, updates=2)
-    small = dict(model="convnet", strategy="stack", n=1, b=b, updates=2 * n)
-    accumulated = [dict(model="convnet", strategy=k, n=n, b=b, updates=2)
-                   for k in settings["mem_strategies"]]
+    direct = dict(model="convnet", averager="stack", n=1, b=s, updates=2)
+    small = dict(model="convnet", averager="stack", n=1, b=b, updates=2 * n)
+    accumulated = [dict(model="convnet", averager=k, n=n, b=b, updates=2)
+                   for k in settings["mem_averagers"]]
     print(f"Peak memory: {s} samples direct against {n} x {b} accumulated", flush=True)
     out = bench_probes.probe_all([direct, small] + accumulated, settings["probe_jobs"])
     get = lambda spec: out[json.dumps(spec, sort_keys=True)]  # noqa: E731
     return {"samples": s, "n": n, "b": b, "direct": get(direct), "small": get(small),
-            "accumulated": {spec["strategy"]: get(spec) for spec in accumulated}}
+            "accumulated": {spec["averager"]: get(spec) for spec in accumulated}}
 
 
 def host_memory_section(settings):
-    """Peak RSS of each strategy as N grows, on a model whose gradients dominate memory."""
+    """Peak RSS of each averager as N grows, on a model whose gradients dominate memory."""
     params = 784 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
     grad_mb = 4 * params / bench_probes.MB
     specs, skipped = [], {}
-    for strategy in settings["host_strategies"]:
+    for averager in settings["host_averagers"]:
         for n in settings["host_ns"]:
-            if n == 1 and strategy != settings["host_strategies"][0]:
-                continue  # N=1 is `minimize` whatever the strategy: measured once
-            spec = dict(model=HOST_MODEL, strategy=strategy, n=n, b=HOST_BATCH, updates=1)
+            if n == 1 and averager != settings["host_averagers"][0]:
+                continue  # N=1 is `minimize` whatever the averager: measured once
+            spec = dict(model=HOST_MODEL, averager=averager, n=n, b=HOST_BATCH, updates=1)
             # stack keeps N gradients and stacks them: about 2N copies at the apply.
-            need = 1024 + (2 * n * grad_mb if strategy == "stack" else 4 * grad_mb)
+            need = 1024 + (2 * n * grad_mb if averager == "stack" else 4 * grad_mb)
             if need > 0.8 * bench_probes.mem_available_mb():
-                skipped[(strategy, n)] = f"skipped: needs ~{need / 1024:.1f} GB, " \
+                skipped[(averager, n)] = f"skipped: needs ~{need / 1024:.1f} GB, " \
                     f"{bench_probes.mem_available_mb() / 1024:.1f} GB available"
             else:
                 specs.append(spec)
     print(f"Host memory as N grows ({HOST_MODEL}, B={HOST_BATCH})", flush=True)
     out = bench_probes.probe_all(specs, settings["probe_jobs"])
-    table = {(spec["strategy"], spec["n"]): out[json.dumps(spec, sort_keys=True)]
+    table = {(spec["averager"], spec["n"]): out[json.dumps(spec, sort_keys=True)]
              for spec in specs}
-    for strategy in settings["host_strategies"]:
-        if (settings["host_strategies"][0], 1) in table:
-            table[(strategy, 1)] = table[(settings["host_strategies"][0], 1)]
+    for averager in settings["host_averagers"]:
+        if (settings["host_averagers"][0], 1) in table:
+            table[(averager, 1)] = table[(settings["host_averagers"][0], 1)]
     return {"grad_mb": grad_mb, "params": params, "table": table, "skipped": skipped,
-            "ns": settings["host_ns"], "strategies": settings["host_strategies"]}
+            "ns": settings["host_ns"], "averagers": settings["host_averagers"]}
 
 
 # ---------------------------------------------------------------- the run

@@ -43,8 +43,8 @@ class KerasContender:
     """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on B samples.
 
     mode "fit": model.fit over a tf.data pipeline of B-sized batches, `steps_per_execution`
-    micro-batches per compiled call (Keras's own way to cut per-step overhead);
-    mode "train_on_batch": one call per micro-batch. No XLA: under op determinism (on in
+    mini-batches per compiled call (Keras's own way to cut per-step overhead);
+    mode "train_on_batch": one call per mini-batch. No XLA: under op determinism (on in
     main.py and here) Keras turns jit_compile off.
     """
 
@@ -91,12 +91,12 @@ class TF2Contender(SessionContender):
 
 
 def tf1_contenders(n, b, datasets):
-    """The direct batch N*B (the post's minimize) and every strategy at N x B."""
+    """The direct batch N*B (the post's minimize) and every averager at N x B."""
     contenders = [SessionContender("direct", loop.Config(
         average_gradients=1, batch_size=n * b), datasets)]
-    for strategy in averagers.AVERAGERS:
-        contenders.append(SessionContender(strategy, loop.Config(
-            average_gradients=n, batch_size=b, accumulate=strategy), datasets))
+    for averager in averagers.AVERAGERS:
+        contenders.append(SessionContender(averager, loop.Config(
+            average_gradients=n, batch_size=b, accumulate=averager), datasets))
     return contenders
 
 

@@ -34,7 +34,7 @@ MB = 1 << 20
 FULL = dict(n=8, b=256, updates=4, speed_configs=((8, 32), (8, 256)), speed_updates=20,
             repeats=7)
 QUICK = dict(n=2, b=32, updates=1, speed_configs=((2, 32),), speed_updates=2, repeats=2)
-STRATEGIES = averagers.AVERAGERS + ("tf2",)  # at N x B; tf2 is the tf2 engine's window
+CONTENDERS = averagers.AVERAGERS + ("tf2",)  # at N x B; tf2 is the tf2 engine's window
 PROBE_TIMEOUT = 600
 
 
@@ -78,18 +78,18 @@ def build_info():
 # ---------------------------------------------------------------- the probes (fresh processes)
 
 
-def _engine_config(strategy, n, b, updates):
+def _engine_config(averager, n, b, updates):
     from experiment import loop
-    tf2 = strategy == "tf2"
+    tf2 = averager == "tf2"
     return loop.Config(engine="tf2" if tf2 else "tf1", average_gradients=n, batch_size=b,
-                       accumulate="stack" if tf2 else strategy, iterations=n * updates)
+                       accumulate="stack" if tf2 else averager, iterations=n * updates)
 
 
-def _contender(label, strategy, n, b, datasets):
+def _contender(label, averager, n, b, datasets):
     from tools import bench_contenders
-    if strategy == "tf2":
+    if averager == "tf2":
         return bench_contenders.TF2Contender(label, n, b, datasets)
-    config = _engine_config(strategy, n, b, 1)
+    config = _engine_config(averager, n, b, 1)
     return bench_contenders.SessionContender(label, config, datasets)
 
 
@@ -98,7 +98,7 @@ def memory_probe(spec, datasets):
     import time
 
     import tensorflow as tf
-    contender = _contender("probe", spec["strategy"], spec["n"], spec["b"], datasets)
+    contender = _contender("probe", spec["averager"], spec["n"], spec["b"], datasets)
     try:
         contender.train(1)  # untimed: tracing, autotuning, the allocator's first chunks
         tf.config.experimental.reset_memory_stats(GPU)
@@ -119,7 +119,7 @@ def speed_probe(spec, datasets):
     from tools import bench_contenders
     n, b = spec["n"], spec["b"]
     contenders = [_contender("direct", "stack", 1, n * b, datasets)]
-    contenders += [_contender(s, s, n, b, datasets) for s in STRATEGIES]
+    contenders += [_contender(s, s, n, b, datasets) for s in CONTENDERS]
     contenders.append(_contender("tf2_direct", "tf2", 1, n * b, datasets))
     try:
         times = bench_contenders.interleaved(contenders, spec["updates"], spec["repeats"])
@@ -180,7 +180,7 @@ def _spawn(spec):
 def describe(spec):
     if spec["kind"] == "speed":
         return f"speed at N={spec['n']} x B={spec['b']}"
-    what = spec["strategy"] if spec["role"] == "accumulated" else spec["role"]
+    what = spec["averager"] if spec["role"] == "accumulated" else spec["role"]
     return f"{spec['engine']} {what} N={spec['n']} B={spec['b']}"
 
 
@@ -192,12 +192,12 @@ def memory_specs(settings):
     n, b, updates = settings["n"], settings["b"], settings["updates"]
     base = dict(kind="memory", updates=updates)
     specs = []
-    for engine, plain, strategies in (("tf1", "stack", averagers.AVERAGERS),
-                                      ("tf2", "tf2", ("tf2",))):
-        specs.append(dict(base, role="direct", engine=engine, strategy=plain, n=1, b=n * b))
-        specs.append(dict(base, role="alone", engine=engine, strategy=plain, n=1, b=b))
-        specs += [dict(base, role="accumulated", engine=engine, strategy=s, n=n, b=b)
-                  for s in strategies]
+    for engine, plain, names in (("tf1", "stack", averagers.AVERAGERS),
+                                 ("tf2", "tf2", ("tf2",))):
+        specs.append(dict(base, role="direct", engine=engine, averager=plain, n=1, b=n * b))
+        specs.append(dict(base, role="alone", engine=engine, averager=plain, n=1, b=b))
+        specs += [dict(base, role="accumulated", engine=engine, averager=s, n=n, b=b)
+                  for s in names]
     return specs
 
 
@@ -221,12 +221,12 @@ def measure(settings, log=print):
 
 
 def memory_table(device):
-    """{engine: {"direct": probe, "alone": probe, "accumulated": {strategy: probe}}}."""
+    """{engine: {"direct": probe, "alone": probe, "accumulated": {averager: probe}}}."""
     table = {}
     for p in device["memory"]:
         engine = table.setdefault(p["engine"], {"accumulated": {}})
         if p["role"] == "accumulated":
-            engine["accumulated"][p["strategy"]] = p
+            engine["accumulated"][p["averager"]] = p
         else:
             engine[p["role"]] = p
     return table
@@ -271,7 +271,7 @@ def markdown(device):
     if undeterministic:
         lines += ["", "Measured without op determinism (TensorFlow refused it): " + "; ".join(
             f"{describe(p)} ({p['determinism_error']})" for p in undeterministic) + "."]
-    labels = ["direct", *STRATEGIES, "tf2_direct"]
+    labels = ["direct", *CONTENDERS, "tf2_direct"]
     lines += ["", "### Speed on the device", "",
               f"Milliseconds per update, median of {s['repeats']} interleaved rounds of "
               f"{s['speed_updates']} updates after one untimed block; the ratio is the median "

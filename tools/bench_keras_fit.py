@@ -13,7 +13,7 @@ from tools import bench_contenders
 from tools.bench_targets import _judged
 
 LABEL = "keras_fit"
-TARGET_CONFIG = (5, 20)  # issue 18: no slower than Keras's own at N=5 x B=20
+TARGET_CONFIG = (5, 20)  # no slower than Keras's own at N=5 x B=20
 
 
 class KerasFitContender(bench_contenders.KerasContender):
@@ -44,7 +44,7 @@ def split_times(times):
 
 
 def targets(speed):
-    """Issue 18's speed target, judged from the paired rounds."""
+    """The speed target, judged from the paired rounds."""
     rows = {(r["n"], r["b"]): r for r in speed if LABEL in r}
     n, b = TARGET_CONFIG
     name = (f"fit with accumulate <= Keras's gradient_accumulation_steps with "

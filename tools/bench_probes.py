@@ -48,12 +48,12 @@ def run_probe(spec):
     """One memory measurement in this (fresh) process; returns a JSON-able dict.
 
     The probe keeps only the samples it trains on, so that the 55,000 training images
-    (170 MB as float32) do not hide what the strategies change; then it measures the peak
+    (170 MB as float32) do not hide what the averagers change; then it measures the peak
     RSS while training `updates` updates, against the RSS just before.
     """
-    tf2 = spec["strategy"] == "tf2"  # the tf2 engine, its window buffered as inputs
+    tf2 = spec["averager"] == "tf2"  # the tf2 engine, its window buffered as inputs
     config = loop.Config(average_gradients=spec["n"], batch_size=spec["b"],
-                         accumulate="stack" if tf2 else spec["strategy"], model=spec["model"],
+                         accumulate="stack" if tf2 else spec["averager"], model=spec["model"],
                          iterations=spec["n"] * spec["updates"], engine="tf2" if tf2 else "tf1")
     import_mb = _status_mb("VmRSS")  # TensorFlow imported, nothing else yet
     datasets = data.load_mnist()
@@ -141,7 +141,7 @@ def probe_all(specs, jobs):
 
 
 def describe_probe(spec):
-    s = spec["strategy"] if spec["n"] > 1 else "direct"
+    s = spec["averager"] if spec["n"] > 1 else "direct"
     return f"{spec['model']} {s} N={spec['n']} B={spec['b']}"
 
 

@@ -30,9 +30,9 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets]
     noise = bench_targets.noise_floor(speed)
     if noise is not None:
-        lines += ["", f"This run's noise: at N=1 every strategy is the post's `minimize`, the "
+        lines += ["", f"This run's noise: at N=1 every averager is the post's `minimize`, the "
                   f"same graph as `direct`, and their ratios to it came out up to "
-                  f"{noise:.0%} away from 1. A strategy whose ratio to `stack` is above 1 "
+                  f"{noise:.0%} away from 1. An averager whose ratio to `stack` is above 1 "
                   f"by less than that, or below 1 in a quarter of the rounds, is \"within "
                   f"noise\": this run cannot tell it apart from `stack`."]
     whys = [t for t in targets if t.get("why")]
@@ -50,7 +50,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
                   f"on, Adam 1e-3). Median of {settings['repeats']} interleaved rounds of "
                   f"{settings['updates']} updates each, after one untimed block; the ratio is "
                   f"the median of the per-round ratios to `direct` (one batch of N*B, the "
-                  f"post's `minimize`). At N=1 every strategy is that same `minimize`: their "
+                  f"post's `minimize`). At N=1 every averager is that same `minimize`: their "
                   f"spread there is this run's noise floor.", "",
                   "| N x B | " + " | ".join(labels) + " | faster Keras / fused |",
                   "|---" * (len(labels) + 2) + "|"]
@@ -68,7 +68,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
         lines += ["", "`tf2`: `--engine=tf2` (engine_tf2.py): the same ConvNet as a Keras 3 "
                   "model; the engine buffers N mini-batches (numpy, the post's order) and "
                   "trains the window in one compiled tf.function call: a loop over the "
-                  "micro-batches inside it, two in flight, one Adam update.",
+                  "mini-batches inside it, two in flight, one Adam update.",
                   "", "`--jit-compile` (XLA for the tf2 window) is not timed here: under op "
                   "determinism (on in `main.py` and here) TensorFlow has no XLA gradient of "
                   "max pooling, so with the ConvNet it runs only with `--nodeterministic`; "
@@ -76,7 +76,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
         lines += bench_keras_fit.report(speed)
     if keras_setup:
         lines += ["", f"### Keras used plainly (N={keras_setup['n']} x B={keras_setup['b']})",
-                  "", "A call per micro-batch against one compiled call per update.", "",
+                  "", "A call per mini-batch against one compiled call per update.", "",
                   "| how | ms per update |", "|---|---|"]
         lines += [f"| {label} | {1e3 * s:.1f} |" for label, s in keras_setup["medians"].items()]
     if speed:
@@ -163,21 +163,21 @@ def host_markdown(host):
     out = ["", "## Host memory as N grows", "",
            f"`--model={HOST_MODEL}` ({host['params']:,} parameters: one gradient is "
            f"{host['grad_mb']:.0f} MB), B={HOST_BATCH}, one update; peak RSS in MB of a fresh "
-           "process while it trains (at N=1 every strategy is `minimize`).", "",
-           "| N | " + " | ".join(host["strategies"]) + " |",
-           "|---" * (len(host["strategies"]) + 1) + "|"]
+           "process while it trains (at N=1 every averager is `minimize`).", "",
+           "| N | " + " | ".join(host["averagers"]) + " |",
+           "|---" * (len(host["averagers"]) + 1) + "|"]
     for n in host["ns"]:
         cells = []
-        for s in host["strategies"]:
+        for s in host["averagers"]:
             p = host["table"].get((s, n))
             cells.append(host["skipped"].get((s, n), "-") if p is None else
                          p.get("error") or f"{p['peak_mb']:.0f}")
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    slopes = [(s, bench_targets.host_slope(host, s)) for s in host["strategies"]]
+    slopes = [(s, bench_targets.host_slope(host, s)) for s in host["averagers"]]
     slopes = [f"{s} {m:+.1f} MB ({m / host['grad_mb']:+.3f} gradients)"
               for s, m in slopes if m is not None]
     if slopes:
-        out += ["", "Least-squares growth per added micro-batch, over N > 1: "
+        out += ["", "Least-squares growth per added mini-batch, over N > 1: "
                 + ", ".join(slopes) + f". Flat means under {FLAT_GRADIENTS_PER_N} gradients; "
                 "keeping the window's gradients costs at least one."]
     return out

@@ -1,4 +1,4 @@
-"""The issue's targets, each judged from this run's measurements and, where missed,
+"""The project's targets, each judged from this run's measurements and, where missed,
 explained from its profile: what it asks, what was measured, met / within noise / missed.
 """
 
@@ -8,11 +8,11 @@ from experiment import averagers
 from tools import bench_probes
 from tools.bench_contenders import paired_ratio
 
-# The issue's targets.
+# The targets.
 FUSED_LIMITS = {(5, 20): 1.15, (20, 5): 1.5}
 KERAS_SPEEDUP = 2.0
 ACCUMULATED_VS_SMALL, ACCUMULATED_VS_DIRECT = 1.25, 0.25
-FLAT_GRADIENTS_PER_N = 0.1  # host memory "flat in N": what one more micro-batch may add
+FLAT_GRADIENTS_PER_N = 0.1  # host memory "flat in N": what one more mini-batch may add
 TF2_VS_FUSED = 1.15  # the tf2 engine's window against tf1's fused, at the FUSED_LIMITS configs
 # On a GPU (bench_device.py): device memory at N x B against B alone and the direct batch
 # of N*B, and time against the direct batch's at every B of at least DEVICE_SPEED_MIN_B.
@@ -68,14 +68,14 @@ def explain_profile(row, slow, fast, per_call=False):
 
 def explain_fused(row, kernels=None):
     """Why fused trails the direct batch, with `stack` as the reference that runs the same
-    micro-batch kernels one micro-batch at a time, and the same pair on Eigen kernels."""
+    mini-batch kernels one mini-batch at a time, and the same pair on Eigen kernels."""
     text = explain_profile(row, "fused", "direct", per_call=True)
     profiles = row["profiles"]
     if "stack" in profiles:
         ks, kd, kf = (sum(profiles[k]["kernel_ms"].values()) for k in ("stack", "direct", "fused"))
-        text += (f" For reference, `stack` runs the same micro-batch kernels one micro-batch "
+        text += (f" For reference, `stack` runs the same mini-batch kernels one mini-batch "
                  f"at a time: {ks:.1f} ms of kernels per update against direct's {kd:.1f} "
-                 f"({ks / kd:.2f}x); fused's {kf:.1f} ms are measured with two micro-batches "
+                 f"({ks / kd:.2f}x); fused's {kf:.1f} ms are measured with two mini-batches "
                  f"sharing the cores.")
     eigen = [k for k in (kernels or {}).get("kernels", [])
              if (k["n"], k["b"]) == (row["n"], row["b"]) and not k["onednn_ops"]]
@@ -116,7 +116,7 @@ def _judged(target, measured, ok, why):
 def noise_floor(speed):
     """How far apart identical graphs came out in this run, or None.
 
-    At N=1 every strategy builds the post's `minimize`, the same graph as `direct`: their
+    At N=1 every averager builds the post's `minimize`, the same graph as `direct`: their
     ratios to it differ from 1 by noise alone.
     """
     for row in speed:
@@ -140,7 +140,7 @@ def evaluate_targets(speed, mem, host, kernels=None):
         targets.append(dict(target=name, measured=f"{r['ratio']:.2f}x", status=_status(ok),
                             why=None if ok else f"Missed by {r['ratio'] / limit - 1:.0%}. "
                             + explain_fused(rows[(n, b)], kernels)))
-    accumulating = [r for r in speed if r["n"] > 1]  # at N=1 every strategy is minimize
+    accumulating = [r for r in speed if r["n"] > 1]  # at N=1 every averager is minimize
     for s in ("running", "graph", "fused"):
         if not accumulating:
             break
@@ -238,10 +238,10 @@ def memory_targets(mem):
     ]
 
 
-def host_slope(host, strategy):
-    """Least-squares MB per added micro-batch over the measured N > 1, or None."""
-    points = [(n, host["table"][(strategy, n)]["peak_mb"]) for n in host["ns"]
-              if n > 1 and "peak_mb" in host["table"].get((strategy, n), {})]
+def host_slope(host, averager):
+    """Least-squares MB per added mini-batch over the measured N > 1, or None."""
+    points = [(n, host["table"][(averager, n)]["peak_mb"]) for n in host["ns"]
+              if n > 1 and "peak_mb" in host["table"].get((averager, n), {})]
     if len(points) < 2:
         return None
     ns, mbs = np.array(points, dtype=float).T
@@ -249,11 +249,11 @@ def host_slope(host, strategy):
 
 
 def host_targets(host):
-    """Flat in N: less than FLAT_GRADIENTS_PER_N gradients more per added micro-batch
-    (a strategy that keeps the window's gradients adds at least one per micro-batch)."""
+    """Flat in N: less than FLAT_GRADIENTS_PER_N gradients more per added mini-batch
+    (an averager that keeps the window's gradients adds at least one per mini-batch)."""
     out = []
     for s in ("running", "graph", "fused", "tf2"):
-        if s not in host["strategies"]:
+        if s not in host["averagers"]:
             continue
         slope = host_slope(host, s)
         if slope is None:
@@ -263,11 +263,11 @@ def host_targets(host):
         per_n = slope / host["grad_mb"]
         out.append(_judged(
             f"host memory of {s} flat in N",
-            f"{slope:+.1f} MB per added micro-batch ({per_n:+.3f} gradients)",
+            f"{slope:+.1f} MB per added mini-batch ({per_n:+.3f} gradients)",
             per_n < FLAT_GRADIENTS_PER_N,
-            f"{s} grew by {slope:.1f} MB per added micro-batch, {per_n:.2f} of a gradient "
+            f"{s} grew by {slope:.1f} MB per added mini-batch, {per_n:.2f} of a gradient "
             f"({host['grad_mb']:.0f} MB): more than {FLAT_GRADIENTS_PER_N} gradients per "
-            "micro-batch."))
+            "mini-batch."))
     return out
 
 
@@ -291,14 +291,14 @@ def device_targets(device):
 def _device_memory_targets(table, names):
     measured, failed = [], []
     for engine, runs in table.items():
-        for strategy, p in runs["accumulated"].items():
+        for averager, p in runs["accumulated"].items():
             probes = {"accumulated": p, "alone": runs.get("alone", {}),
                       "direct": runs.get("direct", {})}
             bad = [q.get("error", "not measured") for q in probes.values() if "peak_mb" not in q]
             if bad:
-                failed.append(f"{engine} {strategy}: {bad[0]}")
+                failed.append(f"{engine} {averager}: {bad[0]}")
             else:
-                measured.append((f"{engine} {strategy}", probes))
+                measured.append((f"{engine} {averager}", probes))
     if not measured:
         return [dict(target=name, measured="probe failed", status="missed",
                      why="; ".join(failed)) for name in names]

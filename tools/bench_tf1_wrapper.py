@@ -3,7 +3,7 @@
     python -m tools.bench_tf1_wrapper            # about a minute on 2 cores
     python -m tools.bench_tf1_wrapper --quick    # a smoke test
 
-The issue's target: at the same B per mini-batch, one run of the wrapper's train op (add
+The target: at the same B per mini-batch, one run of the wrapper's train op (add
 the mini-batch; every Nth run also apply the mean) costs at most 1.05x one run of the
 plain optimizer's (apply every run), on the post's ConvNet (dense gradients, Adam) and
 on a 50000 x 64 embedding table (sparse gradients, Momentum). Also timed: the wrapper
@@ -137,7 +137,7 @@ def measure(settings, log=print):
 
 
 def targets(result):
-    """The issue's target per model, as bench_targets' rows (target, measured, status, why)."""
+    """The target per model, as bench_targets' rows (target, measured, status, why)."""
     rows = []
     for name, row in result.items():
         r, unlocked, lock = row["vs_plain"]["wrapped"], row["vs_plain"]["unlocked"], row["lock"]

@@ -44,7 +44,7 @@ CONTENDERS = {
     "keras_long": "keras_long: Keras, steps_per_execution=N*U",
     "tf2": "tf2: --engine=tf2",
 }
-# Lines of the host-memory panel: a marker and a dash per strategy, so that lines lying on
+# Lines of the host-memory panel: a marker and a dash per averager, so that lines lying on
 # one another can still be told apart (colour alone cannot).
 MARKERS = "osD^vP*X"
 DASHES = ("-", "--", "-.", ":")
@@ -252,18 +252,18 @@ def bench_ratios(speed, memory, path, host=None):
     Laid out to be read at README width: speed across the top, the memory panels under it,
     every legend outside the data, each contender named in words, and the host-memory lines
     told apart by marker and dash and named at their ends (a marked break in the y-axis
-    when one strategy's memory grows far above the others').
+    when one averager's memory grows far above the others').
 
     Args:
       speed: bench's speed_section rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
         "q3"}}, ...}], "direct" among the labels; bars are the medians of the paired
         per-round ratios, whiskers their quartiles.
       memory: bench's memory_section dict, or None: {"samples", "n", "b", "direct": probe,
-        "small": probe, "accumulated": {strategy: probe}}, a probe {"peak_mb", ...} or
-        {"error"}; strategies whose probe failed are left out.
+        "small": probe, "accumulated": {averager: probe}}, a probe {"peak_mb", ...} or
+        {"error"}; averagers whose probe failed are left out.
       path: the PNG to write.
-      host: bench's host_memory_section dict, or None: {"ns", "strategies", "table":
-        {(strategy, N): probe}, ...}.
+      host: bench's host_memory_section dict, or None: {"ns", "averagers", "table":
+        {(averager, N): probe}, ...}.
 
     Raises:
       ValueError: nothing to draw.
@@ -312,9 +312,9 @@ def bench_panels(speed, memory, host=None):
 BENCH_CAPTIONS = {
     "speed": "Speed: time per update against the direct batch of N*B (the median of the "
              "per-round ratios, whiskers their quartiles; below the dashed line is faster).",
-    "memory": "Peak memory: each strategy's peak against that of B alone and that of the "
+    "memory": "Peak memory: each averager's peak against that of B alone and that of the "
               "direct batch.",
-    "host": "Host memory: peak RSS as N grows (the axis broken at // when one strategy "
+    "host": "Host memory: peak RSS as N grows (the axis broken at // when one averager "
             "climbs far above the others).",
 }
 
@@ -341,7 +341,7 @@ def _speed_panel(sub, speed):
     top = max(max(v["q3"], v["ratio"]) for row in speed for k, v in row["vs_direct"].items())
     ax.set_ylim(0, 1.08 * top)
     ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])
-    ax.set_xlabel("N x B: N micro-batches of B samples per update")
+    ax.set_xlabel("N x B: N mini-batches of B samples per update")
     ax.set_ylabel("time per update / direct's")
     ax.set_title("Speed: median ratio to direct, whiskers the quartiles (lower is faster)",
                  fontsize="medium")
@@ -360,22 +360,22 @@ def _usable_memory(memory):
 
 def _memory_panel(sub, memory, usable):
     ax = sub.subplots()
-    strategies = list(usable)
-    x = np.arange(len(strategies))
+    averagers = list(usable)
+    x = np.arange(len(averagers))
     references = ((f"B={memory['b']} alone", memory["small"]["peak_mb"]),
                   (f"direct (1 x {memory['samples']})", memory["direct"]["peak_mb"]))
     top = 1.0
     for i, (label, reference) in enumerate(references):
-        ratio = [usable[s]["peak_mb"] / reference for s in strategies]
+        ratio = [usable[s]["peak_mb"] / reference for s in averagers]
         ax.bar(x - 0.2 + 0.4 * i, ratio, 0.4, label="peak / peak of " + label,
                color=_colour(i))
         top = max(top, *ratio)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_ylim(0, 1.1 * top)
-    ax.set_xticks(x, strategies, rotation=30, ha="right", rotation_mode="anchor")
+    ax.set_xticks(x, averagers, rotation=30, ha="right", rotation_mode="anchor")
     ax.set_ylabel("peak RSS ratio")
     ax.set_title(f"Peak memory, {memory['samples']} samples per update", fontsize="medium")
-    ax.set_xlabel(f"strategy, {memory['n']} x {memory['b']} accumulated")
+    ax.set_xlabel(f"averager, {memory['n']} x {memory['b']} accumulated")
     ax.grid(axis="y", alpha=0.3)
     sub.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
                fontsize="x-small")
@@ -384,11 +384,11 @@ def _memory_panel(sub, memory, usable):
 
 def _host_panel(sub, host):
     lines = {}
-    for strategy in host["strategies"]:
-        points = [(n, host["table"][(strategy, n)]["peak_mb"]) for n in host["ns"]
-                  if "peak_mb" in host["table"].get((strategy, n), {})]
+    for averager in host["averagers"]:
+        points = [(n, host["table"][(averager, n)]["peak_mb"]) for n in host["ns"]
+                  if "peak_mb" in host["table"].get((averager, n), {})]
         if points:
-            lines[strategy] = points
+            lines[averager] = points
     values = sorted(mb for points in lines.values() for _, mb in points)
     # The lines that stay within 1.5x of the lowest value are "flat"; when another line
     # climbs more than 3 of their spans above them, the axis is broken: the flat lines get
@@ -409,7 +409,7 @@ def _host_panel(sub, host):
         span = max(values[-1] - values[0], 1.0)
         parts[0].set_ylim(values[0] - 0.08 * span, values[-1] + 0.08 * span)
     for ax in parts:
-        for i, (strategy, points) in enumerate(lines.items()):
+        for i, (averager, points) in enumerate(lines.items()):
             ns, mb = zip(*points)
             if ax is not parts[-1] and max(mb) <= lower_top:
                 continue  # a flat line: in the lower part only
@@ -417,7 +417,7 @@ def _host_panel(sub, host):
             inside = [k for k, value in enumerate(mb) if low <= value <= high]
             ax.plot(ns, mb, color=_colour(i), marker=MARKERS[i % len(MARKERS)], markersize=4,
                     markevery=inside,  # no half markers where the line leaves through a break
-                    linestyle=DASHES[i % len(DASHES)], linewidth=1.2, label=strategy)
+                    linestyle=DASHES[i % len(DASHES)], linewidth=1.2, label=averager)
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     ns = [n for points in lines.values() for n, _ in points]
@@ -426,7 +426,7 @@ def _host_panel(sub, host):
     if len(parts) == 2:
         _mark_break(*parts)
     parts[-1].set_xticks(host["ns"], [str(n) for n in host["ns"]])
-    parts[-1].set_xlabel("N (micro-batches per update)")
+    parts[-1].set_xlabel("N (mini-batches per update)")
     sub.supylabel("peak RSS (MB)", fontsize="medium")
     parts[0].set_title("Host memory as N grows", fontsize="medium")
     return list(parts)
@@ -438,14 +438,14 @@ def _name_line_ends(parts, lines):
     for ax in parts:
         low, high = ax.get_ylim()
         gap = 0.09 * (high - low)  # about one line of small text at this panel's height
-        ends = sorted((points[-1][1], i, strategy) for i, (strategy, points)
+        ends = sorted((points[-1][1], i, averager) for i, (averager, points)
                       in enumerate(lines.items()) if low <= points[-1][1] <= high)
         placed = []
         for mb, _, _ in ends:
             placed.append(max(mb, placed[-1] + gap) if placed else mb)
         shift = max(0.0, placed[-1] - high) if placed else 0.0  # the top name stays inside
-        for (mb, i, strategy), y in zip(ends, placed):
-            ax.annotate(strategy, (lines[strategy][-1][0], mb), xytext=(8, y - shift),
+        for (mb, i, averager), y in zip(ends, placed):
+            ax.annotate(averager, (lines[averager][-1][0], mb), xytext=(8, y - shift),
                         textcoords=("offset points", "data"), color=_colour(i),
                         fontsize="x-small", va="center", annotation_clip=False)
 

@@ -40,7 +40,7 @@ from tools import figures
 from tools import reproduce_table
 from tools.reproduce_table import EVAL_EVERY, FAIR_EVAL_EVERY_UPDATES, POST_TABLE
 
-# The strategy every run uses: fused is the fastest and ends with the same weights, bit for
+# The averager every run uses: fused is the fastest and ends with the same weights, bit for
 # bit, as the post's stack (tests/test_trainer.py checks it); ACCUMULATE=stack for the post's.
 DEFAULT_ACCUMULATE = "fused"
 

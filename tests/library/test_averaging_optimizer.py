@@ -486,7 +486,7 @@ def test_all_finite_is_one_scalar_over_every_tensor():
         assert sess.run([ok, nan, inf, all_finite([])]) == [True, False, False, True]
 
 
-# ---------------------------------------------------------------- export (issue 17, case 1)
+# ---------------------------------------------------------------- export
 
 def _feeds_xy(feeds):
     return [{"x:0": x, "y:0": y} for x, y in feeds]
@@ -543,7 +543,7 @@ def test_meta_graph_and_saved_model_load_and_continue_mid_window_exactly(tmp_pat
             np.testing.assert_array_equal(r, u)
 
 
-# ---------------------------------------------------------------- threads (case 2)
+# ---------------------------------------------------------------- threads
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_concurrent_runs_never_mix_windows(weighted):
@@ -578,7 +578,7 @@ def test_concurrent_runs_never_mix_windows(weighted):
     np.testing.assert_array_equal(weights, np.full(256, -float(updates)))
 
 
-# ---------------------------------------------------------------- names and slots (case 3)
+# ---------------------------------------------------------------- names and slots
 
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -643,7 +643,7 @@ def test_checkpoints_move_between_plain_and_wrapped_runs(tmp_path, n=3):
     assert_close(weights, expected)
 
 
-# ---------------------------------------------------------------- another N (case 4)
+# ---------------------------------------------------------------- another N
 
 def test_open_window_restored_into_another_n_is_applied_not_dropped(tmp_path):
     """N=4 saved with 3 mini-batches open: in a graph with N=1 or 2 the next run closes
@@ -675,7 +675,7 @@ def test_open_window_restored_into_another_n_is_applied_not_dropped(tmp_path):
         assert_close(resumed, direct)
 
 
-# ---------------------------------------------------------------- graph contexts (case 5)
+# ---------------------------------------------------------------- graph contexts
 
 def _in_process_cluster():
     """A parameter server and a worker in this process, on free local ports."""
@@ -756,7 +756,7 @@ def test_any_graph_context_trains_like_the_direct_batch(context):
     np.testing.assert_allclose(averaged, direct, rtol=1e-6 if dtype == tf.float32 else RTOL)
 
 
-# ---------------------------------------------------------------- per-update ops (case 6)
+# ---------------------------------------------------------------- per-update ops
 
 def test_after_update_steps_an_ema_once_per_update_as_the_direct_batch():
     """An EMA of the weights attached with after_update= (N=3, 8 mini-batches, the last 2
@@ -790,7 +790,7 @@ def test_after_update_steps_an_ema_once_per_update_as_the_direct_batch():
     assert_close(attached, direct)
 
 
-# ---------------------------------------------------------------- bad use (case 7)
+# ---------------------------------------------------------------- bad use
 
 @pytest.mark.parametrize("n, weights", [(4, [1, -1, 1, -1]), (4, [0, 0, 0, 0]),
                                         (4, [1, -3, 0.5, 0]), (1, [0]), (1, [-2])])

@@ -31,7 +31,7 @@ def _row(n, b, fused_ratio, stack_ratios, stack=2.0):
     times["stack"] = [0.01 * stack] * 3
     for s, rs in stack_ratios.items():
         times[s] = [0.01 * stack * r for r in rs]
-    for s in averagers.AVERAGERS:  # strategies a test does not name: as fast as stack
+    for s in averagers.AVERAGERS:  # averagers a test does not name: as fast as stack
         times.setdefault(s, list(times["stack"]))
     times["keras_long"] = [0.04] * 3
     return {"n": n, "b": b, "times": times, "keras_best": "keras",
@@ -107,13 +107,13 @@ def _probe(peak, before, imported=540):
             "import_mb": imported}
 
 
-def test_memory_targets_use_peak_rss_and_host_memory_its_growth_per_micro_batch():
+def test_memory_targets_use_peak_rss_and_host_memory_its_growth_per_mini_batch():
     mem = {"samples": 16384, "n": 128, "b": 128, "direct": _probe(1464, 680),
            "small": _probe(706, 680), "accumulated": {"running": _probe(706, 679),
                                                       "fused": _probe(810, 668)}}
     grad = 76.4
     host = {"grad_mb": grad, "params": 20037642, "ns": (1, 2, 4, 8), "skipped": {},
-            "strategies": ("stack", "running"),
+            "averagers": ("stack", "running"),
             "table": {("stack", 2): {"peak_mb": 1100}, ("stack", 4): {"peak_mb": 1100 + 4 * grad},
                       ("stack", 8): {"peak_mb": 1100 + 12 * grad},
                       ("running", 2): {"peak_mb": 1226}, ("running", 4): {"peak_mb": 1229},

@@ -169,7 +169,7 @@ def probe(peak_mb):
 
 
 def memory_section():
-    """bench's memory_section dict; one strategy's probe failed."""
+    """bench's memory_section dict; one averager's probe failed."""
     return {"samples": 16384, "n": 128, "b": 128, "direct": probe(2900.0),
             "small": probe(620.0), "accumulated": {"stack": probe(700.0),
                                                    "fused": {"error": "probe failed (1)"}}}
@@ -180,7 +180,7 @@ def host_section():
     table = {(s, n): probe(600.0 + (130.0 * n if s == "stack" else 130.0))
              for s in ("stack", "fused") for n in (1, 2, 4) if (s, n) != ("stack", 4)}
     return {"grad_mb": 65.0, "params": 16_000_000, "ns": (1, 2, 4),
-            "strategies": ("stack", "fused"), "table": table,
+            "averagers": ("stack", "fused"), "table": table,
             "skipped": {("stack", 4): "skipped: needs ~5 GB"}}
 
 
@@ -215,15 +215,15 @@ def test_bench_figure_shows_every_bar_and_point_names_every_contender_legends_of
     ns, flat = (1, 2, 4, 8, 16), ("running", "fused")
     table = {("stack", n): probe(600.0 + 130.0 * n) for n in ns}
     table.update({(s, n): probe(700.0 + n + 3 * i) for i, s in enumerate(flat) for n in ns})
-    host = dict(host, ns=ns, strategies=("stack", *flat), table=table, skipped={})
+    host = dict(host, ns=ns, averagers=("stack", *flat), table=table, skipped={})
     fig, panels = figures.bench_figure(speed_rows(), memory_section(), host)
     upper, lower = panels["host"]
-    for (strategy, n), probe_ in host["table"].items():
+    for (averager, n), probe_ in host["table"].items():
         assert inside(n, lower.get_xlim())
         assert any(inside(probe_["peak_mb"], ax.get_ylim()) for ax in (upper, lower))
     # Lines lying on one another are told apart by marker and dash, and named at their ends.
     styles = [(line.get_marker(), line.get_linestyle()) for line in lower.get_lines()
-              if line.get_label() in host["strategies"]]
+              if line.get_label() in host["averagers"]]
     assert len(styles) == 3 and len(set(styles)) == 3
     assert {t.get_text() for t in upper.texts} == {"stack"}
     assert {t.get_text() for t in lower.texts} == {"running", "fused"}
@@ -259,7 +259,7 @@ def test_bench_caption_describes_only_the_panels_drawn():
 
 def test_host_panel_with_no_flat_line_has_one_axis_holding_every_point():
     table = {("stack", n): probe(600.0 * n) for n in (1, 2, 4, 8)}
-    host = dict(host_section(), ns=(1, 2, 4, 8), strategies=("stack",), table=table)
+    host = dict(host_section(), ns=(1, 2, 4, 8), averagers=("stack",), table=table)
     _, panels = figures.bench_figure(speed_rows(), None, host)
     (ax,) = panels["host"]
     assert all(inside(p["peak_mb"], ax.get_ylim()) for p in table.values())

@@ -30,7 +30,7 @@ def fake_device(accumulated_peak, speed_ratio, error=None):
     if error:
         memory[-1] = dict(memory[-1], error=error)
         del memory[-1]["peak_mb"]
-    labels = ["direct", *bench_device.STRATEGIES, "tf2_direct"]
+    labels = ["direct", *bench_device.CONTENDERS, "tf2_direct"]
     ratio = lambda r: {"ratio": r, "q1": r - 0.01, "q3": r + 0.01}  # noqa: E731
     speed = [dict(kind="speed", n=8, b=b, updates=20, repeats=7,
                   median_ms={k: 10.0 for k in labels},
@@ -64,8 +64,8 @@ def test_without_a_gpu_gpu_check_runs_nothing_and_gpu_md_says_so(tmp_path, monke
 def test_memory_probes_cover_every_averager_and_the_tf2_window_against_their_own_engine():
     specs = bench_device.memory_specs(bench_device.FULL)
     n, b = bench_device.FULL["n"], bench_device.FULL["b"]
-    assert n == 8 and b >= 256  # the size, where activations dominate
-    accumulated = {(s["engine"], s["strategy"]) for s in specs if s["role"] == "accumulated"}
+    assert n == 8 and b >= 256  # a size where activations dominate
+    accumulated = {(s["engine"], s["averager"]) for s in specs if s["role"] == "accumulated"}
     assert accumulated == {("tf1", s) for s in averagers.AVERAGERS} | {("tf2", "tf2")}
     for engine in ("tf1", "tf2"):
         roles = {s["role"]: (s["n"], s["b"]) for s in specs if s["engine"] == engine}
