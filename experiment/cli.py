@@ -64,6 +64,8 @@ def define_all(definitions, flag_values=flags.FLAGS, module=None):
     objects as absl flags and validators, filed under `module` (default: the caller's)
     for --help."""
     module = module or sys._getframe(1).f_globals["__name__"]
+    if module == "__main__":  # absl files a script's flags under its path
+        module = sys.argv[0]
     if module not in _HELP_MODULES:
         _HELP_MODULES.append(module)
     for definition in definitions:

@@ -298,3 +298,12 @@ def test_resume_runs_only_what_is_missing(made, tmp_path):
             assert (os.stat(path).st_mtime_ns, f.read()) == (mtime, content)
     with open(missing) as f:
         assert json.load(f)["runs"][0]["updates"] == 1
+
+
+def test_help_lists_the_tools_own_flags():
+    """A tool run as `python -m` files its flags under its path, as absl does for a
+    script; --help must find them there."""
+    proc = run_cli("--help", module="tools.reproduce", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for flag in ("--results-dir", "--jobs", "--[no]fair", "--scale", "--reps"):
+        assert flag in proc.stdout, flag
