@@ -39,8 +39,8 @@ from keras.src.trainers.data_adapters.array_slicing import train_validation_spli
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E402
 
 __all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_version",
-           "data_adapters", "loss_tracker", "symbolic_build", "train_validation_split",
-           "unscale_loss_for_distribution"]
+           "data_adapters", "losses_from_the_pass", "loss_tracker", "symbolic_build",
+           "train_validation_split", "unscale_loss_for_distribution", "with_row_mask"]
 
 
 def symbolic_build(model, data_batch):
@@ -58,37 +58,43 @@ def loss_tracker(model):
 # ---------------------------------------------------------------- batch normalization
 
 
-def batch_norm_layers(model, poolable=True):
-    """The model's BatchNormalization layers, nested ones included, each once.
-
-    Args:
-      poolable: refuse the layers whose statistics the window cannot pool (below).
+def batch_norm_layers(model, per_update, padded):
+    """The model's BatchNormalization layers whose moments the window captures (nested
+    ones included, each once): all of them where the statistics step once per update
+    or the mini-batches are padded (XLA), none otherwise.
 
     Raises:
-      ValueError: a layer whose statistics the window cannot pool: synchronized (its
-        forward pass all-reduces every mini-batch), renorm (its corrections depend on
-        each batch's spread), or a subclass with its own `call` or `_moments`.
+      ValueError: a layer the window cannot train: synchronized=True (its forward pass
+        all-reduces every mini-batch, which fails inside the window loop under a
+        strategy), or, where its moments are captured, renorm=True (its corrections
+        depend on each batch's spread) or a subclass with its own `call` or `_moments`.
     """
     base = keras.layers.BatchNormalization
+    captured = per_update or padded
     found, seen = [], set()
     for layer in model._flatten_layers(include_self=False):  # noqa: SLF001
         if not isinstance(layer, base) or id(layer) in seen:
             continue
         seen.add(id(layer))
-        why = ("synchronized=True (its forward pass all-reduces each mini-batch; the "
-               "window pools the statistics across replicas anyway: use "
-               "synchronized=False)" if layer.synchronized
-               else "renorm=True" if getattr(layer, "renorm", False)
+        if layer.synchronized:
+            raise ValueError(
+                f"BatchNormalization layer {layer.name!r} has synchronized=True: its "
+                "forward pass all-reduces every mini-batch, which the window's loop cannot "
+                "do under a strategy; use synchronized=False (with bn_statistics='update', "
+                "the default, the window's statistics are pooled across replicas anyway)")
+        why = ("renorm=True" if getattr(layer, "renorm", False)
                else "a subclass with its own call or _moments"
                if type(layer).call is not base.call
                or type(layer)._moments is not base._moments  # noqa: SLF001
                else None)
-        if why and poolable:
-            raise ValueError(
-                f"BatchNormalization layer {layer.name!r} has {why}: gradient averaging "
-                "cannot give it the window's statistics; pass bn_statistics='mini_batch' "
-                "for Keras's own per-mini-batch behaviour")
-        found.append(layer)
+        if why and captured:
+            fix = ("pass bn_statistics='mini_batch' for Keras's own per-mini-batch steps"
+                   if per_update else "compile without jit_compile (XLA pads mini-batches "
+                   "and the padding must stay out of its statistics)")
+            raise ValueError(f"BatchNormalization layer {layer.name!r} has {why}: gradient "
+                             f"averaging cannot give it the window's statistics; {fix}")
+        if captured:
+            found.append(layer)
     return found
 
 
@@ -155,3 +161,17 @@ def with_row_mask(outputs, row_mask):
         return t
 
     return tf.nest.map_structure(masked, outputs)
+
+
+@contextlib.contextmanager
+def losses_from_the_pass(model, losses):
+    """`model.losses` inside the block: the losses the forward pass on values returned
+    (add_loss's and the regularizers'), as Keras's JAX trainer makes compute_loss see
+    them (Layer._losses_override); outside a pass they would be lost."""
+    if losses:
+        model._losses_override = list(losses)  # noqa: SLF001
+    try:
+        yield
+    finally:
+        if losses:
+            model._losses_override = []  # noqa: SLF001

@@ -21,6 +21,10 @@ from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 
 
+# The trainer's steps a model may override; AccumulatingModel runs Keras's own instead.
+OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
+
+
 def accumulate(model, average_gradients, check_finite=True, bn_statistics="update"):
     """`model` for Keras's `compile`/`fit`, training with exact gradient averaging.
 
@@ -35,19 +39,23 @@ def accumulate(model, average_gradients, check_finite=True, bn_statistics="updat
       check_finite: skip (not apply) a window holding a NaN or Inf loss or gradient.
       bn_statistics: "update": BatchNormalization layers take one moving-average step
         per update on the window's statistics (the direct batch's); "mini_batch": a step
-        per mini-batch, as Keras takes them (tf2.BatchNormStatistics).
+        per mini-batch, as Keras takes them (tf2._BatchNormStatistics).
 
     Returns:
       An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
 
     Raises:
-      TypeError: `model`'s class overrides train_step, which fit would then not run.
+      TypeError: `model`'s class overrides a step of Keras's trainer (train_step,
+        compute_loss, compute_metrics, test_step), which the AccumulatingModel would
+        replace without running it.
     """
-    if type(model).train_step is not keras.Model.train_step:
+    own = [name for name in OWN_STEPS
+           if getattr(type(model), name) is not getattr(keras.Model, name)]
+    if own:
         raise TypeError(
-            f"{type(model).__name__} overrides train_step, which accumulate() would replace "
-            "without running it; accumulate inside your own step instead, with "
-            "gradient_averaging.GradientAccumulator (accumulate(x, y) per mini-batch, "
+            f"{type(model).__name__} overrides {', '.join(own)}, which accumulate() would "
+            "replace without running it; accumulate inside your own training loop instead, "
+            "with gradient_averaging.GradientAccumulator (accumulate(x, y) per mini-batch, "
             "apply() every N)")
     return AccumulatingModel(model, average_gradients, check_finite=check_finite,
                              bn_statistics=bn_statistics)
@@ -86,7 +94,7 @@ class AccumulatingModel(keras.Model):
             raise ValueError(f"bn_statistics must be one of {', '.join(tf2.BN_STATISTICS)}; "
                              f"got {bn_statistics!r}")
         self.bn_statistics = bn_statistics
-        self._statistics = None  # BatchNormStatistics, made by fit
+        self._statistics = None  # _BatchNormStatistics, made by fit
         self._single_values = None
         # Counted once per window (the first replica's count), never saved.
         self._skipped = tf2._local_variable(tf.constant(0, tf.int64),  # noqa: SLF001
@@ -138,7 +146,7 @@ class AccumulatingModel(keras.Model):
         _keras_src.symbolic_build(self, windows.mini_batches.get_tf_dataset().element_spec)
         padded = bool(self.jit_compile)
         if self._statistics is None or self._statistics.padded != padded:
-            self._statistics = tf2.BatchNormStatistics(self, self.bn_statistics, padded)
+            self._statistics = tf2._BatchNormStatistics(self, self.bn_statistics, padded)
             with self.distribute_strategy.scope():
                 self._single_values = tf.Variable(
                     tf.zeros([len(self._statistics.layers)], tf.float64), trainable=False)
@@ -193,7 +201,7 @@ class AccumulatingModel(keras.Model):
         count = tf.cast(tf.reduce_sum(global_sizes), tf.float32)
         if statistics:
             statistics.discover(self, weights, state, keras.utils.unpack_x_y_sample_weight(
-                tf2.first_rows(batch))[0])
+                tf2._first_rows(batch))[0])
         shifts = statistics.shifts(state) if statistics else []
 
         def mini_batch(i, mini_batch_data, carried):
@@ -204,13 +212,16 @@ class AccumulatingModel(keras.Model):
             mask = (window_lib.row_mask(n_local, tf.shape(tf.nest.flatten(x)[0])[0])
                     if padded else None)
 
-            def objective(y_pred, unused_regularization, non_trainable_values):
+            def objective(y_pred, pass_losses, non_trainable_values):
                 if padded:  # Keras's losses and metrics leave masked rows out
                     y_pred = _keras_src.with_row_mask(y_pred, mask)
-                # As Keras's JAX trainer: the model, then the loss, on values.
-                loss, (_, non_trainable_values, metrics_after) = self.stateless_compute_loss(
-                    weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
-                    sample_weight=sample_weight, training=True)
+                # As Keras's JAX trainer: the model, then the loss, on values, with the
+                # pass's add_loss and regularization losses.
+                with _keras_src.losses_from_the_pass(self, pass_losses):
+                    loss, (_, non_trainable_values, metrics_after) = \
+                        self.stateless_compute_loss(
+                            weights, non_trainable_values, metrics_values, x=x, y=y,
+                            y_pred=y_pred, sample_weight=sample_weight, training=True)
                 loss = _keras_src.unscale_loss_for_distribution(loss)
                 # The mini-batch's part of the window's mean loss, scaled (mixed
                 # precision) as Keras scales a batch's: the float16 gradients are those
@@ -218,7 +229,7 @@ class AccumulatingModel(keras.Model):
                 scaled = self.optimizer.scale_loss(loss * (n / count))
                 return scaled, (loss, y_pred, non_trainable_values, metrics_after)
 
-            step = tf2.mini_batch_gradients(self, weights, non_trainable_values, x,
+            step = tf2._mini_batch_gradients(self, weights, non_trainable_values, x,
                                             objective, statistics or None, mask)
             self._no_gradient = step.no_gradient
             loss, y_pred, non_trainable_values, metrics_after = step.extra
@@ -246,7 +257,7 @@ class AccumulatingModel(keras.Model):
         # This replica's share of the mean (its mini-batch parts summed).
         shares = [total for total, none in zip(sums, self._no_gradient) if not none]
         applied = tf.distribute.get_replica_context().merge_call(
-            self._apply_window, args=(shares, nonfinite + tf2.not_finite(shares), moments))
+            self._apply_window, args=(shares, nonfinite + tf2._not_finite(shares), moments))
         self._skipped.assign_add(1 - tf.cast(applied, tf.int64))
         return self.get_metrics_result()
 
@@ -254,28 +265,21 @@ class AccumulatingModel(keras.Model):
         """Cross-replica: applies the window unless non-finite (see check_finite), and
         steps the batch-norm statistics once.
 
-        A LossScaleOptimizer is given every window: it skips a non-finite one itself,
-        and lowers its scale, which a window skipped before it would never do; the
-        statistics then move as the direct batch's do, skipped step or not.
+        (tf2._apply_window: a LossScaleOptimizer is given every window.)
         """
-        variables = self.trainable_variables
-        scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-        applied = tf2.apply_unless_nonfinite(strategy, self.optimizer, variables, shares,
-                                             self._no_gradient, nonfinite,
-                                             self.check_finite and not scaled)
-        if scaled:
-            votes = strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
-            applied = votes == 0
+        applied, counts = tf2._apply_window(  # noqa: SLF001  (the package's own)
+            strategy, self.optimizer, self.trainable_variables, shares, self._no_gradient,
+            nonfinite, self.check_finite)
         statistics = self._statistics
         if statistics:
             total = strategy.reduce(tf.distribute.ReduceOp.SUM, moments, axis=None)
             if statistics.per_update:
-                statistics.step(total, tf.constant(True) if scaled else applied)
+                statistics.step(total, counts)
             self._single_values.assign_add(statistics.single_value_counts(total))
         return applied
 
     def _batch_norm(self, padded):
-        """The BatchNormStatistics of this fit (made in `fit`, outside the trace)."""
+        """The _BatchNormStatistics of this fit (made in `fit`, outside the trace)."""
         if self._statistics is None or self._statistics.padded != padded:
             raise RuntimeError("train_step runs inside fit(); call fit, not train_step")
         return self._statistics
@@ -313,7 +317,7 @@ class _WindowAdapter(_keras_src.DataAdapter):
     Each epoch's windows are its mini-batches in Keras's order, N at a time, the last
     one partial; a window is (batch, sizes, global_sizes) as window.stacked_windows
     stacks it. Under K > 1 replicas a window is each replica's share
-    (tf2.replica_share) on a new leading axis of K, so that Keras's distribution of the
+    (tf2._replica_share) on a new leading axis of K, so that Keras's distribution of the
     dataset hands every replica its own share and nothing more.
     """
 
@@ -332,7 +336,7 @@ class _WindowAdapter(_keras_src.DataAdapter):
         return self._windows
 
     def _shares(self, batch, sizes):
-        shares = [tf2.replica_share(batch, sizes, r, self.replicas)
+        shares = [tf2._replica_share(batch, sizes, r, self.replicas)
                   for r in range(self.replicas)]
         batch = tf.nest.map_structure(lambda *t: tf.stack(t), *[s[0] for s in shares])
         local_sizes = tf.stack([s[1] for s in shares])

@@ -41,10 +41,10 @@ import collections
 import contextlib
 import logging
 
+import keras
 import numpy as np
 import tensorflow as tf
 
-from gradient_averaging import _keras_src
 from gradient_averaging import window as window_lib
 
 FitSummary = collections.namedtuple(
@@ -70,7 +70,7 @@ def stack_window(mini_batches):
     return xs, ys, sizes
 
 
-def replica_share(data, sizes, replica, replicas):
+def _replica_share(data, sizes, replica, replicas):
     """Replica `replica`'s share of each stacked mini-batch: samples [n*r//K, n*(r+1)//K).
 
     Args:
@@ -110,7 +110,7 @@ def _distribute(strategy, data, sizes):
 
     def share(context):
         with tf.device(host):
-            cut = replica_share(data, sizes, context.replica_id_in_sync_group, replicas)
+            cut = _replica_share(data, sizes, context.replica_id_in_sync_group, replicas)
         return tf.nest.map_structure(tf.identity, cut)  # on the replica's device
 
     shares = strategy.experimental_distribute_values_from_function(share)
@@ -148,11 +148,11 @@ def _gradient_tensors(grads):
     return [None if g is None else tf.convert_to_tensor(g) for g in grads], no_gradient
 
 
-MiniBatch = collections.namedtuple(
-    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments"])
+_MiniBatch = collections.namedtuple(
+    "_MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments"])
 
 
-def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics=None,
+def _mini_batch_gradients(model, weights, non_trainable, x, objective, statistics=None,
                          row_mask=None):
     """One mini-batch's forward and backward pass, on values: every path's step.
 
@@ -162,12 +162,12 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
       x: the mini-batch's inputs (this replica's share).
       objective: (outputs, regularization losses, non_trainable) -> (the scalar to
         differentiate, anything else to return), computed under the tape.
-      statistics: the model's BatchNormStatistics, or None.
+      statistics: the model's _BatchNormStatistics, or None.
       row_mask: bool [B] where x is padded (its rows from the mini-batch's size on
         weigh nothing, batch normalization included); None where every row counts.
 
     Returns:
-      MiniBatch(gradients: a tensor or None per weight, no_gradient: which are None,
+      _MiniBatch(gradients: a tensor or None per weight, no_gradient: which are None,
       state: the model's other state after the pass (batch norm's moving statistics
       as they were, where they step once per update), extra: what `objective`
       returned beside its scalar, moments: the batch-norm moments of the pass).
@@ -184,10 +184,10 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
             after = statistics.held(non_trainable, after)
         value, extra = objective(outputs, regularization, after)
     grads, no_gradient = _gradient_tensors(tape.gradient(value, weights))
-    return MiniBatch(grads, no_gradient, after, extra, moments)
+    return _MiniBatch(grads, no_gradient, after, extra, moments)
 
 
-def first_rows(data):
+def _first_rows(data):
     """The first mini-batch of a stacked window as one batch of B rows (none where the
     window is empty): an input to trace a forward pass on, whatever N."""
     def rows(t):
@@ -199,7 +199,7 @@ def first_rows(data):
     return tf.nest.map_structure(rows, data)
 
 
-def not_finite(tensors):
+def _not_finite(tensors):
     """1.0 where any of `tensors` holds a NaN or Inf, else 0.0: one replica's vote."""
     return 1.0 - tf.cast(window_lib.all_finite(tensors), tf.float32)
 
@@ -210,13 +210,18 @@ def _apply_shares(optimizer, variables, shares, no_gradient):
                                            if not none]))
 
 
-def apply_unless_nonfinite(strategy, optimizer, variables, shares, no_gradient, nonfinite,
-                           check_finite, non_empty=True):
+def _apply_window(strategy, optimizer, variables, shares, no_gradient, nonfinite,
+                  check_finite, non_empty=True):
     """Cross-replica: applies the replicas' shares of the mean unless a replica voted
     non-finite (check_finite) or the window is empty.
 
+    A LossScaleOptimizer is given every window: it skips a non-finite one itself, and
+    lowers its scale, which a window skipped before it would never do.
+
     Returns:
-      A bool tensor: whether the window was applied.
+      (applied, counts): bool tensors, whether the window was applied, and whether it
+      counts for the batch-norm statistics (every non-empty window under a
+      LossScaleOptimizer, as the direct batch's statistics move on a skipped step).
     """
     def apply():
         # Run from the cross-replica context, inside the branch: the optimizer's
@@ -225,17 +230,23 @@ def apply_unless_nonfinite(strategy, optimizer, variables, shares, no_gradient, 
             _apply_shares, args=(optimizer, variables, shares, no_gradient))
         return tf.constant(True)
 
-    apply_it = tf.convert_to_tensor(non_empty)
-    if check_finite:
-        votes = strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+    non_empty = tf.convert_to_tensor(non_empty)
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    votes = (strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+             if check_finite or scaled else None)
+    apply_it = non_empty
+    if check_finite and not scaled:
         apply_it = tf.logical_and(apply_it, votes == 0)
-    return tf.cond(apply_it, apply, lambda: tf.constant(False))
+    applied = tf.cond(apply_it, apply, lambda: tf.constant(False))
+    if scaled:
+        return tf.logical_and(applied, votes == 0), applied
+    return applied, applied
 
 
 BN_STATISTICS = ("update", "mini_batch")
 
 
-class BatchNormStatistics:
+class _BatchNormStatistics:
     """A model's BatchNormalization layers under accumulation: their moving statistics.
 
     With bn_statistics="update" (the default) a layer in training mode takes one
@@ -258,8 +269,13 @@ class BatchNormStatistics:
                              f"got {bn_statistics!r}")
         self.per_update = bn_statistics == "update"
         self.padded = padded
-        captured = self.per_update or padded
-        self.layers = _keras_src.batch_norm_layers(model, poolable=True) if captured else []
+        self.layers = []
+        # Only a model with batch norm needs Keras's internals (and their version check).
+        if any(v.name in ("moving_mean", "moving_variance")
+               for v in model.non_trainable_variables):
+            from gradient_averaging import _keras_src
+            self._internals = _keras_src
+            self.layers = _keras_src.batch_norm_layers(model, self.per_update, padded)
         position = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
         self._moving = {position[id(layer.moving_mean)] for layer in self.layers} | {
             position[id(layer.moving_variance)] for layer in self.layers}
@@ -277,7 +293,7 @@ class BatchNormStatistics:
         return sum(3 * channels for _, channels in self.keys) + len(self.layers)
 
     def capture(self, row_mask, moments):
-        return _keras_src.captured_moments(self.layers, row_mask, moments)
+        return self._internals.captured_moments(self.layers, row_mask, moments)
 
     def held(self, before, after):
         """The model's other state after a pass, the moving statistics as before it."""
@@ -374,7 +390,7 @@ class _Accumulator:
       skipped_windows: windows skipped for a non-finite value (check_finite).
       loss_total, samples_total: replica-local float64 variables, monitoring only (never
         reset): the running sum of finite per-sample losses and their samples.
-      statistics: the model's BatchNormStatistics.
+      statistics: the model's _BatchNormStatistics.
     """
 
     PADDED = False  # mini-batches reach the loss padded to a shape known when traced
@@ -392,7 +408,7 @@ class _Accumulator:
           check_finite: skip (not apply) a window holding a NaN or Inf loss or
             gradient; costs one small reduction per window.
           bn_statistics: "update": BatchNormalization layers take one moving-average step
-            per update, on the window's statistics (see BatchNormStatistics);
+            per update, on the window's statistics (see _BatchNormStatistics);
             "mini_batch": a step per mini-batch, as Keras takes them.
           jit_compile: compile the gradient computation with XLA.
         """
@@ -406,7 +422,7 @@ class _Accumulator:
         self.variables = list(model.trainable_variables)
         if not self.variables:
             raise ValueError("the model has no trainable variables")
-        self.statistics = BatchNormStatistics(model, bn_statistics, self.padded)
+        self.statistics = _BatchNormStatistics(model, bn_statistics, self.padded)
         with self.strategy.scope():
             if not optimizer.built:
                 optimizer.build(self.variables)
@@ -423,18 +439,33 @@ class _Accumulator:
     def _make_variables(self):
         """Creates the path's own variables, under the strategy's scope."""
 
-    def _mini_batch(self, weights, non_trainable, x, y, n_local, row_mask=None):
-        """This replica's loss sum and gradients for its share of one mini-batch.
+    def _mini_batch(self, weights, non_trainable, x, y, n_local, row_mask=None,
+                    samples=None):
+        """This replica's loss sum and its gradients for its share of one mini-batch.
+
+        Under a LossScaleOptimizer (mixed precision) the scaled loss is the share's part
+        of a mean over `samples` (the window's, where known): its float16 gradients have
+        the direct batch's magnitude, as Keras scales a batch's loss; they are made
+        gradients of the sum again in float32.
 
         Returns:
-          MiniBatch, its `extra` the loss sum.
+          _MiniBatch, its `extra` the loss sum.
         """
+        scaled = isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
+        mean_over = tf.maximum(tf.cast(n_local if samples is None else samples, tf.float32),
+                               1.0)
+
         def objective(outputs, regularization, unused_state):
             loss_sum = _loss_sum(self.loss_fn, y, outputs, regularization, n_local, row_mask)
+            if scaled:  # the LossScaleOptimizer unscales what it applies
+                return self.optimizer.scale_loss(loss_sum / mean_over), loss_sum
             return loss_sum, loss_sum
 
-        step = mini_batch_gradients(self.model, weights, non_trainable, x, objective,
-                                    self.statistics or None, row_mask)
+        step = _mini_batch_gradients(self.model, weights, non_trainable, x, objective,
+                                     self.statistics or None, row_mask)
+        if scaled:
+            step = step._replace(gradients=[
+                None if g is None else g * tf.cast(mean_over, g.dtype) for g in step.gradients])
         self._no_gradient = step.no_gradient
         return step
 
@@ -523,8 +554,9 @@ class WindowAccumulator(_Accumulator):
         zero = tf.constant(0.0, tf.float64)
         statistics = self.statistics
         if statistics:
-            statistics.discover(self.model, weights, state, first_rows(data[0]))
+            statistics.discover(self.model, weights, state, _first_rows(data[0]))
         shifts = statistics.shifts(state) if statistics else []
+        window_samples = tf.reduce_sum(global_sizes)
 
         def mini_batch(i, batch, carried):
             (x, y), n_global = batch
@@ -532,7 +564,8 @@ class WindowAccumulator(_Accumulator):
             n_local = sizes[i]
             mask = (window_lib.row_mask(n_local, tf.shape(tf.nest.flatten(x)[0])[0])
                     if self.padded else None)
-            step = self._mini_batch(weights, non_trainable, x, y, n_local, mask)
+            step = self._mini_batch(weights, non_trainable, x, y, n_local, mask,
+                                    samples=window_samples)
             finite = tf.math.is_finite(step.extra)
             nonfinite += 1.0 - tf.cast(finite, tf.float32)
             loss_total += tf.where(finite, tf.cast(step.extra, tf.float64), zero)
@@ -570,7 +603,7 @@ class WindowAccumulator(_Accumulator):
         shares = [total / tf.cast(count, total.dtype)
                   for total, none in zip(sums, self._no_gradient) if not none]
         # A sum is finite only if every term was.
-        return shares, nonfinite + not_finite(shares), statistics
+        return shares, nonfinite + _not_finite(shares), statistics
 
     def _compile_window_step(self, xs, ys, sizes):
         def spec(t):
@@ -587,13 +620,13 @@ class WindowAccumulator(_Accumulator):
             shares, nonfinite, statistics = self.strategy.run(
                 self._replica_window, args=(data, local_sizes, sizes))
             # An empty window (N = 0) trains nothing: build_window runs one.
-            applied = apply_unless_nonfinite(self.strategy, self.optimizer, self.variables,
-                                             shares, self._no_gradient, nonfinite,
-                                             self.check_finite, tf.size(sizes) > 0)
+            applied, counts = _apply_window(self.strategy, self.optimizer, self.variables,
+                                            shares, self._no_gradient, nonfinite,
+                                            self.check_finite, tf.size(sizes) > 0)
             single = tf.zeros([0], tf.float64)
             if self.statistics:
                 single = self._step_statistics(self.strategy.reduce(
-                    tf.distribute.ReduceOp.SUM, statistics, axis=None), applied)
+                    tf.distribute.ReduceOp.SUM, statistics, axis=None), counts)
             return applied, single
 
         return window_step
@@ -777,7 +810,7 @@ class GradientAccumulator(_Accumulator):
         count = self.samples.read_value()
         shares = [total.read_value() / tf.cast(count, total.dtype)
                   for total, none in zip(self.sums, self._no_gradient) if not none]
-        return shares, self.nonfinite.read_value() + not_finite(self.sums)
+        return shares, self.nonfinite.read_value() + _not_finite(self.sums)
 
     def _replica_reset(self):
         for total in self.sums:
@@ -821,12 +854,12 @@ class GradientAccumulator(_Accumulator):
 
     def _apply_step(self):
         shares, nonfinite = self.strategy.run(self._replica_shares)
-        applied = apply_unless_nonfinite(self.strategy, self.optimizer, self.variables,
-                                         shares, self._no_gradient, nonfinite,
-                                         self.check_finite)
+        applied, counts = _apply_window(self.strategy, self.optimizer, self.variables,
+                                        shares, self._no_gradient, nonfinite,
+                                        self.check_finite)
         single = tf.zeros([0], tf.float64)
         if self.statistics:  # a SUM replica-local variable, read across replicas: summed
-            single = self._step_statistics(self.statistics_sums.read_value(), applied)
+            single = self._step_statistics(self.statistics_sums.read_value(), counts)
         with tf.control_dependencies([applied, single]):
             self.strategy.run(self._replica_reset)
         return tf.identity(applied), tf.identity(single)

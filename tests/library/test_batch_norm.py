@@ -179,14 +179,33 @@ def test_frozen_bn_is_exact_against_the_direct_batch():
     assert statistics_difference(model.model, reference) == 0.0
 
 
-@pytest.mark.parametrize("kwargs, why", [({"synchronized": True}, "synchronized=True"),
-                                         ({"renorm": True}, "renorm=True")])
-def test_a_bn_layer_whose_statistics_cannot_be_pooled_is_refused(kwargs, why):
+@pytest.mark.parametrize("kwargs, bn_statistics, jit_compile, why, fix", [
+    ({"synchronized": True}, "update", False, "synchronized=True", "synchronized=False"),
+    ({"synchronized": True}, "mini_batch", False, "synchronized=True", "synchronized=False"),
+    ({"renorm": True}, "update", False, "renorm=True", "bn_statistics='mini_batch'"),
+    ({"renorm": True}, "mini_batch", True, "renorm=True", "without jit_compile"),
+])
+def test_a_bn_layer_the_window_cannot_train_is_refused(kwargs, bn_statistics, jit_compile,
+                                                      why, fix):
+    """Each refusal names the layer, why, and the way out that really works."""
     x, y = data(40)
-    inner = keras.Sequential([keras.Input((FEATURES,)), BN(**kwargs),
+    inner = keras.Sequential([keras.Input((FEATURES,)), BN(name="odd_bn", **kwargs),
                               keras.layers.Dense(CLASSES)])
-    model = compiled(keras_fit.accumulate(inner, N), sgd())
-    with pytest.raises(ValueError, match=f"{why}.*bn_statistics='mini_batch'"):
+    model = keras_fit.accumulate(inner, N, bn_statistics=bn_statistics)
+    model.compile(optimizer=sgd(), jit_compile=jit_compile,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=f"'odd_bn' has {why}.*{fix}"):
         model.fit(x, y, batch_size=B, epochs=1, verbose=0)
     with pytest.raises(ValueError, match="bn_statistics must be one of"):
         keras_fit.accumulate(inner, N, bn_statistics="window")
+
+
+def test_fit_accumulated_warns_of_one_value_per_channel_too(caplog):
+    x, y = data(8)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(4),
+                              BN(name="dead_bn"), keras.layers.Dense(CLASSES)])
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with caplog.at_level(logging.WARNING):
+        tf2.fit_accumulated(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(1),
+                            sgd(), loss_fn, 4)
+    assert len([r for r in caplog.records if "dead_bn" in r.getMessage()]) == 1

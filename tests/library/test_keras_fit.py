@@ -229,10 +229,40 @@ class OwnStep(keras.Sequential):
         return super().train_step(data)
 
 
-def test_a_model_with_its_own_train_step_is_refused_in_one_clear_error():
-    model = OwnStep([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
-    with pytest.raises(TypeError, match="overrides train_step.*GradientAccumulator"):
+class OwnLoss(keras.Sequential):
+    """A model that computes its loss its own way."""
+
+    def compute_loss(self, *args, **kwargs):
+        return 2.0 * super().compute_loss(*args, **kwargs)
+
+
+@pytest.mark.parametrize("cls, step", [(OwnStep, "train_step"), (OwnLoss, "compute_loss")])
+def test_a_model_with_its_own_step_is_refused_in_one_clear_error(cls, step):
+    model = cls([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    with pytest.raises(TypeError, match=f"overrides {step}.*GradientAccumulator"):
         keras_fit.accumulate(model, N)
+
+
+def test_add_loss_in_the_forward_pass_counts_as_in_the_direct_batch(direct):
+    """An activity regularizer adds its loss during call (add_loss): each mini-batch's,
+    weighted by its samples, makes the direct batch's."""
+    def regularized(l2=0.05):
+        init = keras.initializers.GlorotUniform
+        return keras.Sequential([
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="relu", kernel_initializer=init(1)),
+            keras.layers.ActivityRegularization(l2=l2),
+            keras.layers.Dense(CLASSES, kernel_initializer=init(2))])
+
+    x, y = data()
+    reference = compiled(regularized(), sgd())
+    fit(reference, x, y, N * B)
+    model = compiled(keras_fit.accumulate(regularized(), N), sgd())
+    fit(model, x, y, B)
+    assert max_difference(model, reference) < 1e-5
+    without = compiled(regularized(l2=0.0), sgd())  # the loss is not a no-op here
+    fit(without, x, y, N * B)
+    assert max_difference(without, reference) > 1e-3
 
 
 class OneHotLookup(keras.layers.Layer):

@@ -25,6 +25,8 @@ from gradient_averaging import window as window_lib
 from tests.helpers import CPU_ONLY, run_cli
 from tests.library.toys import (check_mirrored_fit, cross_entropy, mini_batches,
                                 small_conv_net, windows)
+from tests.library.toys import data as toy_data
+from tests.library.toys import tiny_model as toy_model
 from trainer import Outcome
 
 # Three windows at N=3: equal mini-batches, unequal ones (a short slice), and a partial
@@ -108,24 +110,76 @@ def test_fit_in_one_call_per_window_equals_fit_per_mini_batch(mnist, source):
         np.testing.assert_array_equal(a, b)
 
 
-def test_fit_accumulated_under_xla_equals_the_direct_batch(mnist):
-    """jit_compile=True, both paths: windows of (8, 8, 8, 8) and (8, 8, 8, 3) samples run
-    under XLA (the one-call window at its padded width), dropout off, against the direct
-    batch of each window's samples (32, then 27) fitted by plain Keras."""
-    images, labels = mnist.train.images[:59], mnist.train.labels[:59]
-    dataset = tf.data.Dataset.from_tensor_slices((images, labels)).batch(8)  # 7 x 8 + 3
+def halving_sgd():
+    """SGD on a schedule that halves the rate at every update."""
+    return keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(
+        0.2, decay_steps=1, decay_rate=0.5))
+
+
+@pytest.mark.parametrize("one_call", [True, False], ids=["window", "per_mini_batch"])
+def test_fit_accumulated_under_xla_equals_the_direct_batch(mnist, one_call):
+    """jit_compile=True: 75 samples in mini-batches of 8, N=4: windows of 32, 32 and a
+    partial one of 8 + 3, the one-call window at its padded width, an LR schedule that
+    steps per update, dropout off; against plain Keras's batches of 32, 32 and 11. A
+    window holding a NaN is skipped under XLA too, as if never seen."""
+    images, labels = mnist.train.images[:75], mnist.train.labels[:75]
     direct = small_conv_net(dropout=0.0)
-    direct.compile(optimizer=keras.optimizers.SGD(0.1),
+    direct.compile(optimizer=halving_sgd(),
                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     direct.fit(images, labels, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for one_call in (True, False):
-        model = small_conv_net(dropout=0.0)
-        summary = tf2.fit_accumulated(model, dataset, keras.optimizers.SGD(0.1), cross_entropy,
-                                      average_gradients=4, one_call=one_call,
-                                      jit_compile=True)
-        assert summary == tf2.FitSummary(mini_batches=8, updates=2, partial_window=0)
-        for a, b in zip(model.get_weights(), direct.get_weights()):
-            np.testing.assert_allclose(a, b, atol=1e-5)
+    model = small_conv_net(dropout=0.0)
+    optimizer = halving_sgd()
+    summary = tf2.fit_accumulated(
+        model, tf.data.Dataset.from_tensor_slices((images, labels)).batch(8), optimizer,
+        cross_entropy, average_gradients=4, one_call=one_call, jit_compile=True)
+    assert summary == tf2.FitSummary(mini_batches=10, updates=3, partial_window=2)
+    assert int(optimizer.iterations) == 3
+    for a, b in zip(model.get_weights(), direct.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    poisoned = images[:64].copy()
+    poisoned[40, 3] = np.nan  # window 2
+    skipped, clean = small_conv_net(dropout=0.0), small_conv_net(dropout=0.0)
+    summary = tf2.fit_accumulated(skipped, mini_batches_of(poisoned, labels[:64]),
+                                  halving_sgd(), cross_entropy, 4, one_call=one_call,
+                                  jit_compile=True)
+    assert summary.skipped_windows == 1 and summary.updates == 1
+    tf2.fit_accumulated(clean, mini_batches_of(images[:32], labels[:32]), halving_sgd(),
+                        cross_entropy, 4, one_call=one_call, jit_compile=True)
+    for a, b in zip(skipped.get_weights(), clean.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def mini_batches_of(x, y, size=8):
+    return [(x[i:i + size], y[i:i + size]) for i in range(0, len(y), size)]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_fit_accumulated_under_mixed_float16_scales_its_loss(jit_compile):
+    """mixed_float16 with Keras's LossScaleOptimizer: the loss is scaled and the applied
+    mean unscaled, for both paths, as the direct batch of plain Keras (within float16
+    rounding); an overflowed window goes to the optimizer, which skips it."""
+    x, y = toy_data()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        direct = toy_model()
+        models = [toy_model() for _ in range(2)]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    direct.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.2)),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    direct.fit(x, y, batch_size=80, epochs=1, shuffle=False, verbose=0)
+    for model, one_call in zip(models, (True, False)):
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.2))
+        summary = tf2.fit_accumulated(
+            model, tf.data.Dataset.from_tensor_slices((x, y)).batch(20), optimizer, loss_fn,
+            4, one_call=one_call, jit_compile=jit_compile)
+        assert summary.updates + summary.skipped_windows == 4
+        assert int(optimizer.iterations) == summary.updates > 0
+        assert max(float(np.abs(a - b).max())
+                   for a, b in zip(model.get_weights(), direct.get_weights())) < 1e-2
+        assert max(float(np.abs(a - b).max())
+                   for a, b in zip(model.get_weights(), toy_model().get_weights())) > 1e-2
 
 
 @pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,
