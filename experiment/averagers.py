@@ -91,7 +91,7 @@ class RunningSumAverager(trainer.GradientAverager):
 
 
 class GraphAverager(Averager):
-    """`graph`: the window in variables (trainer.AveragingOptimizer's); N + 1 runs.
+    """`graph`: the window in variables (AveragingOptimizer's); N + 1 runs.
 
     Each mini-batch runs `[loss, accumulate_op]`, which adds its gradients to the
     accumulators (float32 for float16 and bfloat16 gradients); after N, `apply_op`
@@ -158,7 +158,7 @@ class GraphAverager(Averager):
 
 
 class OptimizerAverager(GraphAverager):
-    """`optimizer`: trainer.AveragingOptimizer's train op as it is: N runs per update.
+    """`optimizer`: AveragingOptimizer's train op as it is: N runs per update.
 
     Each mini-batch runs `[loss, train_op]`; the Nth run also applies the mean and
     resets the window, as in a user's TF1 loop; `flush` runs its flush_op.

@@ -3,12 +3,12 @@
 A run's directory holds
   * `model.ckpt-<iteration>.*`: the engine's variables (Engine.write_variables): the
     tf1 engine's Saver checkpoint of every global variable (weights, Adam's slots and
-    beta powers, the global step, and the `graph`/`optimizer` strategies' accumulators),
+    beta powers, the global step, and the `graph`/`optimizer` averagers' accumulators),
     or the tf2 engine's tf.train.Checkpoint (weights, dropout's seed states, Adam's
     slots and iterations, the running loss totals);
   * `window-<iteration>.npz`: the open accumulation window (Engine.window_arrays), in
     the form it is kept: gradients, running sums, or buffered inputs (the `fused`
-    strategy's feeds, the tf2 engine's mini-batches);
+    averager's feeds, the tf2 engine's mini-batches);
   * `state.json`: counters, the data position, the best accuracy so far, and the
     identity of the configuration; it names the two files above and is written last,
     atomically, so it only ever points at files that are complete.
@@ -55,7 +55,7 @@ class RunCheckpoint:
         """
         Args:
           directory: this run's directory (created on first save).
-          identity: the settings that shape training (model, N, B, seed, strategy,
+          identity: the settings that shape training (model, N, B, seed, averager,
             ...); a checkpoint made with other values is refused, never mixed in.
         """
         self.directory = directory

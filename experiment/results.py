@@ -62,7 +62,7 @@ def _write_temp(path, payload):
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 is for temp files, not results
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp's 0600 is for temp files, not results
         with os.fdopen(fd, "wb") as f:
             faults.check(path)
             f.write(payload)
@@ -105,6 +105,10 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# Read once, at import: setting the umask to read it is not safe beside other threads.
+_UMASK = _umask()
 
 
 def atomic_write_text(path, text):

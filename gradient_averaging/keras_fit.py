@@ -323,13 +323,14 @@ class _WindowAdapter(_keras_src.DataAdapter):
 
     def __init__(self, mini_batches, average_gradients, replicas):
         self.mini_batches = mini_batches
-        self.n = average_gradients
+        self.average_gradients = average_gradients
         self.replicas = replicas
         self._windows = None
 
     def get_tf_dataset(self):
         if self._windows is None:  # built once: Keras asks at every fit
-            windows = window_lib.stacked_windows(self.mini_batches.get_tf_dataset(), self.n)
+            windows = window_lib.stacked_windows(self.mini_batches.get_tf_dataset(),
+                                                 self.average_gradients)
             windows = windows.map(self._shares if self.replicas > 1
                                   else lambda batch, sizes: (batch, sizes, sizes))
             self._windows = windows.prefetch(tf.data.AUTOTUNE)
@@ -345,7 +346,9 @@ class _WindowAdapter(_keras_src.DataAdapter):
     @property
     def num_batches(self):
         mini_batches = self.mini_batches.num_batches
-        return None if mini_batches is None else math.ceil(mini_batches / self.n)
+        if mini_batches is None:
+            return None
+        return math.ceil(mini_batches / self.average_gradients)
 
     @property
     def batch_size(self):

@@ -497,7 +497,7 @@ class _FitCounts:
 
     def __init__(self, accumulator, average_gradients):
         self.accumulator = accumulator
-        self.n = window_lib.check_average_gradients(average_gradients)
+        self.average_gradients = window_lib.check_average_gradients(average_gradients)
         self.mini_batches = self.partial = 0
         self._before = (accumulator.updates, accumulator.skipped_windows)
 
@@ -513,7 +513,7 @@ class _FitCounts:
         if warn_partial and self.partial and applied:
             logging.warning("%d mini-batches is not a multiple of average_gradients=%d: "
                             "the last %d were applied as one update of their mean",
-                            self.mini_batches, self.n, self.partial)
+                            self.mini_batches, self.average_gradients, self.partial)
         updates, skipped = self._before
         return FitSummary(self.mini_batches, self.accumulator.updates - updates, self.partial,
                           self.accumulator.skipped_windows - skipped)
@@ -707,12 +707,12 @@ class WindowAccumulator(_Accumulator):
         """
         counts = _FitCounts(self, average_gradients)
         applied = False
-        for xs, ys, sizes in _windows(dataset, counts.n):
+        for xs, ys, sizes in _windows(dataset, counts.average_gradients):
             size = len(sizes)
             applied = self.apply_stacked(xs, ys, sizes)
             counts.mini_batches += size
             counts.window(applied, size)
-            counts.partial = size % counts.n
+            counts.partial = size % counts.average_gradients
             if callback is not None:
                 for mini_batch in range(counts.mini_batches - size + 1,
                                         counts.mini_batches + 1):
@@ -902,8 +902,8 @@ class GradientAccumulator(_Accumulator):
         for x, y in dataset:
             self.accumulate(x, y)
             counts.mini_batches += 1
-            if self.window == counts.n:
-                counts.window(self.apply(), counts.n)
+            if self.window == counts.average_gradients:
+                counts.window(self.apply(), counts.average_gradients)
             if callback is not None:
                 callback(counts.mini_batches)
         counts.partial = self.window

@@ -1,7 +1,7 @@
 """Batch norm under accumulation, measured: BatchNormalization and GroupNormalization at
 N x B against the direct batch of N*B, on MNIST.
 
-    python -m tools.batch_norm            # minutes: README gives how long
+    python -m tools.batch_norm            # a few minutes
     python -m tools.batch_norm --quick    # a smoke test (a few updates)
 
 A small ConvNet with three normalization layers (after each conv and the first dense

@@ -61,8 +61,8 @@ FULL = dict(configs=CONFIGS, updates=20, repeats=7, keras_setup=True, mem_sample
             mem_batch=128, host_ns=(1, 2, 4, 8, 16, 32, 64),
             host_averagers=averagers.AVERAGERS + ("tf2",),
             mem_averagers=averagers.AVERAGERS, probe_jobs=1)
-# Quick: a smoke test of every code path, each fresh process (~8 s of TensorFlow and MNIST
-# start-up on 2 cores) counted; no host-memory sweep (its probe is the memory probes' code
+# Quick: a smoke test of every code path, each fresh process (TensorFlow's and MNIST's
+# start-up) counted; no host-memory sweep (its probe is the memory probes' code
 # on another model).
 QUICK = dict(configs=((5, 20),), updates=1, repeats=2, keras_setup=False, mem_samples=512,
              mem_batch=128, host_ns=(), host_averagers=("stack",),

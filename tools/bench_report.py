@@ -1,6 +1,7 @@
 """BENCHMARKS.md: the targets, then the speed, profile, memory tables and the method."""
 
 import datetime
+import os
 
 from experiment import averagers
 from experiment import results
@@ -205,3 +206,5 @@ def write(output, text, figure=None, png=None):
         names = " and ".join(path for path, _ in items)
         raise results.WriteError(f"cannot write {names} ({results.cause(e)}); what was "
                                  "there before is kept") from None
+    if png is None and figure and os.path.exists(figure):
+        os.remove(figure)  # an older run's figure must not sit beside this markdown

@@ -76,7 +76,7 @@ def common_grid(curves):
     """Runs' curves on the union of their update counts: (grid, values[run, point]).
 
     Each run is interpolated linearly between its own evaluations and is NaN outside them,
-    so runs evaluated at slightly different update counts (a discarded window shifts them)
+    so runs evaluated at slightly different update counts (a skipped window shifts them)
     are averaged without inventing values past a run's first or last evaluation.
     """
     grid = np.unique(np.concatenate([[u for u, _ in curve] for curve in curves]))

@@ -41,7 +41,8 @@ from tools import reproduce_table
 from tools.reproduce_table import EVAL_EVERY, FAIR_EVAL_EVERY_UPDATES, POST_TABLE
 
 # The averager every run uses: fused is the fastest and ends with the same weights, bit for
-# bit, as the post's stack (tests/test_trainer.py checks it); ACCUMULATE=stack for the post's.
+# bit, as the post's stack (tests/experiment/test_trainer.py checks it); ACCUMULATE=stack
+# for the post's.
 DEFAULT_ACCUMULATE = "fused"
 
 # Everything else that shapes a run, pinned to the post's values (experiment/config.py marks them)

@@ -2,7 +2,7 @@
 # The weights_sha256 of a fixed set of short runs, one line each: "name sha256".
 # A refactor keeps every line: run it before and after, on the same machine, and diff.
 #   tools/weights_check.sh [REPO] > before.txt
-# Every accumulation strategy at N=1, N=3 and N=3 with a NaN mini-batch; the mlp; the
+# Every averager at N=1, N=3 and N=3 with a NaN mini-batch; the mlp; the
 # exponential LR schedule; the tf2 engine alike; tf2 mirrored over 2 CPU replicas; tf2
 # under XLA on the mlp (the convnet's XLA gradient needs --nodeterministic).
 set -euo pipefail

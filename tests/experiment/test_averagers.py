@@ -77,9 +77,9 @@ def test_weights_after_sgd_updates_are_the_direct_batch_weights(mnist, kind):
 @pytest.mark.parametrize("kind", averagers.AVERAGERS)
 def test_weights_after_adam_updates_are_the_direct_batch_weights(mnist, kind):
     """Adam's step g / (sqrt(v) + 1e-8) turns float rounding into a visible difference
-    where a gradient is near 1e-7 (measured: one conv weight of 44,426, whose gradient is
-    2.4e-7, differs by 2.8e-6 after 3 updates, because N mini-batches and one batch sum
-    in different orders). Elsewhere the weights must agree tightly."""
+    where a gradient is near 1e-7 (one conv weight of 44,426 has such a gradient, and N
+    mini-batches and one batch sum it in different orders). Elsewhere the weights must
+    agree tightly."""
     before, after = trained(mnist, kind, "adam")
     _, expected = trained(mnist, None, "adam")
     g_before, g_after = trained(mnist, None, "gradient")

@@ -3,8 +3,9 @@
 The rest of the suite hides GPUs (tests/conftest.py); here they are visible only under
 GPU_TESTS=1, and every test skips, saying so, where none is. Each command-line test runs
 main.py as a process, as a user would, and checks that it trains (exit 0, the post's
-line), that op determinism holds on the GPU (the same flags twice, the same weights), or,
-where TensorFlow has no deterministic kernel, that the error is main.py's one line.
+line) and that op determinism holds on the GPU (the same flags twice, the same weights).
+That an op without a deterministic kernel gets main.py's one line is tested on the CPU,
+by injecting TensorFlow's error (test_jit_and_determinism.py).
 """
 
 import json

@@ -67,8 +67,9 @@ def test_jit_compile_parses_where_determinism_allows_it(args):
 
 def test_jit_compile_reaches_the_window_and_a_checkpoint_records_it(
         tmp_path, capsys, monkeypatch, mnist_quick_dir):
-    """One XLA run (tools/weights_check.sh runs one twice in fresh processes: the same
-    bits), its checkpoint refused to a run without XLA, which trains to other bits."""
+    """One XLA run, its checkpoint refused to a run without XLA, which trains to other
+    bits. (That an XLA run repeats its bits is tools/weights_check.sh's tf2-jit-mlp-n3
+    line, compared by hand across runs.)"""
     made = []
     real = engine_tf2.WindowAccumulator
 

@@ -18,6 +18,7 @@ from tensorflow.core.util import event_pb2
 
 from experiment import checkpoint
 from experiment import cli
+from experiment import data
 from experiment import engine_tf1
 from experiment import engine_tf2
 from experiment import loop
@@ -26,6 +27,7 @@ import model as models
 from gradient_averaging import tf2
 from tests.helpers import run_cli, run_main_in_process
 from tools import launch_workers
+from trainer import Outcome
 
 RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
                       r"Final accuracy: ([\d.]+)\.$", re.M)
@@ -400,3 +402,46 @@ def test_malformed_tf_config_gets_one_line(capsys, monkeypatch):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: TF_CONFIG") and len(err.strip().splitlines()) == 1
+
+
+def test_the_engine_trains_each_window_in_one_call_as_the_per_mini_batch_path(
+        mnist, tmp_path):
+    """engine_tf2.Engine buffers N mini-batches and trains them in one call, a partial
+    window by its samples, with the ConvNet's dropout on; a saved open window resumes."""
+    config = loop.Config(engine="tf2", average_gradients=3, batch_size=4)
+    engine = engine_tf2.Engine(config, seed=1)
+    batches = list(data.batches(mnist.train, 1, 4, 0, 8))  # windows of 3, 3 and a partial 2
+    reference = tf2.GradientAccumulator(  # one call per mini-batch
+        models.keras_model("convnet", config.dropout, seed=1), keras.optimizers.Adam(1e-3),
+        engine_tf2.sparse_cross_entropy)
+    closed = []
+    for iteration, (x, y) in enumerate(batches[:7], 1):
+        closed.append(engine.step(x, y, iteration))
+        reference.accumulate(x, y)
+        if reference.window == 3:
+            reference.apply()
+    none, applied = Outcome.NONE, Outcome.APPLIED
+    assert closed == [none, none, applied] * 2 + [none]
+    # The open window, saved and restored into an engine that has trained on.
+    ckpt = checkpoint.RunCheckpoint(str(tmp_path / "ckpt"), {})
+    state = ckpt.save(engine, 7, {"open_window": engine.window_size()})
+    window_file = os.path.join(ckpt.directory, state["window"])
+    with open(window_file, "rb") as f:
+        saved_window = f.read()
+    np.savez(window_file)  # a window file without the open window: refused
+    with pytest.raises(checkpoint.CheckpointError, match="does not hold the open window"):
+        ckpt.restore(engine, state)
+    with open(window_file, "wb") as f:
+        f.write(saved_window)
+    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
+    ckpt.restore(engine, ckpt.load())
+    assert engine.window_size() == 1
+    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
+    reference.accumulate(*batches[7])
+    reference.apply()
+    assert reference.updates == 3
+    for a, b in zip(reference.model.get_weights(), engine.net.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert engine.loss_totals() == pytest.approx(reference.loss_totals(), rel=1e-12)
+    # Compiled once, in the engine's constructor: windows of 3 and 2 do not retrace.
+    assert engine.accumulator.window_step.experimental_get_tracing_count() == 1

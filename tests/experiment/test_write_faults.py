@@ -247,6 +247,43 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
     assert os.listdir(rep) == [checkpoint.STATE_FILE]
 
 
+def block_after(count, batches, path):
+    """data.batches that makes `path` a directory as it hands out the count-th batch, so
+    that TensorFlow's own write of that file fails, as a real fault makes it fail."""
+    def wrapped(*args, **kwargs):
+        for i, batch in enumerate(batches(*args, **kwargs), 1):
+            if i == count:
+                os.makedirs(path)
+            yield batch
+    return wrapped
+
+
+@pytest.mark.parametrize("engine", ["tf1", "tf2"])
+def test_tensorflows_own_failing_save_is_one_line_and_the_run_resumes(
+        engine, tmp_path, capsys, monkeypatch, mnist_quick_dir):
+    """No injection: the second checkpoint's index file is a directory when TensorFlow
+    merges its checkpoint into it (SaveV2 / MergeV2Checkpoints fail as on a real fault)."""
+    common = [*RUN, f"--engine={engine}", f"--data-dir={mnist_quick_dir}"]
+    alone = tmp_path / "alone.json"
+    run_main_in_process(*common, f"--results={alone}")
+    ck, part = tmp_path / "ck", tmp_path / "part.json"
+    rep = ck / "rep-0"
+    command = [*common, f"--checkpoint-dir={ck}", f"--results={part}"]
+    blocker = rep / "model.ckpt-20.index"
+    monkeypatch.setattr(data, "batches", block_after(15, data.batches, str(blocker)))
+    capsys.readouterr()
+    error = one_line_error(capsys, *command, code=1)
+    monkeypatch.undo()
+    assert error.startswith(f"error: run 1 of 1: cannot write the checkpoint "
+                            f"{rep}/model.ckpt-20 (")
+    assert error.endswith(f"the checkpoint in force is {rep}/model.ckpt-10 (iteration 10): "
+                          "the same command resumes from it")
+    assert not blocker.exists()  # the failed checkpoint's files are cleared away
+    run_main_in_process(*command)
+    (resumed,), (expected,) = (json.loads(p.read_text())["runs"] for p in (part, alone))
+    assert resumed["weights_sha256"] == expected["weights_sha256"]
+
+
 def test_a_full_logdir_warns_once_and_the_run_finishes(tmp_path, capsys, caplog,
                                                       mnist_quick_dir):
     common = ["--average-gradients=2", "--batch-size=10", "--iterations=20", "--eval-every=4",

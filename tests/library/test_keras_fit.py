@@ -6,7 +6,7 @@ tf.data, 270 samples (not a multiple of N*B: each epoch ends with a window of a 
 mini-batch and a short one) over two epochs; and Keras's own
 `gradient_accumulation_steps` shown to miss on the same cases. Tiny models: a Dense
 layer or two on synthetic data (tests/library/toys.py). The two-replica MirroredStrategy
-check runs inside test_tf2_accumulator's mirrored subprocess (logical devices must be set
+check runs inside test_tf2's mirrored subprocess (logical devices must be set
 before TensorFlow starts): toys.mirrored_fit is its half of that script.
 """
 

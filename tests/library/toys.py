@@ -82,6 +82,8 @@ def max_difference(a, b):
 
 # ---------------------------------------------------------------- the TF2 accumulators: MNIST
 
+# Three windows at N=3: equal mini-batches, unequal ones (a short slice), and a partial
+# window of two (the run's trailing one).
 WINDOWS = ((8, 8, 8), (8, 3, 5), (8, 2))
 
 
@@ -168,7 +170,7 @@ def statistics_difference(a, b):
 
 
 def mirrored_fit(strategy):
-    """Run by test_tf2_accumulator's mirrored script: Keras fit through accumulate under
+    """Run by test_tf2's mirrored script: Keras fit through accumulate under
     2 replicas, as Keras's distributed guide writes it (model and compile in the scope,
     fit, evaluate and predict outside), against one device."""
     x, y = data()
@@ -233,7 +235,7 @@ def multi_worker_fit():
 
 
 def check_mirrored_fit(result):
-    """test_tf2_accumulator's assertions on mirrored_fit's result."""
+    """test_tf2's assertions on mirrored_fit's result."""
     assert result["fit_difference"] < 1e-5 and result["fit_updates"] == 8
     assert result["evaluate_difference"] < 1e-5 and result["predict_difference"] < 1e-5
     # The optimizer's all-reduce of the applied mean, once per window; nothing per

@@ -188,3 +188,6 @@ def test_a_full_disk_keeps_the_previous_benchmarks_pair(tmp_path, victim):
                                  "what was there before is kept")
     assert (md.read_text(), png.read_bytes()) == ("old report\n", b"old figure")
     assert sorted(os.listdir(tmp_path)) == ["BENCHMARKS.md", "BENCHMARKS.png"]
+    # A run that draws no figure: its markdown alone, not beside the older figure.
+    bench_report.write(str(md), "no figure\n", str(png), None)
+    assert sorted(os.listdir(tmp_path)) == ["BENCHMARKS.md"]

@@ -1,7 +1,7 @@
 """The reproduction of the post's table (tools/reproduce.py): the table, resume, events, make.
 
 The table is checked against numbers worked out by hand; resume and `make reproduce` with
-real, tiny runs. Its statistics are tests/test_stats.py's.
+real, tiny runs. Its statistics are tests/experiment/test_stats.py's.
 """
 
 import glob

@@ -1,25 +1,20 @@
-"""The TF2 library's one-call window (WindowAccumulator.apply_window, fit's default)
-against its per-mini-batch path (GradientAccumulator.accumulate + apply), on real MNIST;
-and the tf2 engine's window buffer, which trains through the one-call window.
+"""gradient_averaging.tf2: the one-call window (WindowAccumulator.apply_window,
+fit_accumulated's default) against its per-mini-batch path (GradientAccumulator.accumulate
++ apply), on real MNIST, and each against the direct batch; XLA and mixed precision; two
+mirrored replicas in a process of its own.
 
-The model is a small ConvNet with seeded dropout defined here (the library is for your
-own Keras model): both paths must draw the same dropout masks in the same order, so
-their weights are compared for equality, not closeness.
+The model is a small ConvNet with seeded dropout (tests/library/toys.py; the library is
+for your own Keras model): both paths must draw the same dropout masks in the same order,
+so their weights are compared for equality, not closeness.
 """
 
 import json
-import os
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-import model as models
-from experiment import checkpoint
-from experiment import data
-from experiment import engine_tf2
-from experiment import loop
 from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 from tests.helpers import CPU_ONLY, run_cli
@@ -27,10 +22,7 @@ from tests.library.toys import (check_mirrored_fit, cross_entropy, mini_batches,
                                 small_conv_net, windows)
 from tests.library.toys import data as toy_data
 from tests.library.toys import tiny_model as toy_model
-from trainer import Outcome
 
-# Three windows at N=3: equal mini-batches, unequal ones (a short slice), and a partial
-# window of two (the run's trailing one).
 def accumulator(optimizer, model=None, **kwargs):
     """The one-call window's trainer."""
     return tf2.WindowAccumulator(model or small_conv_net(), optimizer,
@@ -259,49 +251,6 @@ def test_the_loop_holds_two_mini_batches_in_flight_and_touches_no_variable(mnist
     assert [op.type for op in loops] == ["StatelessWhile"]
     parallel = loops[0].get_attr("parallel_iterations")
     assert parallel == window_lib.PARALLEL_ITERATIONS == 2
-
-
-def test_the_engine_trains_each_window_in_one_call_as_the_per_mini_batch_path(
-        mnist, tmp_path):
-    """engine_tf2.Engine buffers N mini-batches and trains them in one call, a partial
-    window by its samples, with the ConvNet's dropout on; a saved open window resumes."""
-    config = loop.Config(engine="tf2", average_gradients=3, batch_size=4)
-    engine = engine_tf2.Engine(config, seed=1)
-    batches = list(data.batches(mnist.train, 1, 4, 0, 8))  # windows of 3, 3 and a partial 2
-    reference = tf2.GradientAccumulator(  # one call per mini-batch
-        models.keras_model("convnet", config.dropout, seed=1), keras.optimizers.Adam(1e-3),
-        engine_tf2.sparse_cross_entropy)
-    closed = []
-    for iteration, (x, y) in enumerate(batches[:7], 1):
-        closed.append(engine.step(x, y, iteration))
-        reference.accumulate(x, y)
-        if reference.window == 3:
-            reference.apply()
-    none, applied = Outcome.NONE, Outcome.APPLIED
-    assert closed == [none, none, applied] * 2 + [none]
-    # The open window, saved and restored into an engine that has trained on.
-    ckpt = checkpoint.RunCheckpoint(str(tmp_path / "ckpt"), {})
-    state = ckpt.save(engine, 7, {"open_window": engine.window_size()})
-    window_file = os.path.join(ckpt.directory, state["window"])
-    with open(window_file, "rb") as f:
-        saved_window = f.read()
-    np.savez(window_file)  # a window file without the open window: refused
-    with pytest.raises(checkpoint.CheckpointError, match="does not hold the open window"):
-        ckpt.restore(engine, state)
-    with open(window_file, "wb") as f:
-        f.write(saved_window)
-    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
-    ckpt.restore(engine, ckpt.load())
-    assert engine.window_size() == 1
-    assert engine.step(*batches[7], 8) is none and engine.flush() is applied
-    reference.accumulate(*batches[7])
-    reference.apply()
-    assert reference.updates == 3
-    for a, b in zip(reference.model.get_weights(), engine.net.get_weights()):
-        np.testing.assert_array_equal(a, b)
-    assert engine.loss_totals() == pytest.approx(reference.loss_totals(), rel=1e-12)
-    # Compiled once, in the engine's constructor: windows of 3 and 2 do not retrace.
-    assert engine.accumulator.window_step.experimental_get_tracing_count() == 1
 
 
 MIRRORED_SCRIPT = """

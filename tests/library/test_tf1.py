@@ -89,7 +89,7 @@ def test_flush_op_applies_a_partial_window_and_is_a_noop_on_an_empty_one():
 
 @pytest.mark.parametrize("weighted", [False, True])
 def test_accumulate_gradients_only_adds_and_flush_op_applies_any_window(weighted):
-    """The loop decides when a window ends (strategies' `graph`): 5 mini-batches with
+    """The loop decides when a window ends (the experiment's `graph` averager): 5 mini-batches with
     N=3 stay open until flushed, then update as the direct batch of 5 (weighted: 5 of
     unequal sizes)."""
     feeds = minibatches([4, 6, 4, 3, 5] if weighted else [4] * 5)
