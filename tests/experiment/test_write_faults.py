@@ -206,15 +206,21 @@ RUN = ("--average-gradients=5", "--batch-size=10", "--iterations=40", "--eval-ev
        "--checkpoint-every=2")
 
 
-@pytest.mark.parametrize("engine", ["tf1", "tf2"])
-def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
-        engine, tmp_path, capsys, monkeypatch, mnist_quick_dir):
+def checkpointed_run(engine, tmp_path, mnist_quick_dir):
+    """RUN run once uninterrupted (its results in `alone`), and the command that runs it
+    with checkpoints (results in `part`, checkpoints in `rep`)."""
     common = [*RUN, f"--engine={engine}", f"--data-dir={mnist_quick_dir}"]
     alone = tmp_path / "alone.json"
     run_main_in_process(*common, f"--results={alone}")
     ck, part = tmp_path / "ck", tmp_path / "part.json"
-    rep = ck / "rep-0"
     command = [*common, f"--checkpoint-dir={ck}", f"--results={part}"]
+    return alone, part, ck / "rep-0", command
+
+
+@pytest.mark.parametrize("engine", ["tf1", "tf2"])
+def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
+        engine, tmp_path, capsys, monkeypatch, mnist_quick_dir):
+    alone, part, rep, command = checkpointed_run(engine, tmp_path, mnist_quick_dir)
     capsys.readouterr()
     full_disk = f"{rep}/[!.]*"  # every checkpoint file (not the start-up probe)
     in_force = f"the checkpoint in force is {rep}/model.ckpt-10 (iteration 10): the same " \
@@ -263,12 +269,7 @@ def test_tensorflows_own_failing_save_is_one_line_and_the_run_resumes(
         engine, tmp_path, capsys, monkeypatch, mnist_quick_dir):
     """No injection: the second checkpoint's index file is a directory when TensorFlow
     merges its checkpoint into it (SaveV2 / MergeV2Checkpoints fail as on a real fault)."""
-    common = [*RUN, f"--engine={engine}", f"--data-dir={mnist_quick_dir}"]
-    alone = tmp_path / "alone.json"
-    run_main_in_process(*common, f"--results={alone}")
-    ck, part = tmp_path / "ck", tmp_path / "part.json"
-    rep = ck / "rep-0"
-    command = [*common, f"--checkpoint-dir={ck}", f"--results={part}"]
+    alone, part, rep, command = checkpointed_run(engine, tmp_path, mnist_quick_dir)
     blocker = rep / "model.ckpt-20.index"
     monkeypatch.setattr(data, "batches", block_after(15, data.batches, str(blocker)))
     capsys.readouterr()
