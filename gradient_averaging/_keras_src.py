@@ -71,11 +71,10 @@ def batch_norm_layers(model, per_update, padded):
     """
     base = keras.layers.BatchNormalization
     captured = per_update or padded
-    found, seen = [], set()
-    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001
-        if not isinstance(layer, base) or id(layer) in seen:
+    found = []
+    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 (each once)
+        if not isinstance(layer, base):
             continue
-        seen.add(id(layer))
         if layer.synchronized:
             raise ValueError(
                 f"BatchNormalization layer {layer.name!r} has synchronized=True: its "

@@ -90,10 +90,7 @@ class AccumulatingModel(keras.Model):
         self.model = model
         self.average_gradients = window_lib.check_average_gradients(average_gradients)
         self.check_finite = check_finite
-        if bn_statistics not in tf2.BN_STATISTICS:
-            raise ValueError(f"bn_statistics must be one of {', '.join(tf2.BN_STATISTICS)}; "
-                             f"got {bn_statistics!r}")
-        self.bn_statistics = bn_statistics
+        self.bn_statistics = tf2._check_bn_statistics(bn_statistics)  # noqa: SLF001
         self._statistics = None  # _BatchNormStatistics, made by fit
         self._single_values = None
         # Counted once per window (the first replica's count), never saved.
@@ -273,9 +270,7 @@ class AccumulatingModel(keras.Model):
         statistics = self._statistics
         if statistics:
             total = strategy.reduce(tf.distribute.ReduceOp.SUM, moments, axis=None)
-            if statistics.per_update:
-                statistics.step(total, counts)
-            self._single_values.assign_add(statistics.single_value_counts(total))
+            self._single_values.assign_add(statistics.end_window(total, counts))
         return applied
 
     def _batch_norm(self, padded):

@@ -113,8 +113,7 @@ def _distribute(strategy, data, sizes):
             cut = _replica_share(data, sizes, context.replica_id_in_sync_group, replicas)
         return tf.nest.map_structure(tf.identity, cut)  # on the replica's device
 
-    shares = strategy.experimental_distribute_values_from_function(share)
-    return shares
+    return strategy.experimental_distribute_values_from_function(share)
 
 
 def _local_variable(initial_value, aggregation, name):
@@ -246,6 +245,13 @@ def _apply_window(strategy, optimizer, variables, shares, no_gradient, nonfinite
 BN_STATISTICS = ("update", "mini_batch")
 
 
+def _check_bn_statistics(bn_statistics):
+    if bn_statistics not in BN_STATISTICS:
+        raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}; "
+                         f"got {bn_statistics!r}")
+    return bn_statistics
+
+
 class _BatchNormStatistics:
     """A model's BatchNormalization layers under accumulation: their moving statistics.
 
@@ -264,10 +270,7 @@ class _BatchNormStatistics:
     """
 
     def __init__(self, model, bn_statistics="update", padded=False):
-        if bn_statistics not in BN_STATISTICS:
-            raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}; "
-                             f"got {bn_statistics!r}")
-        self.per_update = bn_statistics == "update"
+        self.per_update = _check_bn_statistics(bn_statistics) == "update"
         self.padded = padded
         self.layers = []
         # Only a model with batch norm needs Keras's internals (and their version check).
@@ -336,9 +339,19 @@ class _BatchNormStatistics:
                                                tf.float64))
         return total + tf.concat(parts + [tf.cast(tf.stack(single), tf.float64)], 0)
 
-    def step(self, total, move):
-        """One moving-average step per call from a window's sums (all replicas'), where
-        `move` (a bool tensor) says the window counts. Cross-replica context."""
+    def end_window(self, total, move):
+        """Cross-replica, once per window, from its sums (all replicas'): per update, one
+        moving-average step per call where `move` (a bool tensor) says the window counts.
+
+        Returns:
+          the window's count, per layer, of mini-batches that gave it one value a channel
+          (for warn_single_values).
+        """
+        if self.per_update:
+            self._step(total, move)
+        return total[self.size - len(self.layers):]
+
+    def _step(self, total, move):
         shifts = [tf.cast(layer.moving_mean, tf.float64) for layer in self.layers]
         steps, start = [], 0
         for index, channels in self.keys:
@@ -366,9 +379,6 @@ class _BatchNormStatistics:
             return tf.constant(True)
 
         return tf.cond(tf.logical_and(move, finite), assign, lambda: tf.constant(False))
-
-    def single_value_counts(self, total):
-        return total[self.size - len(self.layers):]
 
     def warn_single_values(self, counts):
         """One warning per layer that normalized one value a channel (a dead layer)."""
@@ -468,13 +478,6 @@ class _Accumulator:
                 None if g is None else g * tf.cast(mean_over, g.dtype) for g in step.gradients])
         self._no_gradient = step.no_gradient
         return step
-
-    def _step_statistics(self, total, move):
-        """Cross-replica: one step from the window's batch-norm sums (over all replicas)
-        where `move`; returns the sums' single-value counts (for the warning)."""
-        if self.statistics.per_update:
-            self.statistics.step(total, move)
-        return self.statistics.single_value_counts(total)
 
     def _counted(self, applied):
         if applied:
@@ -625,7 +628,7 @@ class WindowAccumulator(_Accumulator):
                                             self.check_finite, tf.size(sizes) > 0)
             single = tf.zeros([0], tf.float64)
             if self.statistics:
-                single = self._step_statistics(self.strategy.reduce(
+                single = self.statistics.end_window(self.strategy.reduce(
                     tf.distribute.ReduceOp.SUM, statistics, axis=None), counts)
             return applied, single
 
@@ -859,7 +862,7 @@ class GradientAccumulator(_Accumulator):
                                         self.check_finite)
         single = tf.zeros([0], tf.float64)
         if self.statistics:  # a SUM replica-local variable, read across replicas: summed
-            single = self._step_statistics(self.statistics_sums.read_value(), counts)
+            single = self.statistics.end_window(self.statistics_sums.read_value(), counts)
         with tf.control_dependencies([applied, single]):
             self.strategy.run(self._replica_reset)
         return tf.identity(applied), tf.identity(single)

@@ -59,26 +59,25 @@ def all_finite(tensors):
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
-def stack_window(mini_batches, width=None, alignment=None):
+def stack_window(mini_batches, alignment=None):
     """The window's mini-batches stacked on a new leading axis, shorter ones zero-padded.
 
     Args:
       mini_batches: a sequence of array-likes, or of equal structures (tuples, dicts)
         of them; a mini-batch's samples are its first array's first axis (scalars are
         stacked as they are).
-      width: the padded length of the sample axis; default the longest mini-batch's.
       alignment: align the stacked arrays' data to this many bytes (a session feeds an
         aligned array without copying it again).
 
     Returns:
-      (stacked, sizes): the structure of one mini-batch with each array [N, width, ...],
-      and int32 [N], each mini-batch's samples.
+      (stacked, sizes): the structure of one mini-batch with each array [N, the longest
+      mini-batch's samples, ...], and int32 [N], each mini-batch's samples.
     """
     if not len(mini_batches):
         raise ValueError("a window needs at least one mini-batch")
     mini_batches = [_arrays(batch) for batch in mini_batches]
     sizes = np.array([_samples(tf.nest.flatten(batch)[0]) for batch in mini_batches], np.int32)
-    width = int(sizes.max()) if width is None else width
+    width = int(sizes.max())
 
     def stack(*arrays):
         first = arrays[0]
