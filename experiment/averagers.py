@@ -257,20 +257,18 @@ class FusedAverager(Averager):
     def _run_window(self, sess):
         try:  # whatever happens, the next step starts a new window
             feed = dict(self._window[-1])
-            for p, w in zip(self.inputs, self.window_inputs):
+            sizes = None  # each mini-batch's samples: its first batched input's
+            for p, w, batched in zip(self.inputs, self.window_inputs, self._batched):
                 del feed[p]
-                feed[w], _ = window_lib.stack_window([f[p] for f in self._window],
-                                                     alignment=window_lib.FEED_ALIGNMENT)
-            feed[self.sizes] = self._sizes()
+                feed[w], samples = window_lib.stack_window(
+                    [f[p] for f in self._window], alignment=window_lib.FEED_ALIGNMENT)
+                if batched and sizes is None:
+                    sizes = samples
+            feed[self.sizes] = np.ones(len(self._window), np.int32) if sizes is None else sizes
             losses, _, finite = sess.run([self.losses, self.apply_op, self.finite], feed)
         finally:
             self._window = []
         return list(losses), self._closed(finite)
-
-    def _sizes(self):
-        """Samples of each mini-batch: the leading dimension of its first batched input."""
-        batched = [p for p, b in zip(self.inputs, self._batched) if b]
-        return np.array([len(f[batched[0]]) if batched else 1 for f in self._window], np.int32)
 
     def flush(self, sess):
         return self._run_window(sess) if self._window else ([], Outcome.NONE)

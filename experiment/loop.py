@@ -94,10 +94,8 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
                     runs.checkpoint_dir, f"rep-{rep}"),
                 checkpoint_every=runs.checkpoint_every, should_stop=should_stop,
                 run_index=rep + 1, runs=runs.reps, clock=clock)
-        except Stopped as e:
-            raise Stopped(f"run {rep + 1} of {runs.reps}: {e}") from None
-        except results.WriteError as e:
-            raise results.WriteError(f"run {rep + 1} of {runs.reps}: {e}") from None
+        except (Stopped, results.WriteError) as e:
+            raise type(e)(f"run {rep + 1} of {runs.reps}: {e}") from None
         finished.append(run)
         log(results.run_line(run))
         if runs.results_path:
@@ -130,6 +128,10 @@ def _results_not_written(runs, count, error):
 
 def _print(line):
     print(line, flush=True)
+
+
+def _warning(line):
+    logging.warning("%s", line)
 
 
 def is_chief(config):
@@ -292,10 +294,9 @@ class _Run:
     def _warn(self, line):
         """A warning, with the bar (if any) cleared around it."""
         if self.bar is None:
-            logging.warning("%s", line)
-            return
-        with self.bar.paused():
-            logging.warning("%s", line)
+            _warning(line)
+        else:
+            self.bar.write(line, _warning)
 
     # ------------------------------------------------ the loop
 
@@ -346,10 +347,9 @@ class _Run:
         self.close_window(closed)
         self.bar.advance(self.iteration, self.counts.updates)
         if closed is Outcome.APPLIED:
-            with self.bar.paused():
-                logging.warning("iterations=%d is not a multiple of average_gradients=%d: "
-                                "the last %d mini-batches were applied as one update of "
-                                "their mean", config.iterations, config.average_gradients, held)
+            self._warn(f"iterations={config.iterations} is not a multiple of "
+                       f"average_gradients={config.average_gradients}: the last {held} "
+                       "mini-batches were applied as one update of their mean")
         final_accuracy = self.evaluate()
         return {"seed": self.seed, "best_accuracy": self.best_accuracy,
                 "best_iteration": self.best_iteration, "final_accuracy": final_accuracy,
@@ -365,8 +365,7 @@ class _Run:
         if closed is Outcome.SKIPPED:
             self.consecutive_bad += 1
             self.last_bad = f"iterations {self.window_start}-{self.iteration}"
-            with self.bar.paused():
-                logging.warning(SKIPPED_WINDOW, self.last_bad, self.counts.skipped_windows)
+            self._warn(SKIPPED_WINDOW % (self.last_bad, self.counts.skipped_windows))
             if self.writer:  # the next update's loss leaves this window out
                 self.update_mark = self.engine.loss_totals()
         else:
@@ -415,21 +414,18 @@ class _EventWriter:
 
     def __init__(self, logdir):
         self.logdir = logdir
-        self.warn = lambda line: logging.warning("%s", line)
-        self._writer = None
+        self.warn = _warning
         self._writer = self._attempt(tf.summary.create_file_writer, logdir)
 
     def _attempt(self, write, *args):
-        """write(*args), or None once writing failed (warned the first time)."""
-        if self.logdir is None:
-            return None
+        """write(*args), or None where it failed (warned; the writer is then dropped)."""
         try:
             faults.check(os.path.join(self.logdir, "events.out.tfevents"))
             return write(*args)
         except (tf.errors.OpError, OSError) as e:
             self.warn(f"--logdir: cannot write TensorBoard events in {self.logdir} "
                       f"({results.cause(e)}); the run goes on without them")
-            self.logdir, self._writer = None, None
+            self._writer = None
             return None
 
     def scalar(self, tag, value, step):

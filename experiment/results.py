@@ -96,8 +96,7 @@ def atomic_write_files(items):
             os.replace(tmp, path)
     except BaseException:
         for tmp, _ in temps:
-            if os.path.exists(tmp):
-                _unlink_quietly(tmp)
+            _unlink_quietly(tmp)
         raise
 
 

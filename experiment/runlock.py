@@ -29,8 +29,8 @@ class DirectoryLock:
     """An exclusive lock on `directory` (which must exist), held from `acquire` (or
     entering the `with` block) to `release` (or its end) or the process's end."""
 
-    def __init__(self, directory, flag="--checkpoint-dir"):
-        self.directory, self.flag = directory, flag
+    def __init__(self, directory):
+        self.directory = directory
         self.path = os.path.join(directory, LOCK_FILE)
         self._fd = None
 
@@ -60,9 +60,9 @@ class DirectoryLock:
             os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise LockError(
-                    f"{self.flag} {self.directory} is in use by another run "
+                    f"--checkpoint-dir {self.directory} is in use by another run "
                     f"({holder or 'its pid@host unknown'}, per {self.path}); wait for it to "
-                    f"end, or use another {self.flag}") from None
+                    f"end, or use another --checkpoint-dir") from None
             raise self._error(e) from None
         self._fd = fd
         _write_holder(fd)
@@ -74,10 +74,10 @@ class DirectoryLock:
 
     def _error(self, error):
         if error.errno == errno.ENOLCK:
-            return LockError(f"{self.flag} {self.directory}: cannot lock {self.path} "
+            return LockError(f"--checkpoint-dir {self.directory}: cannot lock {self.path} "
                              f"({error.strerror}): this file system has no locks; use a "
                              f"directory on a local disk")
-        return LockError(f"{self.flag} {self.directory}: cannot create its lock file "
+        return LockError(f"--checkpoint-dir {self.directory}: cannot create its lock file "
                          f"{self.path} ({error.strerror or error})")
 
 
