@@ -225,9 +225,9 @@ def main():
             f"{largest_difference(run, reference, statistics(layer)):10.1e}"
             for layer in layers))
     exact, exact_whole = input_statistics(direct), input_statistics(direct[:2])
-    check(f"per mini-batch at m, BN on the inputs: {largest_difference(per_batch, exact):.1e} "
-          "off the direct batch's statistics (N steps per update)",
-          largest_difference(per_batch, exact) > 1e-2)
+    off = largest_difference(per_batch, exact)
+    check(f"per mini-batch at m, BN on the inputs: {off:.1e} off the direct batch's "
+          "statistics (N steps per update)", off > 1e-2)
     whole, partial = (largest_difference(decayed_whole, exact_whole),
                       largest_difference(decayed, exact))
     check(f"per mini-batch at m ** (1 / N): {whole:.1e} off after 2 whole windows, close "
@@ -235,14 +235,14 @@ def main():
           f"mini-batch's); {partial:.1e} once the flushed window of {MINIBATCHES % N} has "
           f"taken {MINIBATCHES % N} steps where the direct batch takes one at m",
           TOLERANCE / 10 < whole < 1e-3 < partial)
+    off = largest_difference(per_update, exact)
     check("per update, BN on the inputs has the direct batch's statistics: "
-          f"{largest_difference(per_update, exact):.1e} from them in float64 (the direct "
-          f"batch's float32 kernel: {largest_difference(reference, exact):.1e})",
-          largest_difference(per_update, exact) < TOLERANCE / 10
+          f"{off:.1e} from them in float64 (the direct batch's float32 kernel: "
+          f"{largest_difference(reference, exact):.1e})", off < TOLERANCE / 10
           and largest_difference(per_update, reference, statistics("bn_input")) < TOLERANCE)
+    off = largest_difference(after_nan, exact)
     check("per update, a window skipped for a NaN leaves them as they were: "
-          f"{largest_difference(after_nan, exact):.1e} from the direct batch's without it",
-          largest_difference(after_nan, exact) < TOLERANCE / 10)
+          f"{off:.1e} from the direct batch's without it", off < TOLERANCE / 10)
     check("per update, BN after the convolutions is not the direct batch's (its inputs "
           "differ: the layers before normalize each mini-batch by its own statistics)",
           all(largest_difference(per_update, reference, statistics(layer)) > TOLERANCE

@@ -126,22 +126,23 @@ def main(argv):
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     command = shlex.join(["python", "-m", "tools.batch_norm"] + sys.argv[1:])
     updates = 2 if FLAGS.quick else UPDATES
+    path = FLAGS.output
+    if not FLAGS.quick:  # before minutes of training: a bad --output is found at once
+        try:
+            with open(path) as f:
+                doc = f.read()
+            head, rest = doc.split(BEGIN, 1)
+            _, tail = rest.split(END, 1)
+        except (OSError, ValueError) as e:
+            cli.fail(f"--output {path}: needs a table between {BEGIN} and {END} ({e})")
     text = table(measure(updates), command, updates)
     print(text)
     if FLAGS.quick:
         return 0
-    path = FLAGS.output
-    try:
-        with open(path) as f:
-            doc = f.read()
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-    except (OSError, ValueError) as e:
-        cli.fail(f"--output {path}: needs a table between {BEGIN} and {END} ({e})")
     try:
         results.atomic_write_text(path, f"{head}{BEGIN}\n{text}{END}{tail}")
     except OSError as e:
-        cli.fail(f"--output {path}: cannot write ({e.strerror or e})", code=1)
+        cli.fail(f"--output {path}: cannot write ({results.cause(e)})", code=1)
     return 0
 
 

@@ -20,13 +20,12 @@ and says so.
 """
 
 import json
-import os
 import statistics
 import subprocess
 import sys
 
-from experiment import averagers
 from experiment import cli
+from experiment import config
 from tools import common
 
 GPU = "GPU:0"
@@ -34,7 +33,7 @@ MB = 1 << 20
 FULL = dict(n=8, b=256, updates=4, speed_configs=((8, 32), (8, 256)), speed_updates=20,
             repeats=7)
 QUICK = dict(n=2, b=32, updates=1, speed_configs=((2, 32),), speed_updates=2, repeats=2)
-CONTENDERS = averagers.AVERAGERS + ("tf2",)  # at N x B; tf2 is the tf2 engine's window
+CONTENDERS = tuple(config.AVERAGERS) + ("tf2",)  # at N x B; tf2 is the tf2 engine's window
 PROBE_TIMEOUT = 600
 
 
@@ -78,19 +77,12 @@ def build_info():
 # ---------------------------------------------------------------- the probes (fresh processes)
 
 
-def _engine_config(averager, n, b, updates):
-    from experiment import loop
-    tf2 = averager == "tf2"
-    return loop.Config(engine="tf2" if tf2 else "tf1", average_gradients=n, batch_size=b,
-                       accumulate="stack" if tf2 else averager, iterations=n * updates)
-
-
 def _contender(label, averager, n, b, datasets):
     from tools import bench_contenders
     if averager == "tf2":
         return bench_contenders.TF2Contender(label, n, b, datasets)
-    config = _engine_config(averager, n, b, 1)
-    return bench_contenders.SessionContender(label, config, datasets)
+    return bench_contenders.SessionContender(label, config.Config(
+        average_gradients=n, batch_size=b, accumulate=averager), datasets)
 
 
 def memory_probe(spec, datasets):
@@ -118,9 +110,9 @@ def speed_probe(spec, datasets):
     """Every contender at (N, B), interleaved rounds, in this (fresh) process."""
     from tools import bench_contenders
     n, b = spec["n"], spec["b"]
-    contenders = [_contender("direct", "stack", 1, n * b, datasets)]
-    contenders += [_contender(s, s, n, b, datasets) for s in CONTENDERS]
-    contenders.append(_contender("tf2_direct", "tf2", 1, n * b, datasets))
+    contenders = bench_contenders.tf1_contenders(n, b, datasets) + [  # direct, the averagers
+        _contender("tf2", "tf2", n, b, datasets),
+        _contender("tf2_direct", "tf2", 1, n * b, datasets)]
     try:
         times = bench_contenders.interleaved(contenders, spec["updates"], spec["repeats"])
     finally:
@@ -165,16 +157,11 @@ def probe(spec, log=print):
 
 
 def _spawn(spec):
-    try:
-        proc = subprocess.run([sys.executable, "-m", "tools.bench_device", json.dumps(spec)],
-                              cwd=common.ROOT, capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT, env=dict(os.environ))
-    except subprocess.TimeoutExpired:
-        return dict(spec, error=f"probe timed out after {PROBE_TIMEOUT} s")
-    if proc.returncode:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return dict(spec, error=f"probe failed ({proc.returncode}): {tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from tools import bench_probes  # TensorFlow: not in a probe process before its quiet import
+    proc = subprocess.Popen([sys.executable, "-m", "tools.bench_device", json.dumps(spec)],
+                            cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    return bench_probes.probe_result(spec, proc, PROBE_TIMEOUT)
 
 
 def describe(spec):
@@ -192,7 +179,7 @@ def memory_specs(settings):
     n, b, updates = settings["n"], settings["b"], settings["updates"]
     base = dict(kind="memory", updates=updates)
     specs = []
-    for engine, plain, names in (("tf1", "stack", averagers.AVERAGERS),
+    for engine, plain, names in (("tf1", "stack", tuple(config.AVERAGERS)),
                                  ("tf2", "tf2", ("tf2",))):
         specs.append(dict(base, role="direct", engine=engine, averager=plain, n=1, b=n * b))
         specs.append(dict(base, role="alone", engine=engine, averager=plain, n=1, b=b))
@@ -201,13 +188,16 @@ def memory_specs(settings):
     return specs
 
 
-def measure(settings, log=print):
+def measure(settings, log=print, found=None):
     """The device sections, or {"gpu": None} where TensorFlow sees no GPU.
+
+    Args:
+      found: gpus(), where the caller has it already.
 
     Returns:
       {"gpu": [gpus()], "settings", "memory": [probe results], "speed": [probe results]}.
     """
-    found = gpus()
+    found = found or gpus()
     if not found:
         log("Device memory and speed: no GPU")
         return {"gpu": None}

@@ -116,9 +116,14 @@ def spawn_probe(spec, env=None):
         env=dict(os.environ, **(env or {})))
 
 
-def probe_result(spec, proc):
+def probe_result(spec, proc, timeout=None):
     """The probe's JSON line, or the spec with an `error`."""
-    stdout, stderr = proc.communicate()
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return dict(spec, error=f"probe timed out after {timeout} s")
     if proc.returncode:
         tail = (stderr.strip().splitlines() or ["no output"])[-1]
         return dict(spec, error=f"probe failed ({proc.returncode}): {tail}")

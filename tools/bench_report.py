@@ -27,8 +27,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
              f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
              "Ratios are within this one run; CPU timings on a shared machine are noisy, so "
              "compare ratios, not times across runs.", ""]
-    lines += ["## Targets", "", "| target | measured | status |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets]
+    lines += bench_targets.table_lines(targets)
     noise = bench_targets.noise_floor(speed)
     if noise is not None:
         lines += ["", f"This run's noise: at N=1 every averager is the post's `minimize`, the "
@@ -36,10 +35,7 @@ def render(command, settings, speed, keras_setup, mem, host, targets, elapsed, k
                   f"{noise:.0%} away from 1. An averager whose ratio to `stack` is above 1 "
                   f"by less than that, or below 1 in a quarter of the rounds, is \"within "
                   f"noise\": this run cannot tell it apart from `stack`."]
-    whys = [t for t in targets if t.get("why")]
-    if whys:
-        lines += ["", "### Why targets were missed", ""]
-        lines += [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys]
+    lines += bench_targets.missed_lines(targets)
     if figure:
         lines += ["", f"![Speed and memory ratios]({figure})", "",
                   figures.bench_caption(speed, mem, host)]

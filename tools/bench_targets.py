@@ -5,6 +5,7 @@ explained from its profile: what it asks, what was measured, met / within noise 
 import numpy as np
 
 from experiment import averagers
+from tools import bench_device
 from tools import bench_probes
 from tools.bench_contenders import paired_ratio
 
@@ -111,6 +112,21 @@ def _status(ok, noisy=False):
 def _judged(target, measured, ok, why):
     """One target's row: met or missed, and the reason only where it was missed."""
     return dict(target=target, measured=measured, status=_status(ok), why=None if ok else why)
+
+
+def table_lines(targets):
+    """The markdown of the targets: a table, target, measured and status."""
+    return (["## Targets", "", "| target | measured | status |", "|---|---|---|"]
+            + [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets])
+
+
+def missed_lines(targets):
+    """The markdown of why targets were missed, for those that say; [] if none does."""
+    whys = [t for t in targets if t.get("why")]
+    if not whys:
+        return []
+    return (["", "### Why targets were missed", ""]
+            + [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys])
 
 
 def noise_floor(speed):
@@ -283,7 +299,6 @@ def device_targets(device):
              f"tf2 <= {DEVICE_SPEED}x the tf2 direct batch's time on the device, B >= {b}"]
     if not device["gpu"]:
         return [dict(target=name, measured="no GPU", status="not measured") for name in names]
-    from tools import bench_device  # TensorFlow-free at import, but kept to its callers
     return (_device_memory_targets(bench_device.memory_table(device), names[:2])
             + _device_speed_targets(device["speed"], names[2:]))
 

@@ -245,9 +245,9 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
     return _save(fig, path)
 
 
-def bench_ratios(speed, memory, path, host=None):
-    """The bench's ratios: time per update against the direct batch, peak memory against
-    the direct batch and B alone, and (given `host`) host memory as N grows.
+def bench_figure(speed, memory, host=None):
+    """The bench's ratios, not saved: time per update against the direct batch, peak
+    memory against the direct batch and B alone, and (given `host`) host memory as N grows.
 
     Laid out to be read at README width: speed across the top, the memory panels under it,
     every legend outside the data, each contender named in words, and the host-memory lines
@@ -261,20 +261,16 @@ def bench_ratios(speed, memory, path, host=None):
       memory: bench's memory_section dict, or None: {"samples", "n", "b", "direct": probe,
         "small": probe, "accumulated": {averager: probe}}, a probe {"peak_mb", ...} or
         {"error"}; averagers whose probe failed are left out.
-      path: the PNG to write.
       host: bench's host_memory_section dict, or None: {"ns", "averagers", "table":
         {(averager, N): probe}, ...}.
+
+    Returns:
+      (Figure, {"speed", "memory", "host": the panel's axes, upper first; only the panels
+      drawn}).
 
     Raises:
       ValueError: nothing to draw.
     """
-    fig, _ = bench_figure(speed, memory, host)
-    return _save(fig, path)
-
-
-def bench_figure(speed, memory, host=None):
-    """The figure of `bench_ratios`, not saved: (Figure, {"speed", "memory", "host": the
-    panel's axes, upper first; only the panels drawn})."""
     usable = _usable_memory(memory)
     drawn = bench_panels(speed, memory, host)
     lower = []
@@ -301,7 +297,7 @@ def bench_figure(speed, memory, host=None):
 
 
 def bench_panels(speed, memory, host=None):
-    """The panels `bench_ratios` draws from these inputs: "speed", "memory", "host"."""
+    """The panels `bench_figure` draws from these inputs: "speed", "memory", "host"."""
     return ([name for name, drawn in (
         ("speed", bool(speed)), ("memory", bool(_usable_memory(memory))),
         ("host", bool(host) and any("peak_mb" in p for p in host["table"].values())))

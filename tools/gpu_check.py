@@ -72,13 +72,14 @@ def _outcomes(root):
     return out
 
 
-def render(gpus, build, tests, device, targets, command, elapsed):
+def render(build, tests, device, targets, command, elapsed):
     """GPU.md's text."""
     lines = ["# GPU check", "",
              f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
              f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
              "TensorFlow's build (`tf.sysconfig.get_build_info()`): "
              + ", ".join(f"{k}={v}" for k, v in build.items()) + ".", ""]
+    gpus = device["gpu"]
     if not gpus:
         return "\n".join(lines + [
             "**No GPU was found**: TensorFlow sees no GPU on this machine, so nothing here is "
@@ -86,9 +87,8 @@ def render(gpus, build, tests, device, targets, command, elapsed):
             "`--distribute=mirrored` on GPUs, op determinism on a GPU, peak device memory "
             "and speed on a device) are not yet measured on a GPU. `make gpu-check` on a "
             "machine with one runs the GPU tests and the bench's device sections and "
-            "rewrites this file with what it measured.", "",
-            "## Targets", "", "| target | measured | status |", "|---|---|---|"]
-            + [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets]) + "\n"
+            "rewrites this file with what it measured.", ""]
+            + bench_targets.table_lines(targets)) + "\n"
     lines += ["## Device", "", "| device | name | compute capability | driver | memory |",
               "|---|---|---|---|---|"]
     lines += [f"| {g['name']} | {g['device_name']} | {g['compute_capability']} | "
@@ -99,12 +99,7 @@ def render(gpus, build, tests, device, targets, command, elapsed):
               "", "| test | outcome | message |", "|---|---|---|"]
     lines += [f"| {name} | {outcome} | {line.replace('|', '/')} |"
               for name, outcome, line in tests]
-    lines += ["", "## Targets", "", "| target | measured | status |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets]
-    whys = [t for t in targets if t.get("why")]
-    if whys:
-        lines += ["", "### Why targets were missed", ""]
-        lines += [f"- **{t['target']}** ({t['status']}). {t['why']}" for t in whys]
+    lines += [""] + bench_targets.table_lines(targets) + bench_targets.missed_lines(targets)
     lines += [""] + bench_device.markdown(device)
     return "\n".join(lines) + "\n"
 
@@ -120,11 +115,12 @@ def check(output, quick=False, command="python -m tools.gpu_check", log=print):
         tests = run_gpu_tests()
         for name, outcome, line in tests:
             log(f"  {outcome}: {name}" + (f" -- {line}" if line else ""))
-        device = bench_device.measure(bench_device.QUICK if quick else bench_device.FULL, log)
+        device = bench_device.measure(bench_device.QUICK if quick else bench_device.FULL, log,
+                                      found=gpus)
     else:
         log("No GPU: nothing to measure here")
     targets = bench_targets.device_targets(device)
-    text = render(gpus, bench_device.build_info(), tests, device, targets, command,
+    text = render(bench_device.build_info(), tests, device, targets, command,
                   time.perf_counter() - start)
     results.atomic_write_text(output, text)
     return text
@@ -142,7 +138,7 @@ def main_check(argv):
     try:
         check(FLAGS.output, FLAGS.quick, command)
     except OSError as e:  # the disk filled or the directory went since the check
-        cli.fail(f"--output {FLAGS.output}: cannot write it ({e.strerror or e})", code=1)
+        cli.fail(f"--output {FLAGS.output}: cannot write it ({results.cause(e)})", code=1)
     print(f"Wrote {FLAGS.output}")
 
 

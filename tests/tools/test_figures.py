@@ -185,9 +185,11 @@ def host_section():
 
 
 @pytest.mark.parametrize("memory, host", [(True, True), (False, False)])
-def test_bench_ratios_draw_speed_and_the_memory_that_was_measured(tmp_path, memory, host):
-    path = figures.bench_ratios(speed_rows(), memory_section() if memory else None,
-                                str(tmp_path / "bench.png"), host=host_section() if host else None)
+def test_bench_figure_draws_speed_and_the_memory_that_was_measured(tmp_path, memory, host):
+    fig, _ = figures.bench_figure(speed_rows(), memory_section() if memory else None,
+                                  host=host_section() if host else None)
+    path = tmp_path / "bench.png"
+    path.write_bytes(figures.png_bytes(fig))
     assert_png(path)
     height, width = image.imread(path).shape[:2]
     assert width <= 1000  # README width, not a strip
@@ -230,12 +232,12 @@ def test_bench_figure_shows_every_bar_and_point_names_every_contender_legends_of
     assert_legends_off_the_axes(fig, [*panels["speed"], *panels["memory"], upper, lower])
 
 
-def test_bench_ratios_refuse_nothing_measured(tmp_path):
+def test_bench_figure_refuses_nothing_measured():
     failed = dict(memory_section(), direct={"error": "probe failed (137)"})
     with pytest.raises(ValueError, match="nothing|no speed rows"):
-        figures.bench_ratios([], failed, str(tmp_path / "bench.png"))
+        figures.bench_figure([], failed)
     with pytest.raises(ValueError, match="no speed rows"):
-        figures.bench_ratios([], None, str(tmp_path / "bench.png"))
+        figures.bench_figure([], None)
 
 
 @pytest.mark.parametrize("scale", [1, 10])

@@ -98,7 +98,8 @@ def test_on_a_gpu_gpu_md_records_the_device_the_tests_every_number_and_the_targe
               "error: op determinism is on and TensorFlow has no deterministic kernel here")]
     monkeypatch.setattr(bench_device, "gpus", lambda: FAKE_GPU)
     monkeypatch.setattr(gpu_check, "run_gpu_tests", lambda: tests)
-    monkeypatch.setattr(bench_device, "measure", lambda settings, log: fake_device(230.0, 1.0))
+    monkeypatch.setattr(bench_device, "measure",
+                        lambda settings, log, found: fake_device(230.0, 1.0))
     text = gpu_check.check(str(tmp_path / "GPU.md"), log=lambda line: None)
     assert "No GPU" not in text
     assert "| /physical_device:GPU:0 | NVIDIA H100 80GB HBM3 | 9.0 | 550.54.15 | 81559 MiB |" \
