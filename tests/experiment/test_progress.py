@@ -11,10 +11,9 @@ import threading
 
 import pytest
 
-from tests.helpers import run_main_in_process
 from experiment import progress
+from tests.helpers import ROOT, run_main_in_process
 
-from tests.helpers import ROOT
 ELAPSED_AND_ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d")
 ALL_RUNS_ELAPSED_AND_ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d, all runs \d\d:\d\d<\d\d:\d\d, ")
 # A short "training run" in a child process, printing the post's kind of lines through the

@@ -17,7 +17,7 @@ from experiment import checkpoint
 from experiment import loop
 import main
 from experiment import averagers
-from tests.helpers import ROOT, run_cli, run_main_in_process
+from tests.helpers import ROOT, one_line_exit, run_cli, run_main_in_process
 
 SMALL = dict(average_gradients=5, batch_size=10, iterations=60, eval_every=20)
 
@@ -86,16 +86,6 @@ def test_refuses_a_checkpoint_of_another_configuration(tmp_path, mnist_quick, ch
         loop.train_once(config(), mnist_quick, seed=1, checkpoint_dir=directory)
 
 
-def one_line_error(capsys, *args, code=2):
-    """Runs main in process; expects exit `code` and exactly one `error:` line."""
-    with pytest.raises(SystemExit) as exit_info:
-        run_main_in_process(*args)
-    assert exit_info.value.code == code
-    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
-    assert len(errors) == 1, errors
-    return errors[0]
-
-
 def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, capsys,
                                                                   mnist_quick_dir):
     base = ["--average-gradients=5", "--batch-size=10", "--iterations=30",
@@ -104,13 +94,13 @@ def test_cli_mismatch_corrupt_and_missing_checkpoints_give_one_line(tmp_path, ca
     state_path = tmp_path / "rep-0" / checkpoint.STATE_FILE
     run_main_in_process(*base)
     assert "Training finished" in capsys.readouterr().out
-    assert "batch_size=10" in one_line_error(capsys, *base, "--batch-size=20")
+    assert "batch_size=10" in one_line_exit(capsys, run_main_in_process, *base, "--batch-size=20")
     state = json.loads(state_path.read_text())
     state.update(finished=False, checkpoint="model.ckpt-12", window="window-12.npz")
     state_path.write_text(json.dumps(state))
-    assert "which is missing" in one_line_error(capsys, *base)
+    assert "which is missing" in one_line_exit(capsys, run_main_in_process, *base)
     state_path.write_text('{"identity": {"model": "convnet"')  # cut short
-    assert "unreadable checkpoint state" in one_line_error(capsys, *base)
+    assert "unreadable checkpoint state" in one_line_exit(capsys, run_main_in_process, *base)
 
 
 @pytest.mark.parametrize("victim", ["model.ckpt-20.data-00000-of-00001", "window-20.npz"])
@@ -122,9 +112,9 @@ def test_truncated_checkpoint_files_give_one_line(tmp_path, capsys, mnist_quick,
                               should_stop=stop_at(20, [0]))
     path = directory / victim
     path.write_bytes(path.read_bytes()[:100])
-    error = one_line_error(capsys, "--average-gradients=5", "--batch-size=10",
-                           "--iterations=60", "--eval-every=20", f"--checkpoint-dir={tmp_path}",
-                           f"--data-dir={mnist_quick_dir}")
+    error = one_line_exit(capsys, run_main_in_process, "--average-gradients=5",
+                          "--batch-size=10", "--iterations=60", "--eval-every=20",
+                          f"--checkpoint-dir={tmp_path}", f"--data-dir={mnist_quick_dir}")
     assert "is corrupt" in error
 
 
@@ -271,8 +261,8 @@ def test_cli_reports_skipped_windows_and_aborts_with_one_line(tmp_path, capsys, 
             f"--data-dir={mnist_quick_dir}"]
     run_main_in_process(*base, "--inject-nonfinite=7", f"--results={results}")
     assert json.loads(results.read_text())["runs"][0]["skipped_windows"] == 1
-    error = one_line_error(capsys, *base, "--inject-nonfinite=7", "--on-nonfinite=abort",
-                           code=3)
+    error = one_line_exit(capsys, run_main_in_process, *base, "--inject-nonfinite=7",
+                          "--on-nonfinite=abort", code=3)
     assert "iterations 6-10 and on_nonfinite=abort" in error
 
 

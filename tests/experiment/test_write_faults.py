@@ -26,19 +26,9 @@ from experiment import faults
 from experiment import loop
 from experiment import results
 from experiment import runlock
-from tests.helpers import ROOT, run_main_in_process
+from tests.helpers import ROOT, one_line_exit, run_main_in_process
 
 NO_SPACE = os.strerror(errno.ENOSPC)
-
-
-def one_line_error(capsys, *args, code):
-    """Runs main in process; expects exit `code` and exactly one line on stderr, `error:`."""
-    with pytest.raises(SystemExit) as exit_info:
-        run_main_in_process(*args)
-    assert exit_info.value.code == code
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
 
 
 # ---------------------------------------------------------------- the injection point
@@ -206,21 +196,28 @@ RUN = ("--average-gradients=5", "--batch-size=10", "--iterations=40", "--eval-ev
        "--checkpoint-every=2")
 
 
-def checkpointed_run(engine, tmp_path, mnist_quick_dir):
-    """RUN run once uninterrupted (its results in `alone`), and the command that runs it
-    with checkpoints (results in `part`, checkpoints in `rep`)."""
-    common = [*RUN, f"--engine={engine}", f"--data-dir={mnist_quick_dir}"]
-    alone = tmp_path / "alone.json"
-    run_main_in_process(*common, f"--results={alone}")
+@pytest.fixture(scope="module", params=["tf1", "tf2"])
+def uninterrupted(request, tmp_path_factory, mnist_quick_dir):
+    """RUN on one engine, never stopped: (the engine, its result record)."""
+    path = tmp_path_factory.mktemp("uninterrupted") / "alone.json"
+    run_main_in_process(*RUN, f"--engine={request.param}", f"--data-dir={mnist_quick_dir}",
+                        f"--results={path}")
+    (record,) = json.loads(path.read_text())["runs"]
+    return request.param, record
+
+
+def checkpointed(engine, tmp_path, mnist_quick_dir):
+    """The command that runs RUN with checkpoints: (its results, its checkpoints, it)."""
     ck, part = tmp_path / "ck", tmp_path / "part.json"
-    command = [*common, f"--checkpoint-dir={ck}", f"--results={part}"]
-    return alone, part, ck / "rep-0", command
+    command = [*RUN, f"--engine={engine}", f"--data-dir={mnist_quick_dir}",
+               f"--checkpoint-dir={ck}", f"--results={part}"]
+    return part, ck / "rep-0", command
 
 
-@pytest.mark.parametrize("engine", ["tf1", "tf2"])
 def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
-        engine, tmp_path, capsys, monkeypatch, mnist_quick_dir):
-    alone, part, rep, command = checkpointed_run(engine, tmp_path, mnist_quick_dir)
+        uninterrupted, tmp_path, capsys, monkeypatch, mnist_quick_dir):
+    engine, expected = uninterrupted
+    part, rep, command = checkpointed(engine, tmp_path, mnist_quick_dir)
     capsys.readouterr()
     full_disk = f"{rep}/[!.]*"  # every checkpoint file (not the start-up probe)
     in_force = f"the checkpoint in force is {rep}/model.ckpt-10 (iteration 10): the same " \
@@ -228,7 +225,7 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
 
     # The disk fills after the first checkpoint: the second stops the run.
     with faults.injected("ENOSPC", full_disk, first=4):  # its variables, window, state.json
-        error = one_line_error(capsys, *command, code=1)
+        error = one_line_exit(capsys, run_main_in_process, *command, code=1)
     assert error == (f"error: run 1 of 1: cannot write the checkpoint {rep}/model.ckpt-20 "
                      f"({NO_SPACE}); {in_force}")
     assert sorted(os.listdir(rep)) == IN_FORCE_10
@@ -236,7 +233,7 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
     # The same command, the disk still full, SIGTERM at iteration 13: the stop's save fails.
     monkeypatch.setattr(data, "batches", terminate_after(3, data.batches))
     with faults.injected("ENOSPC", full_disk):
-        error = one_line_error(capsys, *command, code=128 + signal.SIGTERM)
+        error = one_line_exit(capsys, run_main_in_process, *command, code=128 + signal.SIGTERM)
     monkeypatch.undo()
     assert error == (f"error: run 1 of 1: interrupted by SIGTERM; stopped at iteration 13 (3 "
                      f"mini-batches in the open window); cannot write the checkpoint "
@@ -247,7 +244,7 @@ def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
     (rep / "model.ckpt-20_temp").mkdir()
     (rep / ".tmp-abc123window-20.npz").write_bytes(b"half")
     run_main_in_process(*command)
-    (resumed,), (expected,) = (json.loads(p.read_text())["runs"] for p in (part, alone))
+    (resumed,) = json.loads(part.read_text())["runs"]
     for key in ("weights_sha256", "best_accuracy", "best_iteration", "final_accuracy"):
         assert resumed[key] == expected[key], key
     assert os.listdir(rep) == [checkpoint.STATE_FILE]
@@ -264,16 +261,16 @@ def block_after(count, batches, path):
     return wrapped
 
 
-@pytest.mark.parametrize("engine", ["tf1", "tf2"])
 def test_tensorflows_own_failing_save_is_one_line_and_the_run_resumes(
-        engine, tmp_path, capsys, monkeypatch, mnist_quick_dir):
+        uninterrupted, tmp_path, capsys, monkeypatch, mnist_quick_dir):
     """No injection: the second checkpoint's index file is a directory when TensorFlow
     merges its checkpoint into it (SaveV2 / MergeV2Checkpoints fail as on a real fault)."""
-    alone, part, rep, command = checkpointed_run(engine, tmp_path, mnist_quick_dir)
+    engine, expected = uninterrupted
+    part, rep, command = checkpointed(engine, tmp_path, mnist_quick_dir)
     blocker = rep / "model.ckpt-20.index"
     monkeypatch.setattr(data, "batches", block_after(15, data.batches, str(blocker)))
     capsys.readouterr()
-    error = one_line_error(capsys, *command, code=1)
+    error = one_line_exit(capsys, run_main_in_process, *command, code=1)
     monkeypatch.undo()
     assert error.startswith(f"error: run 1 of 1: cannot write the checkpoint "
                             f"{rep}/model.ckpt-20 (")
@@ -281,7 +278,7 @@ def test_tensorflows_own_failing_save_is_one_line_and_the_run_resumes(
                           "the same command resumes from it")
     assert not blocker.exists()  # the failed checkpoint's files are cleared away
     run_main_in_process(*command)
-    (resumed,), (expected,) = (json.loads(p.read_text())["runs"] for p in (part, alone))
+    (resumed,) = json.loads(part.read_text())["runs"]
     assert resumed["weights_sha256"] == expected["weights_sha256"]
 
 
@@ -312,7 +309,7 @@ def test_a_failed_results_write_stops_before_the_next_run_and_loses_no_run(
                "--reps=3", f"--checkpoint-dir={ck}", f"--results={path}",
                f"--data-dir={mnist_quick_dir}"]
     with faults.injected("ENOSPC", str(path), first=2):
-        error = one_line_error(capsys, *command, code=1)
+        error = one_line_exit(capsys, run_main_in_process, *command, code=1)
     assert error == (f"error: --results {path}: cannot write ({NO_SPACE}); it holds run 1, "
                      f"not run 2's record: {ck}/rep-1 keeps it: once the file can be written, "
                      "the same command writes it without training again; run 3 was not "
@@ -344,7 +341,7 @@ def test_a_checkpoint_directory_in_use_is_refused_until_its_holder_dies(tmp_path
                f"--checkpoint-dir={ck}", f"--data-dir={mnist_quick_dir}"]
     try:
         assert holder.stdout.readline() == "held\n"
-        error = one_line_error(capsys, *command, code=2)
+        error = one_line_exit(capsys, run_main_in_process, *command, code=2)
         assert error == (f"error: --checkpoint-dir {ck} is in use by another run "
                          f"({holder.pid}@{socket.gethostname()}, per {ck}/.lock); wait for it "
                          "to end, or use another --checkpoint-dir")
@@ -356,7 +353,7 @@ def test_a_checkpoint_directory_in_use_is_refused_until_its_holder_dies(tmp_path
     assert "Training finished" in capsys.readouterr().out
     assert (ck / runlock.LOCK_FILE).read_text() == runlock.holder_text() + "\n"
     with faults.injected("ENOLCK", f"{ck}/.lock"):
-        error = one_line_error(capsys, *command, code=2)
+        error = one_line_exit(capsys, run_main_in_process, *command, code=2)
     assert error == (f"error: --checkpoint-dir {ck}: cannot lock {ck}/.lock (No locks "
                      "available): this file system has no locks; use a directory on a local "
                      "disk")

@@ -16,9 +16,9 @@ import tensorflow as tf
 
 from gradient_averaging import keras_fit
 from gradient_averaging import tf2
-from tests.library.toys import (B, CLASSES, FEATURES, N, SAMPLES, bn_model, compiled, data,
-                                fit, max_difference, moving_statistics, sgd,
-                                statistics_difference)
+from tests.library.toys import (B, CLASSES, FEATURES, N, bn_model, compiled, data, fit,
+                                max_difference, mixed_float16, moving_statistics,
+                                nan_in_second_window, sgd, statistics_difference)
 
 BN = keras.layers.BatchNormalization
 
@@ -47,7 +47,10 @@ def test_fit_gives_the_direct_batchs_moving_statistics(direct, variant):
     model = accumulating(nested=variant == "nested", jit_compile=variant == "xla")
     fit(model, x, y, B)
     assert statistics_difference(model.model, direct) < 1e-5
-    # Keras's own behaviour, a step per mini-batch, is far off.
+
+
+def test_keras_own_step_per_mini_batch_is_far_off_the_direct_batchs(direct):
+    x, y = data()
     per_mini_batch = accumulating(bn_statistics="mini_batch")
     fit(per_mini_batch, x, y, B)
     assert statistics_difference(per_mini_batch.model, direct) > 1e-2
@@ -76,12 +79,9 @@ def test_windows_a_loss_scale_optimizer_skips_still_move_the_statistics():
     def scaled():  # a scale so high that the first steps overflow
         return keras.optimizers.LossScaleOptimizer(sgd(), initial_scale=2.0 ** 24)
 
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
+    with mixed_float16():
         model = compiled(keras_fit.accumulate(bn_model(), N), scaled())
         reference = compiled(bn_model(), scaled())
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
     fit(model, x, y, B)
     fit(reference, x, y, N * B)
     assert 0 < int(model.optimizer.iterations) == 8 - model.skipped_windows < 8
@@ -91,11 +91,9 @@ def test_windows_a_loss_scale_optimizer_skips_still_move_the_statistics():
 
 def test_a_nan_window_leaves_the_statistics_as_they_were():
     x, y = data()
-    bad = x.copy()
-    bad[N * B + 5, 2] = np.nan  # window 2 of each epoch
+    bad, keep = nan_in_second_window(x)
     model = accumulating()
     fit(model, bad, y, B)
-    keep = np.r_[0:N * B, 2 * N * B:SAMPLES]
     reference = accumulating()  # the same, never seeing that window
     fit(reference, x[keep], y[keep], B)
     assert model.skipped_windows == 2
@@ -127,7 +125,7 @@ def test_a_conv_nets_first_bn_layer_after_one_update(mnist):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_a_layer_called_twice_steps_twice(direct):
+def test_a_layer_called_twice_steps_twice():
     """One BN layer on the inputs and on twice the inputs: the direct batch steps it
     twice per update, each on its call's statistics."""
     def twice():
@@ -146,13 +144,17 @@ def test_a_layer_called_twice_steps_twice(direct):
     assert statistics_difference(model.model, reference) < 1e-5
 
 
+def dead_bn_model():
+    """BN after a Dense layer: at B=1 it normalizes one value per channel."""
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(4),
+                             BN(name="dead_bn"), keras.layers.Dense(CLASSES)])
+
+
 def test_one_value_per_channel_is_warned_once_naming_the_layer(caplog):
     """B=1 into BN after a Dense layer: each mini-batch's BN normalizes one value per
     channel, its output is its beta whatever the input."""
     x, y = data(16)
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(4),
-                              BN(name="dead_bn"), keras.layers.Dense(CLASSES)])
-    model = compiled(keras_fit.accumulate(model, 4), sgd())
+    model = compiled(keras_fit.accumulate(dead_bn_model(), 4), sgd())
     with caplog.at_level(logging.WARNING):
         model.fit(x, y, batch_size=1, epochs=2, verbose=0)
     warned = [r.getMessage() for r in caplog.records if "dead_bn" in r.getMessage()]
@@ -202,8 +204,7 @@ def test_a_bn_layer_the_window_cannot_train_is_refused(kwargs, bn_statistics, ji
 
 def test_fit_accumulated_warns_of_one_value_per_channel_too(caplog):
     x, y = data(8)
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(4),
-                              BN(name="dead_bn"), keras.layers.Dense(CLASSES)])
+    model = dead_bn_model()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     with caplog.at_level(logging.WARNING):
         tf2.fit_accumulated(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(1),

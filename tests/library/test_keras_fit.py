@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from gradient_averaging import keras_fit
 from tests.library.toys import (B, CLASSES, FEATURES, N, OPTIMIZERS, SAMPLES, compiled, data,
-                                fit, max_difference, sgd, tiny_model)
+                                fit, max_difference, mixed_float16, nan_in_second_window, sgd,
+                                tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +72,12 @@ def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_mini_batc
 
 def test_a_window_with_a_nan_is_skipped_whole_and_counted():
     x, y = data()
-    bad = x.copy()
-    bad[N * B + 5, 2] = np.nan  # window 2 of each epoch
+    bad, keep = nan_in_second_window(x)
     model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
     history = fit(model, bad, y, B).history
     assert model.skipped_windows == 2 and int(model.optimizer.iterations) == 6
     assert np.isfinite(history["loss"]).all()  # the NaN mini-batch is left out of the logs
     # The same as never seeing that window's samples (and the schedule did not step).
-    keep = np.r_[0:N * B, 2 * N * B:SAMPLES]
     reference = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
     fit(reference, x[keep], y[keep], B)
     for a, b in zip(model.get_weights(), reference.get_weights()):
@@ -151,17 +150,18 @@ def test_backup_and_restore_resumes_an_interrupted_fit_to_the_same_weights(tmp_p
         np.testing.assert_array_equal(a, b)
 
 
-def test_mixed_float16_with_keras_loss_scale_optimizer():
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "xla"])
+def test_mixed_float16_with_keras_loss_scale_optimizer(jit_compile):
+    """The direct batch without XLA in both cases."""
     x, y = data()
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    with mixed_float16():
+        model = compiled(keras_fit.accumulate(tiny_model(), N), sgd(),
+                         jit_compile=jit_compile)
         reference = compiled(tiny_model(), sgd())
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
     assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
     fit(model, x, y, B)
     fit(reference, x, y, N * B)
+    assert model.jit_compile is jit_compile
     # The loss scale starts high: the first windows overflow in float16, and are
     # skipped by the LossScaleOptimizer (which lowers its scale), as the direct batch's.
     assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) > 0
@@ -176,17 +176,12 @@ def test_mixed_float16_with_keras_loss_scale_optimizer():
 # CPU stands in for it here. Under XLA every mini-batch runs at its window's padded width.
 
 
-def xla_compiled(model, optimizer):
-    model.compile(optimizer=optimizer, metrics=["accuracy"], jit_compile=True,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
 @pytest.mark.parametrize("optimizer, source", [("adam", "numpy"), ("sgd_schedule", "tf.data")])
 def test_fit_under_xla_equals_the_direct_batch(direct, optimizer, source):
     x, y = data()
     reference, reference_history = direct[optimizer]
-    model = xla_compiled(keras_fit.accumulate(tiny_model(), N), OPTIMIZERS[optimizer]())
+    model = compiled(keras_fit.accumulate(tiny_model(), N), OPTIMIZERS[optimizer](),
+                     jit_compile=True)
     history = fit(model, x, y, B, source).history
     assert model.jit_compile is True  # XLA stayed on: nothing turned it off
     assert max_difference(model, reference) < 1e-5
@@ -195,28 +190,16 @@ def test_fit_under_xla_equals_the_direct_batch(direct, optimizer, source):
         np.testing.assert_allclose(history[key], reference_history[key], rtol=1e-5)
 
 
-def test_a_nan_window_is_skipped_under_xla_and_mixed_float16_trains():
+def test_a_nan_window_is_skipped_under_xla():
+    """(mixed_float16 under XLA: test_mixed_float16_with_keras_loss_scale_optimizer.)"""
     x, y = data()
-    bad = x.copy()
-    bad[N * B + 5, 2] = np.nan
-    model = xla_compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    bad, keep = nan_in_second_window(x)
+    model = compiled(keras_fit.accumulate(tiny_model(), N), sgd(), jit_compile=True)
     fit(model, bad, y, B)
-    keep = np.r_[0:N * B, 2 * N * B:SAMPLES]
-    reference = xla_compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    reference = compiled(keras_fit.accumulate(tiny_model(), N), sgd(), jit_compile=True)
     fit(reference, x[keep], y[keep], B)
     assert model.skipped_windows == 2 and int(model.optimizer.iterations) == 6
     assert max_difference(model, reference) == 0.0  # as if never seen
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        mixed = xla_compiled(keras_fit.accumulate(tiny_model(), N), sgd())
-        direct_mixed = compiled(tiny_model(), sgd())
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    fit(mixed, x, y, B)
-    fit(direct_mixed, x, y, N * B)
-    assert mixed.jit_compile is True
-    assert int(mixed.optimizer.iterations) == int(direct_mixed.optimizer.iterations) > 0
-    assert max_difference(mixed, direct_mixed) < 1e-2
 
 
 # ---------------------------------------------------------------- what accumulate refuses, embeddings
@@ -243,7 +226,7 @@ def test_a_model_with_its_own_step_is_refused_in_one_clear_error(cls, step):
         keras_fit.accumulate(model, N)
 
 
-def test_add_loss_in_the_forward_pass_counts_as_in_the_direct_batch(direct):
+def test_add_loss_in_the_forward_pass_counts_as_in_the_direct_batch():
     """An activity regularizer adds its loss during call (add_loss): each mini-batch's,
     weighted by its samples, makes the direct batch's."""
     def regularized(l2=0.05):

@@ -18,8 +18,9 @@ import tensorflow as tf
 from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 from tests.helpers import CPU_ONLY, run_cli
-from tests.library.toys import (check_mirrored_fit, cross_entropy, mini_batches,
-                                small_conv_net, windows)
+from tests.library.toys import (check_mirrored_fit, cross_entropy, max_difference,
+                                mini_batches, mixed_float16, small_conv_net, windows)
+from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
 from tests.library.toys import data as toy_data
 from tests.library.toys import tiny_model as toy_model
 
@@ -102,12 +103,6 @@ def test_fit_in_one_call_per_window_equals_fit_per_mini_batch(mnist, source):
         np.testing.assert_array_equal(a, b)
 
 
-def halving_sgd():
-    """SGD on a schedule that halves the rate at every update."""
-    return keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(
-        0.2, decay_steps=1, decay_rate=0.5))
-
-
 @pytest.mark.parametrize("one_call", [True, False], ids=["window", "per_mini_batch"])
 def test_fit_accumulated_under_xla_equals_the_direct_batch(mnist, one_call):
     """jit_compile=True: 75 samples in mini-batches of 8, N=4: windows of 32, 32 and a
@@ -152,12 +147,9 @@ def test_fit_accumulated_under_mixed_float16_scales_its_loss(jit_compile):
     rounding); an overflowed window goes to the optimizer, which skips it."""
     x, y = toy_data()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
+    with mixed_float16():
         direct = toy_model()
         models = [toy_model() for _ in range(2)]
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
     direct.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.2)),
                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     direct.fit(x, y, batch_size=80, epochs=1, shuffle=False, verbose=0)
@@ -168,10 +160,8 @@ def test_fit_accumulated_under_mixed_float16_scales_its_loss(jit_compile):
             4, one_call=one_call, jit_compile=jit_compile)
         assert summary.updates + summary.skipped_windows == 4
         assert int(optimizer.iterations) == summary.updates > 0
-        assert max(float(np.abs(a - b).max())
-                   for a, b in zip(model.get_weights(), direct.get_weights())) < 1e-2
-        assert max(float(np.abs(a - b).max())
-                   for a, b in zip(model.get_weights(), toy_model().get_weights())) > 1e-2
+        assert max_difference(model, direct) < 1e-2
+        assert max_difference(model, toy_model()) > 1e-2
 
 
 @pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,

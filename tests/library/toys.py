@@ -4,6 +4,8 @@ Tiny models: a Dense layer or two on synthetic data (Keras fit), a small ConvNet
 seeded dropout and an L2 regularizer on real MNIST (the TF2 accumulators).
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -60,11 +62,30 @@ def sgd(**kwargs):
 OPTIMIZERS = {"sgd_schedule": sgd, "adam": lambda **kw: keras.optimizers.Adam(0.05, **kw)}
 
 
-def compiled(model, optimizer):
+def compiled(model, optimizer, **kwargs):
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], **kwargs)
     return model
+
+
+@contextlib.contextmanager
+def mixed_float16():
+    """Keras's global policy mixed_float16 for the models built in the block."""
+    before = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(before)
+
+
+def nan_in_second_window(x):
+    """x with a NaN in each epoch's second window of N x B, and the rows that leave
+    that window out: (bad x, kept rows)."""
+    bad = x.copy()
+    bad[N * B + 5, 2] = np.nan
+    return bad, np.r_[0:N * B, 2 * N * B:len(x)]
 
 
 def fit(model, x, y, batch_size, source="numpy", epochs=2, **kwargs):
