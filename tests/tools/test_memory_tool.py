@@ -1,0 +1,109 @@
+"""tools/memory.py: a real probe (a fresh process each, run two at a time), its OOM report
+under a limit, and the bound, ratios and tables computed from rows made here."""
+
+import subprocess
+
+import pytest
+
+from tests.helpers import run_cli
+from tools import memory
+
+CONVNET_PARAMETERS = 56_970  # 3 convolutions (32, 64, 64 filters of 3x3) and a dense layer
+CONVNET_LARGEST = 3 * 3 * 64 * 64  # the third convolution's kernel
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """(a plain step of the convnet, the MLP alone on a device smaller than its 64 MiB
+    kernel), both probed at once."""
+    return memory.probes([dict(model="convnet", path="alone", n=2, b=8),
+                          dict(model="mlp", path="alone", n=2, b=8, limit_mb=48)], jobs=2)
+
+
+def test_a_probe_measures_a_peak_above_what_it_held_before(measured):
+    result = measured[0]
+    assert not result.get("error") and result["oom"] is False, result
+    assert result["device"] == "CPU:0"
+    assert result["peak_mb"] > result["current_mb"] > 0
+    assert result["current_mb"] >= result["weights_mb"]  # the weights live on the device
+    assert result["accumulators_mb"] * memory.MIB == 4 * CONVNET_PARAMETERS
+    assert result["weights_mb"] == result["accumulators_mb"]  # no non-trainable weights
+    assert result["largest_mb"] * memory.MIB == 4 * CONVNET_LARGEST
+
+
+def test_a_run_that_does_not_fit_comes_back_as_an_oom(measured):
+    result = measured[1]
+    assert result["oom"] is True and "peak_mb" not in result, result
+    assert result["phase"] == "warm-up" and "OOM" in result["message"]
+    assert result["limit_mb"] == 48 and result["path"] == "alone"
+
+
+def test_a_crash_comes_back_as_one_line(monkeypatch):
+    def crashed(returncode):
+        return lambda *a, **k: subprocess.CompletedProcess(a, returncode, "", "boom\n")
+
+    monkeypatch.setattr(subprocess, "run", crashed(-11))
+    assert memory.probe("mlp", "alone", 2, 8)["error"] == "segmentation fault (exit 139)"
+    monkeypatch.setattr(subprocess, "run", crashed(1))
+    assert memory.probe("mlp", "alone", 2, 8)["error"] == "probe failed (exit 1): boom"
+    assert "no TF1 graph" in memory.probe("bn", "tf1", 2, 8)["error"]
+    with pytest.raises(ValueError, match="path='sideways'"):
+        memory.probe("mlp", "sideways", 2, 8)
+
+
+def test_the_bound_is_alone_plus_accumulators_plus_the_largest_variable_plus_a_margin():
+    assert memory.bound_mb(300.0, 76.0, 64.0) == pytest.approx(440.0 * 1.05)
+    assert memory.bound_mb(50.0, 0.5, 0.25) == pytest.approx(50.75 + 4.0)  # 4 MiB at least
+
+
+def _row(path, peak, ooms=0):
+    return dict(model="mlp", path=path, n=8, b=32, limit_mb=None, gpu=False, probes=1,
+                peaks=[] if peak is None else [peak], ooms=ooms, errors=[], seconds=1.0,
+                peak_mb=peak, current_mb=None if peak is None else peak / 2,
+                weights_mb=None if peak is None else 76.0,
+                largest_mb=None if peak is None else 64.0,
+                accumulators_mb=None if peak is None else 76.0)
+
+
+def test_each_path_is_compared_with_the_bound_and_the_references():
+    rows = memory.with_ratios([_row("alone", 300.0), _row("direct", 400.0),
+                               _row("keras", 500.0), _row("window", 600.0),
+                               _row("tf1", None, ooms=3)])
+    window = rows[3]
+    assert window["bound_mb"] == pytest.approx(462.0)
+    assert window["to_bound"] == pytest.approx(600.0 / 462.0)
+    assert (window["to_alone"], window["to_direct"], window["to_keras"]) == pytest.approx(
+        (2.0, 1.5, 1.2))
+    assert rows[4]["to_bound"] is None  # an OOM has no peak
+    text = memory.markdown(rows)
+    assert "| window | 600.0 | 300.0 | 1.30 | 2.00 | 1.50 | 1.20 | 1.0 |" in text
+    assert "| tf1 | OOM |" in text
+    no_alone = memory.with_ratios([_row("window", 600.0)])[0]
+    assert no_alone["bound_mb"] is None and no_alone["to_alone"] is None
+
+
+def test_the_median_of_the_probes_is_the_figure():
+    probes = [dict(model="mlp", path="window", n=8, b=32, limit_mb=None, gpu=False,
+                   peak_mb=peak, current_mb=1.0, weights_mb=2.0, largest_mb=1.0,
+                   accumulators_mb=2.0, oom=False, seconds=5.0) for peak in (9.0, 7.0, 30.0)]
+    probes.append(dict(probes[0], oom=True, peak_mb=None))
+    del probes[-1]["peak_mb"]
+    row = memory.summarize(probes)
+    assert row["peak_mb"] == 9.0 and row["peaks"] == [9.0, 7.0, 30.0]
+    assert row["ooms"] == 1 and row["probes"] == 4
+
+
+def test_growth_is_the_largest_n_over_the_smallest():
+    tables = {32: [_row("window", 150.0)], 2: [_row("window", 100.0)]}
+    (row,) = memory.growth(tables)
+    assert row["peaks"] == {2: 100.0, 32: 150.0} and row["growth"] == pytest.approx(1.5)
+    assert "| window | 100.0 | 150.0 | 1.500 |" in memory.growth_markdown([row])
+
+
+def test_help_and_bad_paths():
+    done = run_cli("--help", module="tools.memory", timeout=60)
+    assert done.returncode == 0 and "--paths" in done.stdout and "--limit-mb" in done.stdout
+    done = run_cli("--paths=alone,sideways", module="tools.memory", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: --paths: unknown sideways; choose from " + ", ".join(memory.PATHS)]

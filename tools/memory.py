@@ -1,0 +1,516 @@
+"""Peak tensor memory of each training path, as a device's allocator counts it.
+
+    python -m tools.memory --model=mlp --n=8 --b=32 --repeats=3
+    python -m tools.memory --model=convnet --n=2 --n=32 --paths=accumulate,window
+
+Host RSS hides what a step holds under TensorFlow's own floor. The BFC allocator (the
+GPU's; on the CPU with TF_CPU_ALLOCATOR_USE_BFC=true) counts live tensors, and under a
+limit (TF_CPU_BFC_MEM_LIMIT_IN_MB) raises an OOM as a device of that size would. One
+figure is one fresh process, a probe: it builds the model, trains one update as a
+warm-up (tracing, optimizer slots), resets the allocator's peak, trains one more update
+and prints the peak as JSON. One inter-op thread, as a GPU runs one stream (the peak
+depends on the order ops run in); oneDNN off, so that an OOM in a convolution raises
+instead of crashing. The peak still varies from process to process: the BFC allocator
+hands out a free chunk of up to twice the request whole, and counts it whole, so the
+history of allocations (tf.data's threads run beside the step) moves it; a figure is the
+median of several probes. With a GPU visible (--gpu) the probe reads the GPU's
+allocator instead.
+
+The parent imports no TensorFlow: only the probes do.
+"""
+
+import concurrent.futures
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+from experiment import cli
+from tools import common
+
+FLAGS = flags.FLAGS
+
+SEED = 0
+MIB = 1 << 20
+MODELS = ("convnet", "mlp", "bn")
+# The paths, each a small function below (_PATHS); B alone, the direct batch and Keras's
+# own accumulation are the references a path's peak is compared with.
+PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1")
+TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
+# The bound's margin: 5% of it, at least 4 MiB (small models).
+MARGIN, MARGIN_MIN_MB = 0.05, 4.0
+PROBE_TIMEOUT = 600  # seconds; a probe takes 5-15 s
+INPUT_SHAPES = {"convnet": (32, 32, 3), "mlp": (784,), "bn": (32, 32, 3)}
+CLASSES = 10
+
+
+# ---------------------------------------------------------------- the parent: probes
+
+
+def probe_env(limit_mb=None, gpu=False):
+    """The environment of a probe process (set before TensorFlow starts in it)."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_NUM_INTEROP_THREADS="1",
+               TF_ENABLE_ONEDNN_OPTS="0", TF_CPP_MIN_LOG_LEVEL="2")
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
+    if limit_mb and not gpu:  # a GPU's limit is a logical device, set in the probe
+        env["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(int(limit_mb))
+    return env
+
+
+def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT):
+    """One measurement in a fresh process.
+
+    Args:
+      model: one of MODELS. path: one of PATHS.
+      n, b: N mini-batches of B samples per update.
+      limit_mb: the device's memory in MiB (None: all of it).
+      gpu: measure GPU:0 (the GPU visible to the probe) instead of the CPU.
+
+    Returns:
+      The probe's dict: its spec (model, path, n, b, limit_mb, gpu), `seconds` (the
+      process's wall time), and either peak_mb, current_mb (before the measured update),
+      weights_mb, largest_mb, accumulators_mb, oom=False; or oom=True, phase ("warm-up"
+      or "update") and message; or `error` (a crash, a timeout: one line).
+    """
+    if model not in MODELS or path not in PATHS:
+        raise ValueError(f"model must be one of {MODELS} and path one of {PATHS}. "
+                         f"Received: model={model!r}, path={path!r}")
+    spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu))
+    if path == "tf1" and model not in TF1_MODELS:
+        return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "tools.memory", "--probe=" + json.dumps(spec)],
+            cwd=common.ROOT, env=probe_env(limit_mb, gpu), capture_output=True, text=True,
+            timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(spec, error=f"probe timed out after {timeout} s",
+                    seconds=time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if done.returncode in (-signal.SIGSEGV, 128 + signal.SIGSEGV):
+        return dict(spec, error="segmentation fault (exit 139)", seconds=seconds)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        why = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+               else f"exit {done.returncode}")
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return dict(spec, error=f"probe failed ({why}): {tail}", seconds=seconds)
+    return dict(json.loads(lines[-1]), seconds=seconds)
+
+
+def probes(specs, jobs=1, log=None):
+    """probe(**spec) for each spec, `jobs` processes at a time (1: the default; memory
+    figures do not depend on contention, times do); the results in the specs' order."""
+    def one(spec):
+        result = probe(**spec)
+        if log:
+            log(describe(result))
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(one, specs))
+
+
+def describe(result):
+    """A probe's result in one line."""
+    what = f"{result['model']} {result['path']} N={result['n']} B={result['b']}"
+    if result.get("error"):
+        return f"{what}: {result['error']}"
+    if result.get("oom"):
+        return f"{what}: OOM in the {result['phase']} ({result['seconds']:.1f} s)"
+    return f"{what}: peak {result['peak_mb']:.1f} MiB ({result['seconds']:.1f} s)"
+
+
+# ---------------------------------------------------------------- the bound and the table
+
+
+def bound_mb(alone_mb, accumulators_mb, largest_mb):
+    """What accumulation may cost: B alone's peak, plus one accumulator per trainable
+    variable (in its accumulation dtype), plus one temporary the size of the largest
+    variable; plus MARGIN of that, MARGIN_MIN_MB at least."""
+    base = alone_mb + accumulators_mb + largest_mb
+    return base + max(MARGIN * base, MARGIN_MIN_MB)
+
+
+def summarize(results):
+    """One path's probes as one row: the medians, every peak, the OOMs and errors."""
+    first = results[0]
+    row = {key: first[key] for key in ("model", "path", "n", "b", "limit_mb", "gpu")}
+    measured = [r for r in results if "peak_mb" in r]
+    row.update(probes=len(results), peaks=[r["peak_mb"] for r in measured],
+               ooms=sum(bool(r.get("oom")) for r in results),
+               errors=sorted({r["error"] for r in results if r.get("error")}),
+               seconds=statistics.median(r["seconds"] for r in results))
+    row["peak_mb"] = statistics.median(row["peaks"]) if measured else None
+    row["current_mb"] = (statistics.median(r["current_mb"] for r in measured)
+                         if measured else None)
+    for key in ("weights_mb", "largest_mb", "accumulators_mb"):  # the model's, not the run's
+        row[key] = measured[0][key] if measured else None
+    return row
+
+
+def with_ratios(rows):
+    """Adds to each row the bound (from `alone`'s peak and the model's sizes) and the
+    ratios of its peak to the bound, to B alone, the direct batch and Keras's own
+    accumulation: None where a figure is missing."""
+    peaks = {row["path"]: row["peak_mb"] for row in rows}
+    sizes = next((row for row in rows if row["weights_mb"] is not None), None)
+    bound = (bound_mb(peaks["alone"], sizes["accumulators_mb"], sizes["largest_mb"])
+             if peaks.get("alone") is not None and sizes else None)
+    references = {"bound": bound, **{name: peaks.get(name)
+                                     for name in ("alone", "direct", "keras")}}
+
+    def ratio(peak, reference):
+        return peak / reference if peak is not None and reference else None
+
+    return [dict(row, bound_mb=bound, **{f"to_{name}": ratio(row["peak_mb"], reference)
+                                         for name, reference in references.items()})
+            for row in rows]
+
+
+def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
+          log=None):
+    """Every path's peak at N x B, each the median of `repeats` probes.
+
+    The probes take turns (each repeat runs every path once). Returns a list of dicts,
+    one per path in `paths`' order: summarize's row with with_ratios' bound and ratios.
+    """
+    specs = [dict(model=model, path=path, n=n, b=b, limit_mb=limit_mb, gpu=gpu)
+             for _ in range(repeats) for path in paths]
+    results = probes(specs, jobs, log)
+    return with_ratios([summarize([r for r in results if r["path"] == path])
+                        for path in paths])
+
+
+def growth(tables):
+    """How each path's peak grows with N: {n: table rows} (the same B) to one row per
+    path, its peak at each N and the ratio of the largest N's to the smallest N's."""
+    ns = sorted(tables)
+    rows = []
+    for path in [row["path"] for row in tables[ns[0]]]:
+        peaks = {n: next(row["peak_mb"] for row in tables[n] if row["path"] == path)
+                 for n in ns}
+        first, last = peaks[ns[0]], peaks[ns[-1]]
+        rows.append({"path": path, "peaks": peaks,
+                     "growth": last / first if first and last is not None else None})
+    return rows
+
+
+def _mb(value):
+    return "–" if value is None else f"{value:.1f}"
+
+
+def _ratio(value, digits=2):
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _peak(row):
+    if row["peak_mb"] is None:
+        return "OOM" if row["ooms"] else "error"
+    return _mb(row["peak_mb"]) + (f" ({row['ooms']} OOM)" if row["ooms"] else "")
+
+
+def markdown(rows):
+    """A table's rows as markdown, with a line on the model and the bound."""
+    first = rows[0]
+    sizes = next((row for row in rows if row["weights_mb"] is not None), first)
+    limit = f", a limit of {first['limit_mb']} MiB" if first["limit_mb"] else ""
+    lines = [f"{first['model']}, N={first['n']} x B={first['b']}{limit}: weights "
+             f"{_mb(sizes['weights_mb'])} MiB, accumulators {_mb(sizes['accumulators_mb'])}"
+             f" MiB, largest variable {_mb(sizes['largest_mb'])} MiB; bound "
+             f"{_mb(first['bound_mb'])} MiB (B alone + accumulators + largest variable, "
+             f"+{MARGIN:.0%}, {MARGIN_MIN_MB:.0f} MiB at least). Peak MiB, median of "
+             f"{first['probes']} probes (one process each).", "",
+             "| path | peak | before the update | peak / bound | / B alone | / direct "
+             "| / Keras's | s per probe |", "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['path']} | {_peak(row)} | {_mb(row['current_mb'])} | "
+                     f"{_ratio(row['to_bound'])} | {_ratio(row['to_alone'])} | "
+                     f"{_ratio(row['to_direct'])} | {_ratio(row['to_keras'])} | "
+                     f"{row['seconds']:.1f} |")
+    lines += [f"- {row['path']}: {e}" for row in rows for e in row["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def growth_markdown(rows):
+    """growth's rows as markdown: the peak at each N, and the ratio (3 digits: the
+    target is 2%)."""
+    ns = sorted(rows[0]["peaks"])
+    lines = ["| path | " + " | ".join(f"N={n}" for n in ns) + f" | N={ns[-1]} / N={ns[0]} |",
+             "|---" * (len(ns) + 2) + "|"]
+    for row in rows:
+        lines.append(f"| {row['path']} | " + " | ".join(_mb(row["peaks"][n]) for n in ns)
+                     + f" | {_ratio(row['growth'], 3)} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the probe process
+
+
+def _data(model, samples):
+    """Random inputs and labels of the model's shapes, the same for every path."""
+    import numpy as np
+    rng = np.random.default_rng(SEED)
+    x = rng.standard_normal((samples,) + INPUT_SHAPES[model]).astype(np.float32)
+    return x, rng.integers(0, CLASSES, samples).astype(np.int32)
+
+
+def _keras_model(model):
+    """The model, seeded: convnet (activations dominate), mlp (weights dominate), bn."""
+    import keras
+    from keras import layers
+    keras.utils.set_random_seed(SEED)
+    if model == "mlp":
+        body = [layers.Dense(4096, activation="relu"), layers.Dense(4096, activation="relu")]
+    elif model == "convnet":
+        body = [layers.Conv2D(filters, 3, padding="same", activation="relu")
+                for filters in (32, 64, 64)] + [layers.GlobalAveragePooling2D()]
+    else:
+        body = [layers.Conv2D(32, 3, padding="same", use_bias=False),
+                layers.BatchNormalization(), layers.ReLU(),
+                layers.Conv2D(64, 3, strides=2, padding="same", use_bias=False),
+                layers.BatchNormalization(), layers.ReLU(), layers.GlobalAveragePooling2D()]
+    return keras.Sequential([keras.Input(INPUT_SHAPES[model]), *body,
+                             layers.Dense(CLASSES)])
+
+
+def _loss(reduction="sum_over_batch_size"):
+    import keras
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
+def _compiled(model, optimizer=None):
+    import keras
+    model.compile(optimizer=optimizer or keras.optimizers.Adam(), loss=_loss())
+    return model
+
+
+def _fit(model, x, y, batch_size):
+    return lambda: model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+
+
+# Each path: (model name, n, b, x, y) -> (one update, the model's weights, its trainable
+# weights). x, y hold N*B samples.
+
+def _path_alone(model, n, b, x, y):
+    net = _compiled(_keras_model(model))
+    return _fit(net, x[:b], y[:b], b), net.weights, net.trainable_weights
+
+
+def _path_direct(model, n, b, x, y):
+    net = _compiled(_keras_model(model))
+    return _fit(net, x, y, n * b), net.weights, net.trainable_weights
+
+
+def _path_keras(model, n, b, x, y):
+    import keras
+    net = _compiled(_keras_model(model), keras.optimizers.Adam(gradient_accumulation_steps=n))
+    return _fit(net, x, y, b), net.weights, net.trainable_weights
+
+
+def _path_accumulate(model, n, b, x, y):
+    from gradient_averaging.keras_fit import accumulate
+    net = _keras_model(model)
+    return _fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights
+
+
+def _dataset(x, y, b):
+    import tensorflow as tf
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(b)
+
+
+def _path_window(model, n, b, x, y):
+    # fit_accumulated(one_call=True) is WindowAccumulator(...).fit; one accumulator for
+    # the warm-up and the update keeps its tracing (and grappler's constant folding, which
+    # allocates on the CPU) out of the measured update.
+    import keras
+    from gradient_averaging.tf2 import WindowAccumulator
+    net = _keras_model(model)
+    accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None))
+    dataset = _dataset(x, y, b)
+    return (lambda: accumulator.fit(dataset, n)), net.weights, net.trainable_weights
+
+
+def _path_mini_batch(model, n, b, x, y):
+    import keras
+    from gradient_averaging.tf2 import GradientAccumulator
+    net = _keras_model(model)
+    accumulator = GradientAccumulator(net, keras.optimizers.Adam(), _loss(None))
+    dataset = _dataset(x, y, b)
+
+    def update():
+        for mini_x, mini_y in dataset:
+            accumulator.accumulate(mini_x, mini_y)
+        accumulator.apply()
+
+    return update, net.weights, net.trainable_weights
+
+
+def _tf1_logits(model, x):
+    """The Keras model's layers as a v1 graph: v1 variables, matmul and conv2d."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    glorot = v1.glorot_uniform_initializer
+
+    def dense(h, units, name, relu):
+        w = v1.get_variable(name + "/kernel", [h.shape[-1], units], initializer=glorot(SEED))
+        h = tf.matmul(h, w) + v1.get_variable(name + "/bias", [units],
+                                              initializer=v1.zeros_initializer())
+        return tf.nn.relu(h) if relu else h
+
+    h = x
+    if model == "mlp":
+        h = dense(dense(h, 4096, "dense_1", True), 4096, "dense_2", True)
+    else:
+        for i, filters in enumerate((32, 64, 64)):
+            k = v1.get_variable(f"conv_{i}/kernel", [3, 3, h.shape[-1], filters],
+                                initializer=glorot(SEED))
+            h = tf.nn.conv2d(h, k, strides=1, padding="SAME")
+            h = tf.nn.relu(h + v1.get_variable(f"conv_{i}/bias", [filters],
+                                               initializer=v1.zeros_initializer()))
+        h = tf.reduce_mean(h, axis=[1, 2])
+    return dense(h, CLASSES, "logits", False)
+
+
+def _path_tf1(model, n, b, x, y):
+    import tensorflow as tf
+    from gradient_averaging.tf1 import AveragingOptimizer
+    v1 = tf.compat.v1
+    graph = tf.Graph()
+    with graph.as_default():
+        v1.set_random_seed(SEED)
+        images = v1.placeholder(tf.float32, (None,) + INPUT_SHAPES[model])
+        labels = v1.placeholder(tf.int32, (None,))
+        logits = _tf1_logits(model, images)
+        weights = v1.trainable_variables()
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits))
+        train_op = AveragingOptimizer(v1.train.AdamOptimizer(), n).minimize(loss)
+        init = v1.global_variables_initializer()
+    graph.finalize()
+    session = v1.Session(graph=graph, config=v1.ConfigProto(inter_op_parallelism_threads=1))
+    session.run(init)
+    feeds = [{images: x[i * b:(i + 1) * b], labels: y[i * b:(i + 1) * b]} for i in range(n)]
+
+    def update():  # the N-th run applies the window
+        for feed in feeds:
+            session.run(train_op, feed)
+
+    return update, weights, weights
+
+
+_PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
+          "accumulate": _path_accumulate, "window": _path_window,
+          "mini_batch": _path_mini_batch, "tf1": _path_tf1}
+
+
+def _sizes(weights, trainable):
+    """The model's weights, its largest trainable variable and the trainable variables
+    in their accumulation dtype (float16 and bfloat16 are summed in float32), in MiB."""
+    import numpy as np
+    import tensorflow as tf
+
+    def elements(v):
+        return int(np.prod([int(d) for d in v.shape]))
+
+    def accumulated(v):
+        dtype = tf.as_dtype(v.dtype)
+        return 4 if dtype in (tf.float16, tf.bfloat16) else dtype.size
+
+    return dict(weights_mb=sum(elements(v) * tf.as_dtype(v.dtype).size for v in weights) / MIB,
+                largest_mb=max(elements(v) * tf.as_dtype(v.dtype).size for v in trainable) / MIB,
+                accumulators_mb=sum(elements(v) * accumulated(v) for v in trainable) / MIB)
+
+
+def run_probe(spec):
+    """One measurement in this process (started with probe_env's environment): the
+    warm-up update, the peak's reset, the measured update; returns probe's dict."""
+    import tensorflow as tf
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    device = "CPU:0"
+    if spec["gpu"]:
+        gpus = tf.config.list_physical_devices("GPU")
+        if not gpus:
+            return dict(spec, error="no GPU visible to the probe")
+        if spec["limit_mb"]:
+            tf.config.set_logical_device_configuration(gpus[0], [
+                tf.config.LogicalDeviceConfiguration(memory_limit=int(spec["limit_mb"]))])
+        device = "GPU:0"
+    phase = "warm-up"
+    try:
+        x, y = _data(spec["model"], spec["n"] * spec["b"])
+        update, weights, trainable = _PATHS[spec["path"]](spec["model"], spec["n"],
+                                                          spec["b"], x, y)
+        update()
+        phase = "update"
+        current = tf.config.experimental.get_memory_info(device)["current"]
+        tf.config.experimental.reset_memory_stats(device)
+        update()
+        peak = tf.config.experimental.get_memory_info(device)["peak"]
+    except tf.errors.ResourceExhaustedError as e:
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        message = next((line for line in lines if "OOM" in line), lines[0])
+        return dict(spec, oom=True, phase=phase, message=message.strip()[:300])
+    return dict(spec, oom=False, device=device, peak_mb=peak / MIB, current_mb=current / MIB,
+                **_sizes(weights, trainable))
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def define_flags():
+    """Defined only when run as a script, so that the bench and tests can import this."""
+    cli.define("enum", "model", "convnet", "The model.", enum_values=list(MODELS))
+    cli.define("multi_integer", "n", [8], "N, mini-batches per update; several "
+               "(--n=2 --n=32) add a table of the peak's growth in N.", lower_bound=1)
+    cli.define("integer", "b", 32, "B, samples per mini-batch.", lower_bound=1)
+    cli.define("integer", "repeats", 3, "Probes per figure (their median).", lower_bound=1)
+    cli.define("integer", "limit-mb", None, "The device's memory in MiB (default: all).",
+               lower_bound=1)
+    cli.define("list", "paths", list(PATHS), "Paths to measure, of: " + ", ".join(PATHS))
+    cli.define("integer", "jobs", 1, "Probes at a time.", lower_bound=1)
+    cli.define("bool", "gpu", False, "Measure the GPU's allocator (GPU:0), not the CPU's.")
+    cli.define("string", "probe", None, "Internal: one measurement's spec as JSON; prints "
+               "the result as JSON.")
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.probe:
+        cli.import_tensorflow_quietly()
+        print(json.dumps(run_probe(json.loads(FLAGS.probe))))
+        return 0
+    unknown = [p for p in FLAGS.paths if p not in PATHS]
+    if unknown:
+        cli.fail(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")
+    print(f"`{shlex.join(['python', '-m', 'tools.memory'] + sys.argv[1:])}` on "
+          f"{common.machine()}\n")
+
+    def log(line):
+        print("  " + line, file=sys.stderr, flush=True)
+
+    tables = {}
+    for n in sorted(set(FLAGS.n)):
+        tables[n] = table(FLAGS.model, n, FLAGS.b, FLAGS.paths, FLAGS.repeats,
+                          FLAGS["limit-mb"].value, FLAGS.jobs, FLAGS.gpu, log)
+        print(markdown(tables[n]), flush=True)
+    if len(tables) > 1:
+        print(f"Growth in N at B={FLAGS.b}, peak MiB:\n")
+        print(growth_markdown(growth(tables)))
+    return 0
+
+
+if __name__ == "__main__":
+    from absl import app
+    define_flags()
+    app.run(main, flags_parser=cli.parse_flags)
