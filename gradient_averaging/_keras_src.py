@@ -40,7 +40,7 @@ from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E
 
 __all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_version",
            "data_adapters", "losses_from_the_pass", "loss_tracker", "symbolic_build",
-           "train_validation_split", "unscale_loss_for_distribution", "with_row_mask"]
+           "train_validation_split", "unscale_loss_for_distribution"]
 
 
 def symbolic_build(model, data_batch):
@@ -58,19 +58,18 @@ def loss_tracker(model):
 # ---------------------------------------------------------------- batch normalization
 
 
-def batch_norm_layers(model, per_update, padded):
+def batch_norm_layers(model, per_update):
     """The model's BatchNormalization layers whose moments the window captures (nested
-    ones included, each once): all of them where the statistics step once per update
-    or the mini-batches are padded (XLA), none otherwise.
+    ones included, each once): all of them where the statistics step once per update,
+    none otherwise.
 
     Raises:
       ValueError: a layer the window cannot train: synchronized=True (its forward pass
-        all-reduces every mini-batch, which fails inside the window loop under a
-        strategy), or, where its moments are captured, renorm=True (its corrections
-        depend on each batch's spread) or a subclass with its own `call` or `_moments`.
+        all-reduces every mini-batch, which the window's replicas do not do in step),
+        or, where its moments are captured, renorm=True (its corrections depend on each
+        batch's spread) or a subclass with its own `call` or `_moments`.
     """
     base = keras.layers.BatchNormalization
-    captured = per_update or padded
     found = []
     for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 (each once)
         if not isinstance(layer, base):
@@ -86,27 +85,25 @@ def batch_norm_layers(model, per_update, padded):
                if type(layer).call is not base.call
                or type(layer)._moments is not base._moments  # noqa: SLF001
                else None)
-        if why and captured:
-            fix = ("pass bn_statistics='mini_batch' for Keras's own per-mini-batch steps"
-                   if per_update else "compile without jit_compile (XLA pads mini-batches "
-                   "and the padding must stay out of its statistics)")
+        if why and per_update:
             raise ValueError(f"BatchNormalization layer {layer.name!r} has {why}: gradient "
-                             f"averaging cannot give it the window's statistics; {fix}")
-        if captured:
+                             "averaging cannot give it the window's statistics; pass "
+                             "bn_statistics='mini_batch' for Keras's own per-mini-batch steps")
+        if per_update:
             found.append(layer)
     return found
 
 
 @contextlib.contextmanager
-def captured_moments(layers, row_mask, records):
+def captured_moments(layers, records):
     """While the block runs the model forward: each layer's batch moments, appended to
     `records` as (layer index, count, mean, variance) per call, counts and moments per
-    channel; padded rows (row_mask False) enter neither the normalization nor the
+    channel; masked values (a Keras mask) enter neither the normalization nor the
     statistics, and an empty batch normalizes with zeros, not NaN."""
     for index, layer in enumerate(layers):
         object.__setattr__(layer, "_moments", functools.partial(
             _moments, layer, type(layer)._moments.__get__(layer), index,  # noqa: SLF001
-            row_mask, records))
+            records))
     try:
         yield records
     finally:
@@ -114,21 +111,15 @@ def captured_moments(layers, row_mask, records):
             object.__delattr__(layer, "_moments")
 
 
-def _moments(layer, original, index, row_mask, records, inputs, mask):
+def _moments(layer, original, index, records, inputs, mask):
     axes = list(layer._reduction_axes)  # noqa: SLF001
-    weights = None
-    if row_mask is not None:
-        weights = tf.reshape(tf.cast(row_mask, inputs.dtype),
-                             [-1] + [1] * (len(inputs.shape) - 1))
-    if mask is not None:
-        keep = tf.cast(tf.expand_dims(mask, -1), inputs.dtype)
-        weights = keep if weights is None else weights * keep
-    if weights is None:  # Keras's own moments, so the forward pass is Keras's
+    if mask is None:  # Keras's own moments, so the forward pass is Keras's
         mean, variance = original(inputs, None)
         size = tf.reduce_prod(tf.gather(tf.shape(inputs), axes))
         count = tf.cast(size, tf.float64) * tf.ones_like(mean, tf.float64)
     else:
-        weights = tf.broadcast_to(weights, tf.shape(inputs))
+        weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), inputs.dtype),
+                                  tf.shape(inputs))
         total = tf.reduce_sum(weights, axes, keepdims=True)
         safe = tf.maximum(total, 1.0)
         mean = tf.reduce_sum(tf.where(weights > 0, inputs, 0.0), axes, keepdims=True) / safe
@@ -141,25 +132,6 @@ def _moments(layer, original, index, row_mask, records, inputs, mask):
     variance = tf.where(empty, tf.zeros_like(variance), variance)
     records.append((index, count, mean, variance))
     return mean, variance
-
-
-def with_row_mask(outputs, row_mask):
-    """`outputs` whose Keras masks leave out padded rows (row_mask False): Keras's losses
-    then average over the real rows only, and its metrics count only them, weighted or
-    not. A mask an output already has is kept too."""
-    from keras.src.backend.common import masking
-
-    def masked(t):
-        rank = len(t.shape)
-        rows = tf.reshape(row_mask, [-1] + [1] * max(rank - 2, 0))
-        mask = tf.broadcast_to(rows, tf.shape(t)[:max(rank - 1, 1)])
-        existing = masking.get_keras_mask(t)
-        t = tf.identity(t)  # a tensor of its own: the mask is an attribute of it
-        masking.set_keras_mask(t, mask if existing is None
-                               else tf.logical_and(tf.cast(existing, tf.bool), mask))
-        return t
-
-    return tf.nest.map_structure(masked, outputs)
 
 
 @contextlib.contextmanager

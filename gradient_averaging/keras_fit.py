@@ -6,9 +6,9 @@
                       metrics=["accuracy"])
     model.fit(x, y, batch_size=32, epochs=3, callbacks=[...])   # 8 x 32 per update
 
-The AccumulatingModel's `train_step` trains a whole window of Keras's batches in one
-compiled call with the TF2 path's window loop and mini-batch step (gradient_averaging.tf2),
-on Keras's compiled loss and metrics.
+The AccumulatingModel's train function trains a whole window of Keras's batches in one
+compiled call, on the one window step (gradient_averaging.window_step) that the TF2
+accumulators use too, with Keras's compiled loss and metrics.
 """
 
 import math
@@ -17,8 +17,9 @@ import keras
 import tensorflow as tf
 
 from gradient_averaging import _keras_src
-from gradient_averaging import tf2
+from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import window as window_lib
+from gradient_averaging import window_step as step_lib
 
 
 # The trainer's steps a model may override; AccumulatingModel runs Keras's own instead.
@@ -39,7 +40,7 @@ def accumulate(model, average_gradients, check_finite=True, bn_statistics="updat
       check_finite: skip (not apply) a window holding a NaN or Inf loss or gradient.
       bn_statistics: "update": BatchNormalization layers take one moving-average step
         per update on the window's statistics (the direct batch's); "mini_batch": a step
-        per mini-batch, as Keras takes them (tf2._BatchNormStatistics).
+        per mini-batch, as Keras takes them (batch_statistics.BatchStatistics).
 
     Returns:
       An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
@@ -66,17 +67,17 @@ def accumulate(model, average_gradients, check_finite=True, bn_statistics="updat
 class AccumulatingModel(keras.Model):
     """A Keras model whose `fit` applies one update per window of N mini-batches.
 
-    Written as Keras's "customizing what happens in fit()" guide says: `train_step` is
-    overridden, and `fit` only regroups the batches Keras makes of its inputs (numpy, a
-    tf.data.Dataset...; shuffled as Keras shuffles them) into windows of N, so that one
-    `train_step`, one compiled call, trains a whole window: the window loop sums the
-    mini-batches' gradients, the sample-weighted mean is applied, and Keras's loss
-    tracker and compiled metrics are updated per mini-batch inside the loop, as Keras's
-    own train_step updates them. Windows never cross an epoch's end: the last, partial
-    one is applied before `on_epoch_end`. Everything else is Keras's own: callbacks see
-    one batch per update (the progress bar counts updates), `evaluate`, `predict` and
+    Keras's `fit` runs as it is; what changes is its train function
+    (`make_train_function`, which Keras lets a model override): one call takes the
+    next N of the mini-batches Keras makes of its inputs (numpy, a tf.data.Dataset...;
+    shuffled as Keras shuffles them) from Keras's iterator, one at a time, hands each to
+    the window step (its gradients added into the window's sums, Keras's loss tracker
+    and compiled metrics updated as Keras's own train_step updates them), and applies
+    the sample-weighted mean. Windows never cross an epoch's end: the last, partial one
+    is applied before `on_epoch_end`. Everything else is Keras's own: callbacks see one
+    batch per update (the progress bar counts updates), `evaluate`, `predict` and
     validation run the wrapped model, `save`/`load_model` round-trip (with this module
-    imported).
+    imported). Under Keras's jit_compile, XLA compiles each mini-batch's pass.
 
     Attributes:
       model: the wrapped Keras model.
@@ -90,21 +91,17 @@ class AccumulatingModel(keras.Model):
         self.model = model
         self.average_gradients = window_lib.check_average_gradients(average_gradients)
         self.check_finite = check_finite
-        self.bn_statistics = tf2._check_bn_statistics(bn_statistics)  # noqa: SLF001
-        self._statistics = None  # _BatchNormStatistics, made by fit
+        self.bn_statistics = statistics_lib.check_bn_statistics(bn_statistics)
+        self._window = None  # the window_step.WindowStep, made by fit
         self._single_values = None
-        # Counted once per window (the first replica's count), never saved.
-        self._skipped = tf2._local_variable(tf.constant(0, tf.int64),  # noqa: SLF001
-                                            tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                                            "skipped_windows")
-        self._no_gradient = None  # which variables the loss does not reach (set when traced)
+        self._skipped = None  # windows skipped so far, never saved
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
 
     @property
     def skipped_windows(self):
-        return int(self._skipped.read_value())
+        return 0 if self._skipped is None else int(self._skipped.read_value())
 
     def get_config(self):
         config = super().get_config()
@@ -139,16 +136,12 @@ class AccumulatingModel(keras.Model):
                                  f"{self.average_gradients}")
             steps_per_epoch //= self.average_gradients
         windows = self._windows(x, y, sample_weight, batch_size, shuffle, class_weight)
-        # Keras would build the metrics from the first element: a window. A mini-batch's.
-        _keras_src.symbolic_build(self, windows.mini_batches.get_tf_dataset().element_spec)
-        padded = bool(self.jit_compile)
-        if self._statistics is None or self._statistics.padded != padded:
-            self._statistics = tf2._BatchNormStatistics(self, self.bn_statistics, padded)
-            with self.distribute_strategy.scope():
-                self._single_values = tf.Variable(
-                    tf.zeros([len(self._statistics.layers)], tf.float64), trainable=False)
-            self.train_function = None  # traced again with them
-        if self._statistics:
+        spec = windows.get_tf_dataset().element_spec
+        # Keras would build the metrics from its first element too; built here, before
+        # the window step, whose variables need the optimizer's.
+        _keras_src.symbolic_build(self, spec)
+        self._make_window(spec)
+        if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
         return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
                            validation_data=validation_data, initial_epoch=initial_epoch,
@@ -156,11 +149,30 @@ class AccumulatingModel(keras.Model):
                            validation_batch_size=validation_batch_size or batch_size,
                            validation_freq=validation_freq)
 
+    def _make_window(self, spec):
+        """The window step for this model and optimizer (again after a new compile), its
+        counters, and the train function to be traced again with them."""
+        window = self._window
+        if window is not None and window.optimizer is self.optimizer:
+            return
+        statistics = statistics_lib.BatchStatistics(self, self.bn_statistics)
+        window = step_lib.WindowStep(self.distribute_strategy, self.optimizer,
+                                     self.trainable_variables, statistics, self.check_finite)
+        x = keras.utils.unpack_x_y_sample_weight(spec)[0]
+        window.build_statistics(self, tf.nest.map_structure(
+            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), x))
+        with self.distribute_strategy.scope():
+            self._single_values = tf.Variable(tf.zeros([len(statistics.layers)], tf.float64),
+                                              trainable=False)
+            if self._skipped is None:
+                self._skipped = tf.Variable(tf.constant(0, tf.int64), trainable=False)
+        self._window = window
+        self.train_function = None
+
     def _windows(self, x, y, sample_weight, batch_size, shuffle, class_weight):
         """The _WindowAdapter of fit's inputs; the last one again for the same tf.data
         dataset (a new pipeline's first iterator is slow, a pass over it again fast: fit
         called again and again on one dataset must not pay it each time)."""
-        replicas = self.distribute_strategy.num_replicas_in_sync
         is_dataset = _keras_src.data_adapters.is_tf_dataset(x)
         if is_dataset:
             cached = getattr(self, "_last_windows", None)
@@ -169,115 +181,105 @@ class AccumulatingModel(keras.Model):
         mini_batches = _keras_src.data_adapters.get_data_adapter(
             x, y, sample_weight, batch_size=batch_size or (None if is_dataset else 32),
             shuffle=shuffle and not is_dataset, class_weight=class_weight)
-        windows = _WindowAdapter(mini_batches, self.average_gradients, replicas)
+        windows = _WindowAdapter(mini_batches, self.average_gradients)
         if is_dataset:
             self._last_windows = (x, class_weight, windows)
         return windows
 
-    def train_step(self, data):
-        """Trains one window (Keras calls it in each replica's context).
+    def make_train_function(self, force=False):
+        """Keras's train function, one window per call: -> the logs, or StopIteration
+        where the iterator had no mini-batch left."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        window, strategy = self._window, self.distribute_strategy
+        if window is None:
+            raise RuntimeError("the train function is made by fit(); call fit")
+        average_gradients = self.average_gradients
+        mini_batch_pass = (tf.function(self._mini_batch_pass, jit_compile=True)
+                           if self.jit_compile else self._mini_batch_pass)
 
-        Args:
-          data: (batch, sizes, global_sizes) as _WindowAdapter makes it: this replica's
-            share of Keras's mini-batch tuples (x, y[, sample_weight]) stacked and padded,
-            [N, B, ...], its int [N] sizes, and the global mini-batches' sizes; under
-            K > 1 replicas each on a leading axis of one.
-        """
-        if self.distribute_strategy.num_replicas_in_sync > 1:
-            data = tf.nest.map_structure(lambda t: t[0], data)
-        batch, sizes, global_sizes = data
-        # Under XLA (Keras's jit_compile) every mini-batch runs at the window's padded
-        # width, a shape known when traced; its padding weighs nothing.
-        padded = bool(self.jit_compile)
-        statistics = self._batch_norm(padded)
-        trainable = self.trainable_variables
-        non_trainable = self.non_trainable_variables
-        metrics = self.metrics_variables
-        weights = [tf.convert_to_tensor(v) for v in trainable]
-        state = [tf.convert_to_tensor(v) for v in non_trainable]
-        count = tf.cast(tf.reduce_sum(global_sizes), tf.float32)
-        if statistics:
-            statistics.discover(self, weights, state, keras.utils.unpack_x_y_sample_weight(
-                tf2._first_rows(batch))[0])
-        shifts = statistics.shifts(state) if statistics else []
-
-        def mini_batch(i, mini_batch_data, carried):
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(mini_batch_data)
-            non_trainable_values, metrics_values, nonfinite, moments = carried
-            n_local = sizes[i]
-            n = tf.cast(n_local, tf.float32)
-            mask = (window_lib.row_mask(n_local, tf.shape(tf.nest.flatten(x)[0])[0])
-                    if padded else None)
-
-            def objective(y_pred, pass_losses, non_trainable_values):
-                if padded:  # Keras's losses and metrics leave masked rows out
-                    y_pred = _keras_src.with_row_mask(y_pred, mask)
-                # As Keras's JAX trainer: the model, then the loss, on values, with the
-                # pass's add_loss and regularization losses.
-                with _keras_src.losses_from_the_pass(self, pass_losses):
-                    loss, (_, non_trainable_values, metrics_after) = \
-                        self.stateless_compute_loss(
-                            weights, non_trainable_values, metrics_values, x=x, y=y,
-                            y_pred=y_pred, sample_weight=sample_weight, training=True)
-                loss = _keras_src.unscale_loss_for_distribution(loss)
-                # The mini-batch's part of the window's mean loss, scaled (mixed
-                # precision) as Keras scales a batch's: the float16 gradients are those
-                # of the direct batch, and their sum is the mean's gradient.
-                scaled = self.optimizer.scale_loss(loss * (n / count))
-                return scaled, (loss, y_pred, non_trainable_values, metrics_after)
-
-            step = tf2._mini_batch_gradients(self, weights, non_trainable_values, x,
-                                            objective, statistics or None, mask)
-            self._no_gradient = step.no_gradient
-            loss, y_pred, non_trainable_values, metrics_after = step.extra
-            with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_after))) as scope:
-                _keras_src.loss_tracker(self).update_state(loss, sample_weight=n_local)
-                self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        def replica_mini_batch(data):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            n_local = tf.shape(tf.nest.flatten(x)[0])[0]
+            state, metrics = self.non_trainable_variables, self.metrics_variables
+            gradients, state_values, metrics_values, loss_sum, moments = mini_batch_pass(
+                [tf.convert_to_tensor(v) for v in self.trainable_variables],
+                [tf.convert_to_tensor(v) for v in state],
+                [tf.convert_to_tensor(v) for v in metrics], x, y, sample_weight, n_local)
+            finite = tf.math.is_finite(loss_sum)
+            for variable, value in zip(state, state_values):
+                variable.assign(value)
             # A non-finite mini-batch (its window is skipped) is left out of the logs.
-            finite = tf.math.is_finite(tf.cast(loss, tf.float32) * n)
-            metrics_values = [tf.where(finite, scope.get_current_value(v), old)
-                              for v, old in zip(metrics, metrics_values)]
-            nonfinite += 1.0 - tf.cast(finite, tf.float32)
-            if statistics:
-                moments = statistics.add(moments, step.moments, shifts)
-            return step.gradients, (non_trainable_values, metrics_values, nonfinite, moments)
+            for variable, value in zip(metrics, metrics_values):
+                variable.assign(tf.where(finite, value, variable))
+            window.add(gradients, moments, n_local, finite)
 
-        sums, (non_trainable_values, metrics_values, nonfinite, moments) = \
-            window_lib.sum_window(
-                mini_batch, [tf.zeros(v.shape, v.dtype) for v in trainable],
-                (state, [tf.convert_to_tensor(v) for v in metrics], tf.constant(0.0),
-                 statistics.zeros() if statistics else tf.zeros([0], tf.float64)),
-                batch, sizes, padded=padded)
-        for variable, value in zip(non_trainable + metrics,
-                                   non_trainable_values + metrics_values):
-            variable.assign(value)
-        # This replica's share of the mean (its mini-batch parts summed).
-        shares = [total for total, none in zip(sums, self._no_gradient) if not none]
-        applied = tf.distribute.get_replica_context().merge_call(
-            self._apply_window, args=(shares, nonfinite + tf2._not_finite(shares), moments))
-        self._skipped.assign_add(1 - tf.cast(applied, tf.int64))
-        return self.get_metrics_result()
+        @tf.function
+        def window_from(iterator):
+            def more(i, optional):
+                return tf.logical_and(i < average_gradients, optional.has_value())
 
-    def _apply_window(self, strategy, shares, nonfinite, moments):
-        """Cross-replica: applies the window unless non-finite (see check_finite), and
-        steps the batch-norm statistics once.
+            def body(i, optional):
+                strategy.run(replica_mini_batch, args=(optional.get_value(),))
+                # Never past the window's last: the next window's first stays queued.
+                return i + 1, tf.cond(i + 1 < average_gradients,
+                                      iterator.get_next_as_optional, lambda: optional)
 
-        (tf2._apply_window: a LossScaleOptimizer is given every window.)
-        """
-        applied, counts = tf2._apply_window(  # noqa: SLF001  (the package's own)
-            strategy, self.optimizer, self.trainable_variables, shares, self._no_gradient,
-            nonfinite, self.check_finite)
-        statistics = self._statistics
-        if statistics:
-            total = strategy.reduce(tf.distribute.ReduceOp.SUM, moments, axis=None)
-            self._single_values.assign_add(statistics.end_window(total, counts))
-        return applied
+            count, _ = tf.while_loop(
+                more, body, (tf.constant(0), iterator.get_next_as_optional()),
+                parallel_iterations=window_lib.PARALLEL_ITERATIONS)
+            applied, single = window.apply()
+            self._skipped.assign_add(tf.cast(
+                tf.logical_and(count > 0, tf.logical_not(applied)), tf.int64))
+            self._single_values.assign_add(single)
+            return count, self.get_metrics_result()
 
-    def _batch_norm(self, padded):
-        """The _BatchNormStatistics of this fit (made in `fit`, outside the trace)."""
-        if self._statistics is None or self._statistics.padded != padded:
-            raise RuntimeError("train_step runs inside fit(); call fit, not train_step")
-        return self._statistics
+        self._window_function = window_from  # traced on the first window
+
+        def train_function(iterator):
+            count, logs = window_from(iterator)
+            if not int(count):
+                raise StopIteration
+            return logs
+
+        self.train_function = train_function
+        return train_function
+
+    def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
+                         n_local):
+        """One mini-batch's pass on values, on Keras's compiled loss and metrics (XLA
+        compiles it under jit_compile): (the gradients of its loss sum, the model's other
+        state, the metrics' values, the loss sum, the batch-norm sums)."""
+        window = self._window
+        n = tf.cast(n_local, tf.float32)
+
+        def objective(y_pred, pass_losses, non_trainable_values):
+            # As Keras's JAX trainer: the model, then the loss, on values, with the
+            # pass's add_loss and regularization losses.
+            with _keras_src.losses_from_the_pass(self, pass_losses):
+                loss, (_, non_trainable_values, metrics_after) = self.stateless_compute_loss(
+                    weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
+                    sample_weight=sample_weight, training=True)
+            loss = _keras_src.unscale_loss_for_distribution(loss)
+            value, _ = step_lib.scaled_objective(self.optimizer, loss * n, n_local)
+            return value, (loss, y_pred, non_trainable_values, metrics_after)
+
+        step = step_lib.mini_batch_gradients(self, weights, non_trainable, x, objective,
+                                             window.statistics or None)
+        window.no_gradient = step.no_gradient
+        loss, y_pred, non_trainable_values, metrics_after = step.extra
+        _, multiplier = step_lib.scaled_objective(self.optimizer, loss * n, n_local)
+        gradients = step.gradients
+        if multiplier is not None:  # the LossScaleOptimizer unscales what it applies
+            gradients = [None if g is None else g * tf.cast(multiplier, g.dtype)
+                         for g in gradients]
+        metrics = self.metrics_variables
+        with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_after))) as scope:
+            _keras_src.loss_tracker(self).update_state(loss, sample_weight=n_local)
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return (gradients, non_trainable_values,
+                [scope.get_current_value(v) for v in metrics],
+                tf.cast(loss, tf.float32) * n, step_lib.pass_moments(window.statistics, step))
 
 
 class _SingleValueWarning(keras.callbacks.Callback):
@@ -301,42 +303,25 @@ class _SingleValueWarning(keras.callbacks.Callback):
         self._check()
 
     def _check(self):
-        statistics = self.accumulating._statistics  # noqa: SLF001
+        statistics = self.accumulating._window.statistics  # noqa: SLF001
         if statistics:
             statistics.warn_single_values(self.accumulating._single_values.numpy())  # noqa: SLF001
 
 
 class _WindowAdapter(_keras_src.DataAdapter):
-    """Keras's data adapter of the mini-batches, regrouped into stacked windows of N.
+    """Keras's data adapter of the mini-batches, counted in windows of N: Keras runs the
+    train function once per window, and each call takes the window's mini-batches from
+    Keras's iterator of them (the last window of an epoch partial)."""
 
-    Each epoch's windows are its mini-batches in Keras's order, N at a time, the last
-    one partial; a window is (batch, sizes, global_sizes) as window.stacked_windows
-    stacks it. Under K > 1 replicas a window is each replica's share
-    (tf2._replica_share) on a new leading axis of K, so that Keras's distribution of the
-    dataset hands every replica its own share and nothing more.
-    """
-
-    def __init__(self, mini_batches, average_gradients, replicas):
+    def __init__(self, mini_batches, average_gradients):
         self.mini_batches = mini_batches
         self.average_gradients = average_gradients
-        self.replicas = replicas
-        self._windows = None
+        self._dataset = None
 
     def get_tf_dataset(self):
-        if self._windows is None:  # built once: Keras asks at every fit
-            windows = window_lib.stacked_windows(self.mini_batches.get_tf_dataset(),
-                                                 self.average_gradients)
-            windows = windows.map(self._shares if self.replicas > 1
-                                  else lambda batch, sizes: (batch, sizes, sizes))
-            self._windows = windows.prefetch(tf.data.AUTOTUNE)
-        return self._windows
-
-    def _shares(self, batch, sizes):
-        shares = [tf2._replica_share(batch, sizes, r, self.replicas)
-                  for r in range(self.replicas)]
-        batch = tf.nest.map_structure(lambda *t: tf.stack(t), *[s[0] for s in shares])
-        local_sizes = tf.stack([s[1] for s in shares])
-        return batch, local_sizes, tf.tile(sizes[tf.newaxis], [self.replicas, 1])
+        if self._dataset is None:  # built once: Keras asks at every fit
+            self._dataset = self.mini_batches.get_tf_dataset()
+        return self._dataset
 
     @property
     def num_batches(self):
@@ -347,7 +332,7 @@ class _WindowAdapter(_keras_src.DataAdapter):
 
     @property
     def batch_size(self):
-        return self.replicas if self.replicas > 1 else None
+        return self.mini_batches.batch_size
 
     @property
     def has_partial_batch(self):

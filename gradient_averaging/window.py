@@ -13,10 +13,11 @@ import tensorflow as tf
 
 # Types whose sums overflow or lose precision too soon: they accumulate in float32.
 LOW_PRECISION = (tf.float16, tf.bfloat16)
-# Mini-batches the window loop runs at once: one's backward pass beside the next one's
-# forward pass, for the activations of one more; it also bounds the activations held to
-# two mini-batches' whatever N.
-PARALLEL_ITERATIONS = 2
+# Mini-batches the window loop runs at once. One: a mini-batch's activations are freed
+# before the next one's forward pass, so the window holds one mini-batch's, as B alone
+# does. Two let one's backward pass overlap the next one's forward pass, for the
+# activations of one more mini-batch (sum_window's parallel_iterations).
+PARALLEL_ITERATIONS = 1
 # TensorFlow feeds a numpy array to a session without copying it when its data is this
 # aligned.
 FEED_ALIGNMENT = 64
@@ -135,7 +136,12 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes, padded=False,
       mini_batch_gradients: (i, batch, state) -> (gradients, state) for mini-batch i,
         given as `batch`, each tensor of `data` sliced [i, :sizes[i]] (an `Unbatched`
         entry: [i]); a gradient may be None (the loss does not reach that variable).
-      sums: one zero tensor per gradient, in the type it is summed in.
+      sums: where the gradients are added, one per gradient, in the type it is summed
+        in: tf.Variables (in place, add_in_place: the window holds one copy of them; in a
+        tf.function, whose automatic control dependencies finish a mini-batch's additions
+        before the next one starts), or zero tensors carried from mini-batch to
+        mini-batch (a TF1 graph, or XLA under a strategy with several replicas, where a
+        compiled function cannot reach another replica's variables).
       state: a nested structure of tensors carried from mini-batch to mini-batch (a
         model's other state, running totals, a TensorArray...).
       data: a nested structure of stacked tensors, [N, B, ...]; an entry that is an
@@ -146,21 +152,67 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes, padded=False,
         nothing (`row_mask`).
 
     Returns:
-      (sums, state) after the last mini-batch. The loop holds the activations of at
-      most `parallel_iterations` mini-batches at a time.
+      (sums, state) after the last mini-batch: the variables themselves where `sums`
+      are variables. The loop holds the activations of at most `parallel_iterations`
+      mini-batches at a time.
     """
-    def body(i, state, sums):
+    in_place = all(isinstance(s, tf.Variable) for s in sums)
+
+    def body(i, state, *carried):
         batch = tf.nest.map_structure(
             lambda t: t.values[i] if isinstance(t, Unbatched)
             else t[i] if padded else t[i, :sizes[i]], data)
         gradients, state = mini_batch_gradients(i, batch, state)
-        sums = [s if g is None else s + tf.cast(g, s.dtype) for s, g in zip(sums, gradients)]
-        return i + 1, state, sums
+        if in_place:
+            add_in_place(sums, gradients, first=tf.equal(i, 0))
+            return (i + 1, state)
+        carried = [s if g is None else s + tf.cast(g, s.dtype)
+                   for s, g in zip(carried[0], gradients)]
+        return i + 1, state, carried
 
-    _, state, sums = tf.while_loop(
-        lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
-        parallel_iterations=parallel_iterations)
-    return sums, state
+    loop_vars = (tf.constant(0), state) if in_place else (tf.constant(0), state, list(sums))
+    out = tf.while_loop(lambda i, *_: i < tf.shape(sizes)[0], body, loop_vars,
+                        parallel_iterations=parallel_iterations)
+    return (list(sums) if in_place else out[2]), out[1]
+
+
+def add_in_place(sums, gradients, first):
+    """Adds each gradient into its sum variable; where `first` (a bool tensor: the
+    window's first mini-batch) it assigns instead. So the sums are never zeroed: a zero
+    tensor the size of a variable, built in a graph, becomes a constant that the graph
+    keeps alive for good, a weight-sized buffer held for nothing."""
+    for total, gradient in zip(sums, gradients):
+        if gradient is None:
+            continue
+        gradient = tf.cast(gradient, total.dtype)
+        tf.cond(first,
+                lambda total=total, gradient=gradient: total.assign(gradient, read_value=False),
+                lambda total=total, gradient=gradient: total.assign_add(gradient,
+                                                                        read_value=False))
+
+
+def divide_in_place(sums, count):
+    """Divides each sum variable by `count` (None: leaves it), one after the other, and
+    says whether all were finite: the window's mean where its sums were, with one
+    variable's temporary at a time (all at once would hold a second copy of the
+    gradients).
+
+    Returns:
+      (values, finite): each variable's value after the division (a read that shares
+      its buffer), and a bool scalar tensor: no NaN or Inf in any sum.
+    """
+    finite, done, values = [], [], []
+    for total in sums:
+        with tf.control_dependencies(done):
+            finite.append(tf.reduce_all(tf.math.is_finite(total)))
+            if count is None:
+                done = finite[-1:]
+                continue
+            with tf.control_dependencies(finite[-1:]):
+                done = [total.assign(total / tf.cast(count, total.dtype), read_value=False)]
+    with tf.control_dependencies(done):
+        values = [total.read_value() for total in sums]
+    return values, (tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True))
 
 
 def row_mask(size, width):

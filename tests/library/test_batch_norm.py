@@ -185,7 +185,6 @@ def test_frozen_bn_is_exact_against_the_direct_batch():
     ({"synchronized": True}, "update", False, "synchronized=True", "synchronized=False"),
     ({"synchronized": True}, "mini_batch", False, "synchronized=True", "synchronized=False"),
     ({"renorm": True}, "update", False, "renorm=True", "bn_statistics='mini_batch'"),
-    ({"renorm": True}, "mini_batch", True, "renorm=True", "without jit_compile"),
 ])
 def test_a_bn_layer_the_window_cannot_train_is_refused(kwargs, bn_statistics, jit_compile,
                                                       why, fix):

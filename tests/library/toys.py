@@ -147,24 +147,6 @@ def windows(split, shape=WINDOWS):
 # ---------------------------------------------------------------- two mirrored replicas
 
 
-def reduce_calls(strategy, trace, *args):
-    """How many times tracing `trace(*args)` asks `strategy` for a cross-replica reduction
-    (strategy.reduce: the window's non-finite vote, the batch-norm statistics)."""
-    calls = []
-    reduce = strategy.reduce
-
-    def counted(*a, **k):
-        calls.append(1)
-        return reduce(*a, **k)
-
-    strategy.reduce = counted
-    try:
-        trace(*args)
-    finally:
-        del strategy.reduce
-    return len(calls)
-
-
 def bn_model(seed=1, nested=False, momentum=0.99):
     """BatchNormalization on the inputs (its statistics depend on no weight), then the
     tiny model; `nested`: inside a Sequential block of its own."""
@@ -200,15 +182,10 @@ def mirrored_fit(strategy):
     with strategy.scope():
         model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
     fit(model, x, y, B)
-    specs = ((tf.TensorSpec([None, None, FEATURES]), tf.TensorSpec([None, None], tf.int64)),
-             tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int32))
-    specs = tf.nest.map_structure(lambda s: tf.TensorSpec([1] + s.shape.as_list(), s.dtype),
-                                  specs)
-    # The step as Keras runs it, per replica (each gets its share on a leading axis).
-    step = tf.function(lambda data: strategy.run(model.train_step, args=(data,)))
-    # What Keras distributes: each window as the replicas' shares, [K, N, ceil(B/K), ...].
-    (share, local_sizes, global_sizes), = model._windows(  # noqa: SLF001
-        x, y, None, B, False, None).get_tf_dataset().take(1)
+    # What Keras distributes: each mini-batch as the replicas' shares.
+    mini_batches = strategy.experimental_distribute_dataset(model._windows(  # noqa: SLF001
+        x, y, None, B, False, None).get_tf_dataset())
+    shares = strategy.experimental_local_results(next(iter(mini_batches))[0])
     # Batch norm on the inputs, pooled across the replicas; a last mini-batch of one
     # sample (81 = 4 x 20 + 1): one replica's share is empty.
     bn_reference = compiled(bn_model(), sgd())
@@ -218,22 +195,22 @@ def mirrored_fit(strategy):
         tiny_last = compiled(keras_fit.accumulate(bn_model(), N), sgd())
     fit(bn, x, y, B)
     fit(tiny_last, x[:81], y[:81], B, epochs=1)
-    bn_step = tf.function(lambda data: strategy.run(bn.train_step, args=(data,)))
-    fit_reduces, bn_reduces = (reduce_calls(strategy, f.get_concrete_function, specs)
-                               for f in (step, bn_step))
+
+    def all_reduces(accumulating):  # in the window function that fit traced
+        return count_all_reduces(accumulating._window_function.get_concrete_function(  # noqa: SLF001
+            iter(mini_batches)))
+
     return {"fit_difference": max_difference(model, one_device),
             "fit_updates": int(model.optimizer.iterations.numpy()),
-            "fit_all_reduces": count_all_reduces(step.get_concrete_function(specs)),
+            "fit_all_reduces": all_reduces(model),
             "fit_variables": len(model.trainable_variables),
             "evaluate_difference": abs(model.evaluate(x, y, verbose=0)[0]
                                        - one_device.evaluate(x, y, verbose=0)[0]),
             "predict_difference": float(np.abs(model.predict(x, verbose=0)
                                                - one_device.predict(x, verbose=0)).max()),
-            "share_shape": list(share[0].shape), "local_sizes": local_sizes.numpy().tolist(),
-            "global_sizes": global_sizes.numpy().tolist(),
+            "share_shapes": [list(share.shape) for share in shares],
             "bn_difference": statistics_difference(bn.model, bn_reference),
-            "bn_all_reduces": count_all_reduces(bn_step.get_concrete_function(specs)),
-            "fit_reduce_calls": fit_reduces, "bn_reduce_calls": bn_reduces,
+            "bn_all_reduces": all_reduces(bn),
             "tiny_last_skipped": tiny_last.skipped_windows,
             "tiny_last_updates": int(tiny_last.optimizer.iterations.numpy()),
             "tiny_last_finite": all(np.isfinite(w).all() for w in tiny_last.get_weights())}
@@ -259,17 +236,14 @@ def check_mirrored_fit(result):
     """test_tf2's assertions on mirrored_fit's result."""
     assert result["fit_difference"] < 1e-5 and result["fit_updates"] == 8
     assert result["evaluate_difference"] < 1e-5 and result["predict_difference"] < 1e-5
-    # The optimizer's all-reduce of the applied mean, once per window; nothing per
-    # mini-batch (their N is not even known when traced).
-    assert 1 <= result["fit_all_reduces"] <= 2 * result["fit_variables"] + 1
+    # The optimizer's all-reduce of the applied mean and the window's sample count, once
+    # per window; nothing per mini-batch.
+    assert 1 <= result["fit_all_reduces"] <= 2 * result["fit_variables"] + 2
     # Each replica receives its share only: 20 samples a mini-batch, 10 a replica.
-    assert result["share_shape"] == [2, N, B // 2, FEATURES]
-    assert result["local_sizes"] == [[B // 2] * N] * 2
-    assert result["global_sizes"] == [[B] * N] * 2
-    # Batch norm: the one-device (direct batch's) statistics, for one reduction more per
-    # update (a local AddN between the replicas of one process: no collective op here).
+    assert result["share_shapes"] == [[B // 2, FEATURES]] * 2
+    # Batch norm: the one-device (direct batch's) statistics, for at most one reduction
+    # more per update (the window's sums, read across the replicas).
     assert result["bn_difference"] < 1e-5
-    assert result["bn_reduce_calls"] == result["fit_reduce_calls"] + 1
     assert result["fit_all_reduces"] <= result["bn_all_reduces"] <= result["fit_all_reduces"] + 1
     # An empty share: the window is applied, nothing turns NaN.
     assert result["tiny_last_skipped"] == 0 and result["tiny_last_updates"] == 2

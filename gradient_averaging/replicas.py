@@ -1,0 +1,67 @@
+"""A mini-batch split across a tf.distribute strategy's replicas, and the replica-local
+variables a window keeps.
+
+Each mini-batch is the GLOBAL one: replica r of K receives only its share of it, samples
+[n*r//K, n*(r+1)//K), cut on the host, so the result does not depend on the replica
+count and nothing a replica receives grows with K.
+"""
+
+import tensorflow as tf
+
+
+def replica_share(data, sizes, replica, replicas):
+    """Replica `replica`'s share of each stacked mini-batch: samples [n*r//K, n*(r+1)//K).
+
+    Args:
+      data: a nested structure of [N, B, ...] tensors.
+      sizes: int32 [N], the global mini-batches' samples.
+      replica, replicas: r and K.
+
+    Returns:
+      (share, local_sizes): each tensor [N, ceil(B/K), ...], the share of mini-batch i
+      first in row i and zeros after it; int32 [N], the share's samples.
+    """
+    sizes = tf.convert_to_tensor(sizes, tf.int32)
+    start, stop = sizes * replica // replicas, sizes * (replica + 1) // replicas
+    local_sizes = stop - start
+    first = tf.nest.flatten(data)[0]
+    width = -(-tf.shape(first)[1] // replicas)
+    rows = tf.range(width)[tf.newaxis]
+    inside = rows < local_sizes[:, tf.newaxis]  # [N, width]
+    index = tf.minimum(start[:, tf.newaxis] + rows, tf.maximum(tf.shape(first)[1] - 1, 0))
+
+    def cut(t):
+        share = tf.gather(t, index, batch_dims=1)
+        mask = tf.reshape(inside, tf.concat([tf.shape(inside), tf.ones(
+            [tf.rank(share) - 2], tf.int32)], 0))
+        return tf.where(mask, share, tf.zeros_like(share))
+
+    return tf.nest.map_structure(cut, data), local_sizes
+
+
+def distribute(strategy, batch):
+    """One global mini-batch as each replica's share, cut on the host (cross-replica
+    context): per-replica (share, its samples); on one replica, (batch, its samples)."""
+    size = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
+    replicas = strategy.num_replicas_in_sync
+    if replicas == 1:
+        return batch, size
+    host = tf.nest.flatten(batch)[0].device or "/cpu:0"
+
+    def share(context):
+        with tf.device(host):
+            cut, local = replica_share(tf.nest.map_structure(lambda t: t[tf.newaxis], batch),
+                                       size[tf.newaxis], context.replica_id_in_sync_group,
+                                       replicas)
+            cut = tf.nest.map_structure(lambda t: t[0, :local[0]], cut)
+        return tf.nest.map_structure(tf.identity, (cut, local[0]))  # on the replica's device
+
+    return strategy.experimental_distribute_values_from_function(share)
+
+
+def local_variable(initial_value, aggregation, name):
+    """A replica-local variable: updates stay on the replica; a cross-replica read
+    aggregates."""
+    return tf.Variable(initial_value, trainable=False, name=name,
+                       synchronization=tf.VariableSynchronization.ON_READ,
+                       aggregation=aggregation)

@@ -1,0 +1,218 @@
+"""The window step, written once for every TF2 path (both accumulators and Keras fit):
+one mini-batch's pass added into the window's sums, in place; the window's vote and
+apply.
+
+Memory is why a user accumulates, so the step holds no more than B alone does plus one
+accumulator per trainable variable: the sums are replica-local variables, added to in
+place as each mini-batch's gradients are made (the window's first mini-batch assigns,
+so nothing is ever zeroed: see window.add_in_place); a mini-batch reaches the step alone
+(the window loop hands over one at a time, so one mini-batch's activations are alive at
+once); the mean is divided in place, one variable at a time (window.divide_in_place).
+
+The applied gradient is the sum of every sample's loss gradient divided by the window's
+samples: exactly the mean loss's over the window, whatever the sizes of its mini-batches.
+A window in which any loss or gradient is NaN or Inf is skipped whole (the replicas vote
+first): the optimizer does not step, so its `iterations`, and an LR schedule, stay put.
+"""
+
+import collections
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from gradient_averaging import replicas as replicas_lib
+from gradient_averaging import window as window_lib
+
+MiniBatch = collections.namedtuple(
+    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments"])
+
+
+def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics=None):
+    """One mini-batch's forward and backward pass, on values: every path's pass.
+
+    Args:
+      model: the Keras model, run by `stateless_call` in training mode.
+      weights, non_trainable: the values of its trainable and other variables.
+      x: the mini-batch's inputs (this replica's share).
+      objective: (outputs, regularization losses, non_trainable) -> (the scalar to
+        differentiate, anything else to return), computed under the tape.
+      statistics: the model's batch_statistics.BatchStatistics, or None.
+
+    Returns:
+      MiniBatch(gradients: a tensor or None per weight, no_gradient: which are None,
+      state: the model's other state after the pass (batch norm's moving statistics
+      as they were, where they step once per update), extra: what `objective`
+      returned beside its scalar, moments: the batch-norm moments of the pass).
+    """
+    moments = []
+    capture = statistics.capture(moments) if statistics else contextlib.nullcontext()
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        with capture:
+            outputs, after, regularization = model.stateless_call(
+                weights, non_trainable, x, training=True, return_losses=True)
+        if statistics:
+            after = statistics.held(non_trainable, after)
+        value, extra = objective(outputs, regularization, after)
+    grads = tape.gradient(value, weights)
+    no_gradient = [g is None for g in grads]
+    if all(no_gradient):
+        raise ValueError("no variable receives a gradient from the loss")
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    return MiniBatch(grads, no_gradient, after, extra, moments)
+
+
+def pass_moments(statistics, step):
+    """A pass's batch-norm moments as the float64 sums the window adds (None without
+    statistics), taken around the moving means, which hold still within a window."""
+    if not statistics:
+        return None
+    return statistics.add(statistics.zeros(), step.moments, statistics.shifts(step.state))
+
+
+def scaled_objective(optimizer, loss_sum, n_local):
+    """The scalar to differentiate for a mini-batch's loss sum, and the factor its
+    gradients are multiplied by to be those of the sum.
+
+    Under a LossScaleOptimizer (mixed precision) the scaled loss is the mini-batch's
+    mean, as Keras scales a batch's: its float16 gradients keep the magnitude of a
+    direct batch's; they are made gradients of the sum again in float32.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return loss_sum, None
+    mean_over = tf.maximum(tf.cast(n_local, tf.float32), 1.0)
+    return optimizer.scale_loss(loss_sum / mean_over), mean_over
+
+
+class WindowStep:
+    """A window's state on each replica, and the two things done with it: add a
+    mini-batch (`add`, in a replica's context), apply the window (`apply`, across).
+
+    Attributes:
+      sums: replica-local gradient sums, one per trainable variable, in its
+        accumulation type.
+      mini_batches: mini-batches added to the open window.
+      samples: the open window's samples on this replica (its shares' samples).
+      nonfinite: mini-batches of the open window whose loss was not finite, on this
+        replica (the sums are checked when the window closes: a sum is finite only if
+        every term was).
+      statistics_sums: the window's batch-norm sums (made by `build_statistics`).
+      no_gradient: which variables the loss does not reach (known once traced).
+    """
+
+    def __init__(self, strategy, optimizer, variables, statistics, check_finite):
+        self.strategy = strategy
+        self.optimizer = optimizer
+        self.variables = list(variables)
+        self.statistics = statistics
+        self.check_finite = check_finite
+        self.no_gradient = None
+        self.statistics_sums = None
+        with strategy.scope():
+            self.sums = [replicas_lib.local_variable(
+                tf.zeros(v.shape, window_lib.accumulator_dtype(v)),
+                tf.VariableAggregation.SUM, f"window_sum_{i}")
+                for i, v in enumerate(self.variables)]
+            self.mini_batches = replicas_lib.local_variable(
+                0, tf.VariableAggregation.ONLY_FIRST_REPLICA, "window_mini_batches")
+            self.samples = replicas_lib.local_variable(
+                0.0, tf.VariableAggregation.SUM, "window_samples")
+            self.nonfinite = replicas_lib.local_variable(
+                0.0, tf.VariableAggregation.SUM, "window_nonfinite")
+
+    def build_statistics(self, model, x_spec):
+        """Learns the calls a forward pass makes on inputs like `x_spec` and makes their
+        sums: once, outside any trace, before the first `add`."""
+        if not self.statistics or self.statistics_sums is not None:
+            return
+
+        @tf.function(input_signature=[x_spec])
+        def discover(x):
+            self.statistics.discover(model, [tf.convert_to_tensor(v) for v in self.variables],
+                                     [tf.convert_to_tensor(v)
+                                      for v in model.non_trainable_variables], x)
+
+        with self.strategy.scope():
+            discover.get_concrete_function()
+            self.statistics_sums = replicas_lib.local_variable(
+                self.statistics.zeros(), tf.VariableAggregation.SUM, "statistics_sums")
+
+    def add(self, gradients, moments, n_local, finite):
+        """Replica context: adds one mini-batch's pass to the window.
+
+        Args:
+          gradients: the gradients of its share's loss sum, a tensor or None each.
+          moments: its batch-norm sums (`pass_moments`), or None without statistics.
+          n_local: the samples of this replica's share.
+          finite: bool scalar, whether its loss was finite.
+        """
+        # The window's first mini-batch assigns: the sums are never zeroed.
+        window_lib.add_in_place(self.sums, gradients,
+                                first=tf.equal(self.mini_batches, 0))
+        if self.statistics:
+            self.statistics_sums.assign_add(moments)
+        self.mini_batches.assign_add(1)
+        self.samples.assign_add(tf.cast(n_local, tf.float32))
+        self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))
+
+    def _shares(self):
+        """Replica context: this replica's share of the mean (the optimizer sums the
+        shares) and its vote, 1.0 where anything was not finite."""
+        sums = [total for total, none in zip(self.sums, self.no_gradient) if not none]
+        samples = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, self.samples.read_value())
+        shares, finite = window_lib.divide_in_place(sums, samples)
+        return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32)
+
+    def _reset(self):
+        # The sums stay: the next window's first mini-batch assigns them.
+        self.mini_batches.assign(0)
+        self.samples.assign(0.0)
+        self.nonfinite.assign(0.0)
+        if self.statistics:
+            self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
+
+    def apply(self):
+        """Cross-replica: applies the window's mean unless a replica voted non-finite
+        (check_finite) or the window is empty, steps the batch statistics once, and
+        opens the next window.
+
+        A LossScaleOptimizer is given every window: it skips a non-finite one itself, and
+        lowers its scale, which a window skipped before it would never do.
+
+        Returns:
+          (applied, single): bool tensor; float64 [layers], per batch-norm layer the
+          mini-batches that gave it one value a channel.
+        """
+        strategy, optimizer = self.strategy, self.optimizer
+        shares, nonfinite = strategy.run(self._shares)
+        variables = [v for v, none in zip(self.variables, self.no_gradient) if not none]
+
+        def apply_shares(shares):
+            optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
+                                       for share, v in zip(shares, variables)])
+
+        def apply():
+            # Run from the cross-replica context, inside the branch: the optimizer's
+            # all-reduce must not cross into a branch from a replica function.
+            strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
+            return tf.constant(True)
+
+        non_empty = self.mini_batches.read_value() > 0
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        votes = (strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+                 if self.check_finite or scaled else None)
+        apply_it = non_empty
+        if self.check_finite and not scaled:
+            apply_it = tf.logical_and(apply_it, votes == 0)
+        ran = tf.cond(apply_it, apply, lambda: tf.constant(False))
+        # Under a LossScaleOptimizer a window it skipped still counts for the batch
+        # statistics, as the direct batch's statistics move on a skipped step.
+        applied, counts = (tf.logical_and(ran, votes == 0), ran) if scaled else (ran, ran)
+        single = tf.zeros([0], tf.float64)
+        if self.statistics:  # a SUM replica-local variable, read across replicas: summed
+            single = self.statistics.end_window(self.statistics_sums.read_value(), counts)
+        with tf.control_dependencies([applied, single]):
+            strategy.run(self._reset)
+        return tf.identity(applied), tf.identity(single)
