@@ -1,5 +1,5 @@
-"""The window's building blocks, shared by every path: its N, its checks, its stacking
-and its loop.
+"""The window's building blocks, shared by every path: its N, its checks, its stacking,
+its in-place sums and the TF1 graph's loop.
 
 No Keras here: the TF1 optimizer wrapper imports this module too. A window is N
 mini-batches whose gradients make one update; stacked, they lie on a new leading axis,
@@ -94,17 +94,6 @@ def stack_window(mini_batches, alignment=None):
     return tf.nest.map_structure(stack, *mini_batches), sizes
 
 
-def stacked_windows(dataset, average_gradients):
-    """A tf.data dataset of mini-batches as one of windows, stacked as stack_window
-    stacks them: each element (batch, sizes), every component of the mini-batches'
-    structure zero-padded and stacked, [N, B, ...], and int32 [N] sizes; the last window
-    may hold fewer than N."""
-    def with_size(*batch):
-        return batch, tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
-
-    return dataset.map(with_size).padded_batch(average_gradients)
-
-
 def _arrays(batch):
     """A mini-batch's tuples and dicts kept, everything else (a list of numbers too) as an
     array."""
@@ -128,52 +117,39 @@ def _empty(shape, dtype, alignment):
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def sum_window(mini_batch_gradients, sums, state, data, sizes, padded=False,
+def sum_window(mini_batch_gradients, sums, state, data, sizes,
                parallel_iterations=PARALLEL_ITERATIONS):
-    """The window loop, in the graph: adds up each mini-batch's gradients, in order.
+    """The window loop of a TF1 graph (the experiment's fused averager): adds up each
+    mini-batch's gradients, in order, as values carried from mini-batch to mini-batch
+    (a graph without automatic control dependencies cannot order in-place additions;
+    the TF2 paths add into variables: window_step).
 
     Args:
       mini_batch_gradients: (i, batch, state) -> (gradients, state) for mini-batch i,
         given as `batch`, each tensor of `data` sliced [i, :sizes[i]] (an `Unbatched`
         entry: [i]); a gradient may be None (the loss does not reach that variable).
-      sums: where the gradients are added, one per gradient, in the type it is summed
-        in: tf.Variables (in place, add_in_place: the window holds one copy of them; in a
-        tf.function, whose automatic control dependencies finish a mini-batch's additions
-        before the next one starts), or zero tensors carried from mini-batch to
-        mini-batch (a TF1 graph, or XLA under a strategy with several replicas, where a
-        compiled function cannot reach another replica's variables).
+      sums: one zero tensor per gradient, in the type it is summed in.
       state: a nested structure of tensors carried from mini-batch to mini-batch (a
         model's other state, running totals, a TensorArray...).
       data: a nested structure of stacked tensors, [N, B, ...]; an entry that is an
         `Unbatched` holds per-mini-batch values without a sample axis ([N, ...]).
       sizes: int [N], each mini-batch's samples.
-      padded: hand mini-batch i over whole, [i] with its padding (B rows, a shape
-        known when traced, as XLA needs): rows from sizes[i] on must then weigh
-        nothing (`row_mask`).
 
     Returns:
-      (sums, state) after the last mini-batch: the variables themselves where `sums`
-      are variables. The loop holds the activations of at most `parallel_iterations`
-      mini-batches at a time.
+      (sums, state) after the last mini-batch. The loop holds the activations of at
+      most `parallel_iterations` mini-batches at a time.
     """
-    in_place = all(isinstance(s, tf.Variable) for s in sums)
-
-    def body(i, state, *carried):
+    def body(i, state, sums):
         batch = tf.nest.map_structure(
-            lambda t: t.values[i] if isinstance(t, Unbatched)
-            else t[i] if padded else t[i, :sizes[i]], data)
+            lambda t: t.values[i] if isinstance(t, Unbatched) else t[i, :sizes[i]], data)
         gradients, state = mini_batch_gradients(i, batch, state)
-        if in_place:
-            add_in_place(sums, gradients, first=tf.equal(i, 0))
-            return (i + 1, state)
-        carried = [s if g is None else s + tf.cast(g, s.dtype)
-                   for s, g in zip(carried[0], gradients)]
-        return i + 1, state, carried
+        sums = [s if g is None else s + tf.cast(g, s.dtype) for s, g in zip(sums, gradients)]
+        return i + 1, state, sums
 
-    loop_vars = (tf.constant(0), state) if in_place else (tf.constant(0), state, list(sums))
-    out = tf.while_loop(lambda i, *_: i < tf.shape(sizes)[0], body, loop_vars,
-                        parallel_iterations=parallel_iterations)
-    return (list(sums) if in_place else out[2]), out[1]
+    _, state, sums = tf.while_loop(
+        lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
+        parallel_iterations=parallel_iterations)
+    return sums, state
 
 
 def add_in_place(sums, gradients, first):
@@ -213,11 +189,6 @@ def divide_in_place(sums, count):
     with tf.control_dependencies(done):
         values = [total.read_value() for total in sums]
     return values, (tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True))
-
-
-def row_mask(size, width):
-    """bool [width]: which rows of a padded mini-batch of `size` samples are samples."""
-    return tf.range(width) < tf.cast(size, tf.int32)
 
 
 class Unbatched:
