@@ -171,8 +171,8 @@ class FusedAverager(Averager):
     """`fused`: one session call per update, the window loop in the graph.
 
     The N mini-batches are fed together, stacked on a new leading axis (shorter ones
-    padded); the library's window loop (gradient_averaging.window.sum_window: two
-    mini-batches in flight, so peak activation memory is that of two, not of N) computes
+    padded); the library's TF1 window loop (gradient_averaging.window.sum_window: one
+    mini-batch at a time, so the activations held are one mini-batch's, not N's) computes
     each mini-batch's gradients with the optimizer's own compute_gradients and adds them
     up, in order, float16 and bfloat16 into float32 sums; the mean is applied in the same
     call. Mini-batches of unequal sizes n_k are weighted: sum(n_k g_k) / sum(n_k). Host
