@@ -152,7 +152,7 @@ class Config:
         "global mini-batch, split over the replicas.", lower=0)
     # A checkpoint records it through engine_tf2.identity (XLA gives other bits).
     jit_compile: bool = setting(
-        False, "tf2 engine: compile each window's loop with XLA (other bits than without). "
+        False, "tf2 engine: compile each mini-batch's pass with XLA (other bits than without). "
         "Under op determinism TensorFlow refuses XLA's max-pooling gradient: with the "
         "convnet it needs --nodeterministic.")
 

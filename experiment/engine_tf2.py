@@ -145,7 +145,7 @@ def identity(config):
 
 class Engine:
     """One tf2 run (an interfaces.Engine): the Keras model, Adam and a WindowAccumulator,
-    under the tf.distribute strategy, its window's loop compiled by XLA with jit_compile.
+    under the tf.distribute strategy, each mini-batch's pass compiled by XLA with jit_compile.
 
     A window trains in one compiled call (WindowAccumulator.apply_stacked): `step`
     copies each mini-batch into a window buffer, and the N-th runs the window. The open

@@ -7,8 +7,11 @@ One module per kind of user, each importable alone:
   * gradient_averaging.tf2: `WindowAccumulator`, `GradientAccumulator` and
     `fit_accumulated`, for your own TF2 training loop and tf.distribute;
   * gradient_averaging.keras_fit: `accumulate(model, N)`, for Keras's compile/fit;
-  * gradient_averaging.window: the pieces they share (the window loop, stacking, N's
-    check), for writing a window step of your own.
+  * gradient_averaging.window_step: the one window step the TF2 paths share (sums added
+    in place, the vote, the apply), on replicas (a mini-batch's split) and
+    batch_statistics (the moving statistics of batch norm under accumulation);
+  * gradient_averaging.window: the pieces every path shares (N's check, stacking, the
+    in-place sums, the TF1 graph's loop), for writing a window step of your own.
 The names below also import from the package itself, each loading only its module.
 """
 

@@ -77,7 +77,7 @@ def batch_norm_layers(model, per_update):
         if layer.synchronized:
             raise ValueError(
                 f"BatchNormalization layer {layer.name!r} has synchronized=True: its "
-                "forward pass all-reduces every mini-batch, which the window's loop cannot "
+                "forward pass all-reduces every mini-batch, which the window step does not "
                 "do under a strategy; use synchronized=False (with bn_statistics='update', "
                 "the default, the window's statistics are pooled across replicas anyway)")
         why = ("renorm=True" if getattr(layer, "renorm", False)

@@ -2,8 +2,8 @@
 its in-place sums and the TF1 graph's loop.
 
 No Keras here: the TF1 optimizer wrapper imports this module too. A window is N
-mini-batches whose gradients make one update; stacked, they lie on a new leading axis,
-[N, B, ...], shorter ones padded, with their sizes beside them.
+mini-batches whose gradients make one update; stacked (where a caller stacks them), they
+lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes beside them.
 """
 
 import numbers
