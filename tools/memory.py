@@ -42,6 +42,9 @@ MODELS = ("convnet", "mlp", "bn")
 # The paths, each a small function below (_PATHS); B alone, the direct batch and Keras's
 # own accumulation are the references a path's peak is compared with.
 PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1")
+# The TF1 graph's own direct batch (plain Adam on N*B): the reference of the tf1 path's
+# weights, which come from another graph than the Keras model's.
+REFERENCES = ("tf1_direct",)
 TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
 # The bound's margin: 5% of it, at least 4 MiB (small models).
 MARGIN, MARGIN_MIN_MB = 0.05, 4.0
@@ -65,7 +68,7 @@ def probe_env(limit_mb=None, gpu=False):
     return env
 
 
-def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT):
+def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, save=None):
     """One measurement in a fresh process.
 
     Args:
@@ -73,6 +76,8 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT):
       n, b: N mini-batches of B samples per update.
       limit_mb: the device's memory in MiB (None: all of it).
       gpu: measure GPU:0 (the GPU visible to the probe) instead of the CPU.
+      save: a .npz file for the trainable weights after the two updates (a test
+        compares paths by them), or None.
 
     Returns:
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu), `seconds` (the
@@ -80,11 +85,12 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT):
       weights_mb, largest_mb, accumulators_mb, oom=False; or oom=True, phase ("warm-up"
       or "update") and message; or `error` (a crash, a timeout: one line).
     """
-    if model not in MODELS or path not in PATHS:
+    if model not in MODELS or path not in PATHS + REFERENCES:
         raise ValueError(f"model must be one of {MODELS} and path one of {PATHS}. "
                          f"Received: model={model!r}, path={path!r}")
-    spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu))
-    if path == "tf1" and model not in TF1_MODELS:
+    spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu),
+                save=None if save is None else str(save))
+    if path.startswith("tf1") and model not in TF1_MODELS:
         return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
     start = time.perf_counter()
     try:
@@ -299,28 +305,32 @@ def _fit(model, x, y, batch_size):
 
 
 # Each path: (model name, n, b, x, y) -> (one update, the model's weights, its trainable
-# weights). x, y hold N*B samples.
+# weights, a function giving the trainable weights' values). x, y hold N*B samples.
+
+
+def _values(variables):
+    return lambda: [v.numpy() for v in variables]
 
 def _path_alone(model, n, b, x, y):
     net = _compiled(_keras_model(model))
-    return _fit(net, x[:b], y[:b], b), net.weights, net.trainable_weights
+    return _fit(net, x[:b], y[:b], b), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _path_direct(model, n, b, x, y):
     net = _compiled(_keras_model(model))
-    return _fit(net, x, y, n * b), net.weights, net.trainable_weights
+    return _fit(net, x, y, n * b), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _path_keras(model, n, b, x, y):
     import keras
     net = _compiled(_keras_model(model), keras.optimizers.Adam(gradient_accumulation_steps=n))
-    return _fit(net, x, y, b), net.weights, net.trainable_weights
+    return _fit(net, x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _path_accumulate(model, n, b, x, y):
     from gradient_averaging.keras_fit import accumulate
     net = _keras_model(model)
-    return _fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights
+    return _fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _dataset(x, y, b):
@@ -337,7 +347,7 @@ def _path_window(model, n, b, x, y):
     net = _keras_model(model)
     accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None))
     dataset = _dataset(x, y, b)
-    return (lambda: accumulator.fit(dataset, n)), net.weights, net.trainable_weights
+    return (lambda: accumulator.fit(dataset, n)), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _path_mini_batch(model, n, b, x, y):
@@ -352,7 +362,7 @@ def _path_mini_batch(model, n, b, x, y):
             accumulator.accumulate(mini_x, mini_y)
         accumulator.apply()
 
-    return update, net.weights, net.trainable_weights
+    return update, net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _tf1_logits(model, x):
@@ -381,7 +391,9 @@ def _tf1_logits(model, x):
     return dense(h, CLASSES, "logits", False)
 
 
-def _path_tf1(model, n, b, x, y):
+def _path_tf1(model, n, b, x, y, averaging=True):
+    """AveragingOptimizer(Adam, N) run once per mini-batch; averaging=False: the plain
+    Adam on the direct batch of N*B, the TF1 reference."""
     import tensorflow as tf
     from gradient_averaging.tf1 import AveragingOptimizer
     v1 = tf.compat.v1
@@ -394,23 +406,26 @@ def _path_tf1(model, n, b, x, y):
         weights = v1.trainable_variables()
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits))
-        train_op = AveragingOptimizer(v1.train.AdamOptimizer(), n).minimize(loss)
+        optimizer = v1.train.AdamOptimizer()
+        train_op = (AveragingOptimizer(optimizer, n) if averaging else optimizer).minimize(loss)
         init = v1.global_variables_initializer()
     graph.finalize()
     session = v1.Session(graph=graph, config=v1.ConfigProto(inter_op_parallelism_threads=1))
     session.run(init)
-    feeds = [{images: x[i * b:(i + 1) * b], labels: y[i * b:(i + 1) * b]} for i in range(n)]
+    feeds = ([{images: x[i * b:(i + 1) * b], labels: y[i * b:(i + 1) * b]} for i in range(n)]
+             if averaging else [{images: x, labels: y}])
 
     def update():  # the N-th run applies the window
         for feed in feeds:
             session.run(train_op, feed)
 
-    return update, weights, weights
+    return update, weights, weights, lambda: session.run(weights)
 
 
 _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
           "accumulate": _path_accumulate, "window": _path_window,
-          "mini_batch": _path_mini_batch, "tf1": _path_tf1}
+          "mini_batch": _path_mini_batch, "tf1": _path_tf1,
+          "tf1_direct": lambda *args: _path_tf1(*args, averaging=False)}
 
 
 def _sizes(weights, trainable):
@@ -448,14 +463,17 @@ def run_probe(spec):
     phase = "warm-up"
     try:
         x, y = _data(spec["model"], spec["n"] * spec["b"])
-        update, weights, trainable = _PATHS[spec["path"]](spec["model"], spec["n"],
-                                                          spec["b"], x, y)
+        update, weights, trainable, values = _PATHS[spec["path"]](
+            spec["model"], spec["n"], spec["b"], x, y)
         update()
         phase = "update"
         current = tf.config.experimental.get_memory_info(device)["current"]
         tf.config.experimental.reset_memory_stats(device)
         update()
         peak = tf.config.experimental.get_memory_info(device)["peak"]
+        if spec.get("save"):  # the trainable weights after the two updates
+            import numpy as np
+            np.savez(spec["save"], *values())
     except tf.errors.ResourceExhaustedError as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         message = next((line for line in lines if "OOM" in line), lines[0])

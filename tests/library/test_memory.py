@@ -1,0 +1,68 @@
+"""Accumulation lets a run fit where the direct batch does not: each path, on a device
+whose memory the direct batch of N*B exceeds, trains to the direct batch's weights.
+
+The device is the CPU run as the GPU's BFC allocator, with a memory limit
+(tools.memory's probes: one fresh process each, one inter-op thread, oneDNN off so that
+an OOM in a convolution raises). The convnet's activations dominate its memory, so the
+direct batch needs far more than a mini-batch does.
+"""
+
+import numpy as np
+import pytest
+
+from tools import memory
+
+MODEL, N, B = "convnet", 8, 16
+# Between a path's peak (B alone's, about 45 MiB here, plus a little) and the direct
+# batch's (well above 100 MiB): the direct batch must not fit, every path must.
+LIMIT_MB = 80
+PATHS = ("accumulate", "window", "mini_batch", "tf1")
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """Every probe this module checks, two processes at a time: the references without
+    a limit (their weights, B alone's peak), the direct batch and every path under it."""
+    base = tmp_path_factory.mktemp("memory")
+    specs = [("direct", None), ("tf1_direct", None), ("alone", None), ("direct", LIMIT_MB)]
+    specs += [(path, LIMIT_MB) for path in PATHS]
+
+    def run(spec):
+        path, limit = spec
+        save = base / f"{path}-{limit}.npz"
+        return memory.probe(MODEL, path, N, B, limit_mb=limit, save=save), save
+
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(specs, pool.map(run, specs)))
+
+
+def weights(saved):
+    with np.load(saved) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def test_the_direct_batch_does_not_fit(probed):
+    result, _ = probed[("direct", LIMIT_MB)]
+    assert result.get("oom"), result
+    reference, _ = probed[("direct", None)]
+    assert reference["peak_mb"] > LIMIT_MB, reference
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_each_path_fits_and_trains_to_the_direct_batchs_weights(probed, path):
+    result, saved = probed[(path, LIMIT_MB)]
+    assert not result.get("oom") and "error" not in result, result
+    _, reference = probed[("tf1_direct" if path == "tf1" else "direct", None)]
+    for got, want in zip(weights(saved), weights(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_each_paths_peak_is_within_b_alone_plus_one_accumulator(probed, path):
+    """B alone, plus one accumulator per trainable variable, plus one temporary the size
+    of the largest, plus 5% (4 MiB at least): nothing of the window beyond that."""
+    alone, _ = probed[("alone", None)]
+    result, _ = probed[(path, LIMIT_MB)]
+    bound = memory.bound_mb(alone["peak_mb"], result["accumulators_mb"], result["largest_mb"])
+    assert result["peak_mb"] <= bound, (result["peak_mb"], bound)
