@@ -4,7 +4,7 @@
 private Model methods; the batch-norm statistics on BatchNormalization's `_moments`.
 Keras exports none of them and may change any in a release: this module is the one place
 that touches them, and it refuses, in one line, a Keras it was not tested on.
-requirements.txt pins that version; pyproject.toml bounds it.
+requirements.txt pins the newest, requirements-low.txt the oldest; pyproject.toml bounds them.
 """
 
 import contextlib
@@ -13,8 +13,9 @@ import functools
 import keras
 import tensorflow as tf
 
-SUPPORTED = (3, 15)  # major, minor: Keras 3.15.x
-SUPPORTED_RANGE = ">=3.15,<3.16"
+# Keras releases (major, minor) from the first up to, not including, the second: 3.12 to 3.15.
+SUPPORTED = (3, 12), (3, 16)
+SUPPORTED_RANGE = ">={}.{},<{}.{}".format(*SUPPORTED[0], *SUPPORTED[1])  # as pyproject.toml
 
 
 def check_version(version):
@@ -23,7 +24,7 @@ def check_version(version):
         release = tuple(int(part) for part in version.split(".")[:2])
     except ValueError:
         release = None
-    if release != SUPPORTED:
+    if release is None or not SUPPORTED[0] <= release < SUPPORTED[1]:
         raise ImportError(
             f"gradient_averaging's Keras fit path supports keras{SUPPORTED_RANGE} (it uses "
             f"keras.src internals); keras {version} is installed: "

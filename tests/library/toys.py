@@ -8,9 +8,18 @@ import contextlib
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from gradient_averaging import keras_fit
+
+KERAS = tuple(int(part) for part in keras.__version__.split(".")[:2])  # (major, minor)
+
+
+def new_in_keras(release, feature):
+    """Skips a test of `feature`, which Keras has from `release` (major, minor) on."""
+    return pytest.mark.skipif(KERAS < release,
+                              reason=f"{feature} is new in Keras {release[0]}.{release[1]}")
 
 # Ops that communicate between replicas.
 ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
