@@ -1,7 +1,8 @@
 """Every use of Keras's internals, behind a check of the version.
 
 `accumulate` builds on Keras's data adapters, its loss scaling for distribution and two
-private Model methods; the batch-norm statistics on BatchNormalization's `_moments`.
+private Model methods; the batch-norm statistics on BatchNormalization's `_moments`; the
+weighting of activity regularizers on how this Keras adds their losses.
 Keras exports none of them and may change any in a release: this module is the one place
 that touches them, and it refuses, in one line, a Keras it was not tested on.
 requirements.txt pins the newest, requirements-low.txt the oldest; pyproject.toml bounds them.
@@ -39,9 +40,10 @@ from keras.src.trainers import data_adapters  # noqa: E402
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split  # noqa: E402
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E402
 
-__all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_version",
-           "data_adapters", "losses_from_the_pass", "loss_tracker", "symbolic_build",
-           "train_validation_split", "unscale_loss_for_distribution", "with_row_mask"]
+__all__ = ["DataAdapter", "activity_losses_weighted", "batch_norm_layers", "captured_moments",
+           "check_version", "data_adapters", "losses_from_the_pass", "loss_tracker",
+           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution",
+           "with_row_mask"]
 
 
 def symbolic_build(model, data_batch):
@@ -161,6 +163,82 @@ def with_row_mask(outputs, row_mask):
         return t
 
     return tf.nest.map_structure(masked, outputs)
+
+
+# ---------------------------------------------------------------- activity regularizers
+
+
+@functools.cache
+def _activity_losses_are_means():
+    """Whether this Keras adds an activity regularizer's loss divided by the batch's rows
+    (3.14 on) or its raw sum (before): found once, on a batch of two rows."""
+    with tf.init_scope():  # eager, even while a step is traced
+        layer = keras.layers.ActivityRegularization(l1=1.0, name="gradient_averaging_probe")
+        layer(tf.ones([2, 1]))
+        loss, = layer.losses
+        return float(loss) == 1.0
+
+
+@contextlib.contextmanager
+def activity_losses_weighted(model, scale, row_mask=None):
+    """While the block runs the model forward on a mini-batch: each activity regularizer's
+    loss weighted so that the window's update is the direct batch's.
+
+    The accumulating paths weigh a mini-batch's losses by its share of the window's
+    samples, right for a per-sample mean. From Keras 3.14 an activity regularizer's loss
+    is one (its value divided by the batch's rows); before, Keras adds the value, a sum
+    over the rows, which the direct batch counts whole: it is multiplied by `scale`.
+    Padded rows (row_mask False) enter the regularizer as zeros (L1 and L2 give them no
+    loss), and a per-sample loss is a mean over the other rows.
+
+    Args:
+      model: the Keras model (its layers and nested ones).
+      scale: the window's samples over the mini-batch's (this replica's share's, at
+        least one), a float32 tensor; None where the window's samples are not known yet.
+      row_mask: bool [B] where the mini-batch is padded, else None.
+
+    Raises:
+      ValueError: the model has an activity regularizer, this Keras adds its value as it
+        is and `scale` is None.
+    """
+    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001
+              if layer.activity_regularizer is not None]
+    means = _activity_losses_are_means()
+    if not layers or (means and row_mask is None):
+        yield
+        return
+    if not means and scale is None:
+        raise ValueError(
+            f"layer {layers[0].name!r} has an activity regularizer, whose loss Keras "
+            f"{keras.__version__} adds as a sum over the batch: the per-mini-batch path "
+            "cannot weigh it before the window's samples are known; use WindowAccumulator "
+            "(fit_accumulated's default) or Keras>=3.14")
+    originals = [layer.activity_regularizer for layer in layers]
+    for layer, original in zip(layers, originals):
+        object.__setattr__(layer, "activity_regularizer", functools.partial(
+            _weighted, original, None if means else scale, row_mask))
+    try:
+        yield
+    finally:
+        for layer, original in zip(layers, originals):
+            object.__setattr__(layer, "activity_regularizer", original)
+
+
+def _weighted(regularizer, scale, row_mask, outputs):
+    """regularizer(outputs), padded rows as zeros, times `scale`; with `scale` None (Keras
+    divides by all the rows), times the rows over the real ones."""
+    batch_major = (row_mask is not None and outputs.shape.rank
+                   and outputs.shape[0] == row_mask.shape[0])
+    if batch_major:
+        rows = tf.reshape(row_mask, [-1] + [1] * (outputs.shape.rank - 1))
+        outputs = tf.where(rows, outputs, tf.zeros_like(outputs))
+    loss = regularizer(outputs)
+    if scale is None:
+        if not batch_major:
+            return loss
+        real = tf.reduce_sum(tf.cast(row_mask, loss.dtype))
+        scale = tf.cast(tf.shape(outputs)[0], loss.dtype) / tf.maximum(real, 1.0)
+    return loss * tf.cast(scale, loss.dtype)
 
 
 @contextlib.contextmanager

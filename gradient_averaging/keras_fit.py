@@ -226,8 +226,9 @@ class AccumulatingModel(keras.Model):
                 scaled = self.optimizer.scale_loss(loss * (n / count))
                 return scaled, (loss, y_pred, non_trainable_values, metrics_after)
 
-            step = tf2._mini_batch_gradients(self, weights, non_trainable_values, x,
-                                            objective, statistics or None, mask)
+            with _keras_src.activity_losses_weighted(self, count / tf.maximum(n, 1.0), mask):
+                step = tf2._mini_batch_gradients(self, weights, non_trainable_values, x,
+                                                objective, statistics or None, mask)
             self._no_gradient = step.no_gradient
             loss, y_pred, non_trainable_values, metrics_after = step.extra
             with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_after))) as scope:

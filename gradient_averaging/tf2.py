@@ -139,6 +139,16 @@ def _loss_sum(loss_fn, y, outputs, regularization, n_local, row_mask=None):
     return loss_sum
 
 
+def _activity_losses_weighted(model, scale, row_mask):
+    """_keras_src.activity_losses_weighted: Keras's internals only for a model with an
+    activity regularizer."""
+    if all(layer.activity_regularizer is None
+           for layer in model._flatten_layers()):  # noqa: SLF001
+        return contextlib.nullcontext()
+    from gradient_averaging import _keras_src
+    return _keras_src.activity_losses_weighted(model, scale, row_mask)
+
+
 def _gradient_tensors(grads):
     """The gradients as tensors, and which variables the loss does not reach (None)."""
     no_gradient = [g is None for g in grads]
@@ -471,8 +481,11 @@ class _Accumulator:
                 return self.optimizer.scale_loss(loss_sum / mean_over), loss_sum
             return loss_sum, loss_sum
 
-        step = _mini_batch_gradients(self.model, weights, non_trainable, x, objective,
-                                     self.statistics or None, row_mask)
+        activity_scale = (None if samples is None
+                          else mean_over / tf.maximum(tf.cast(n_local, tf.float32), 1.0))
+        with _activity_losses_weighted(self.model, activity_scale, row_mask):
+            step = _mini_batch_gradients(self.model, weights, non_trainable, x, objective,
+                                         self.statistics or None, row_mask)
         if scaled:
             step = step._replace(gradients=[
                 None if g is None else g * tf.cast(mean_over, g.dtype) for g in step.gradients])

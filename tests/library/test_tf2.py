@@ -18,8 +18,9 @@ import tensorflow as tf
 from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 from tests.helpers import CPU_ONLY, run_cli
-from tests.library.toys import (check_mirrored_fit, cross_entropy, max_difference,
-                                mini_batches, mixed_float16, small_conv_net, windows)
+from tests.library.toys import (KERAS, activity_regularized, check_mirrored_fit,
+                                cross_entropy, max_difference, mini_batches, mixed_float16,
+                                new_in_keras, small_conv_net, windows)
 from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
 from tests.library.toys import data as toy_data
 from tests.library.toys import tiny_model as toy_model
@@ -162,6 +163,40 @@ def test_fit_accumulated_under_mixed_float16_scales_its_loss(jit_compile):
         assert int(optimizer.iterations) == summary.updates > 0
         assert max_difference(model, direct) < 1e-2
         assert max_difference(model, toy_model()) > 1e-2
+
+
+@pytest.mark.parametrize("one_call", [True, pytest.param(False, marks=new_in_keras(
+    (3, 14), "an activity regularizer's loss per sample (the per-mini-batch path refuses "
+    "the sum over the batch)"))], ids=["window", "per_mini_batch"])
+def test_an_activity_regularizer_counts_as_in_the_direct_batch(one_call):
+    """An activity regularizer's loss, against plain Keras's batches of 80 on this Keras:
+    a per-sample mean from Keras 3.14, a sum over the batch before (each mini-batch's
+    weighed by the window's samples over its own: by its own, it was N times too weak).
+    270 samples in mini-batches of 20, N=4: three windows and a partial one of 20 + 10."""
+    x, y = toy_data()
+    direct = activity_regularized()
+    direct.compile(optimizer=halving_sgd(),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    direct.fit(x, y, batch_size=80, epochs=1, shuffle=False, verbose=0)
+    model = activity_regularized()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    summary = tf2.fit_accumulated(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(20),
+                                  halving_sgd(), loss_fn, 4, one_call=one_call)
+    assert summary == tf2.FitSummary(mini_batches=14, updates=4, partial_window=2)
+    assert max_difference(model, direct) < 1e-5
+
+
+@pytest.mark.skipif(KERAS >= (3, 14), reason="Keras 3.14 on adds an activity regularizer's "
+                    "loss per sample, which the per-mini-batch path weighs")
+def test_the_per_mini_batch_path_refuses_an_activity_sum_in_one_clear_error():
+    """Before Keras 3.14 the direct batch adds the activity regularizer's sum over all of
+    its samples: a mini-batch's weight depends on the window's samples, which
+    GradientAccumulator learns only at `apply`."""
+    x, y = toy_data(20)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    accumulator = tf2.GradientAccumulator(activity_regularized(), halving_sgd(), loss_fn)
+    with pytest.raises(ValueError, match="has an activity regularizer.*WindowAccumulator"):
+        accumulator.accumulate(x, y)
 
 
 @pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,

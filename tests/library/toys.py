@@ -61,6 +61,17 @@ def tiny_model(seed=1, dropout=0.0):
                                                          kernel_initializer=init(seed + 1))])
 
 
+def activity_regularized(l2=0.05):
+    """tiny_model's layers with an activity regularizer between them: a loss the forward
+    pass adds (add_loss), per sample from Keras 3.14, summed over the batch before."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(1)),
+        keras.layers.ActivityRegularization(l2=l2),
+        keras.layers.Dense(CLASSES, kernel_initializer=init(2))])
+
+
 def sgd(**kwargs):
     """SGD on a schedule that halves the rate at every optimizer step."""
     return keras.optimizers.SGD(
