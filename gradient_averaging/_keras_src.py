@@ -1,10 +1,11 @@
 """Every use of Keras's internals, behind a check of the version.
 
 `accumulate` builds on Keras's data adapters, its loss scaling for distribution and two
-private Model methods; the batch-norm statistics on BatchNormalization's `_moments`.
+private Model methods; the batch-norm statistics on BatchNormalization's `_moments`; the
+weighting of activity regularizers on how this Keras adds their losses.
 Keras exports none of them and may change any in a release: this module is the one place
 that touches them, and it refuses, in one line, a Keras it was not tested on.
-requirements.txt pins that version; pyproject.toml bounds it.
+requirements.txt pins the newest, requirements-low.txt the oldest; pyproject.toml bounds them.
 """
 
 import contextlib
@@ -13,8 +14,9 @@ import functools
 import keras
 import tensorflow as tf
 
-SUPPORTED = (3, 15)  # major, minor: Keras 3.15.x
-SUPPORTED_RANGE = ">=3.15,<3.16"
+# Keras releases (major, minor) from the first up to, not including, the second: 3.12 to 3.15.
+SUPPORTED = (3, 12), (3, 16)
+SUPPORTED_RANGE = ">={}.{},<{}.{}".format(*SUPPORTED[0], *SUPPORTED[1])  # as pyproject.toml
 
 
 def check_version(version):
@@ -23,7 +25,7 @@ def check_version(version):
         release = tuple(int(part) for part in version.split(".")[:2])
     except ValueError:
         release = None
-    if release != SUPPORTED:
+    if release is None or not SUPPORTED[0] <= release < SUPPORTED[1]:
         raise ImportError(
             f"gradient_averaging's Keras fit path supports keras{SUPPORTED_RANGE} (it uses "
             f"keras.src internals); keras {version} is installed: "
@@ -38,9 +40,9 @@ from keras.src.trainers import data_adapters  # noqa: E402
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split  # noqa: E402
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E402
 
-__all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_version",
-           "data_adapters", "losses_from_the_pass", "loss_tracker", "symbolic_build",
-           "train_validation_split", "unscale_loss_for_distribution"]
+__all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_activity_losses",
+           "check_version", "data_adapters", "losses_from_the_pass", "loss_tracker",
+           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution"]
 
 
 def symbolic_build(model, data_batch):
@@ -132,6 +134,39 @@ def _moments(layer, original, index, records, inputs, mask):
     variance = tf.where(empty, tf.zeros_like(variance), variance)
     records.append((index, count, mean, variance))
     return mean, variance
+
+
+# ---------------------------------------------------------------- activity regularizers
+
+
+@functools.cache
+def _activity_losses_are_means():
+    """Whether this Keras adds an activity regularizer's loss divided by the batch's rows
+    (3.14 on) or its raw sum (before): found once, on a batch of two rows."""
+    with tf.init_scope():  # eager, even while a step is traced
+        layer = keras.layers.ActivityRegularization(l1=1.0, name="gradient_averaging_probe")
+        layer(tf.ones([2, 1]))
+        loss, = layer.losses
+        return float(loss) == 1.0
+
+
+def check_activity_losses(model):
+    """Refuses, in one line, a model whose activity regularizer this Keras adds as a sum
+    over the batch (before 3.14): the direct batch then counts it over all N x B samples,
+    which a mini-batch's pass could weigh only knowing its window's samples beforehand;
+    the window step learns them at its end. From 3.14 an activity regularizer's loss is a
+    per-sample mean, which every path weighs exactly.
+
+    Raises:
+      ValueError: such a model on such a Keras.
+    """
+    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001
+              if getattr(layer, "activity_regularizer", None) is not None]
+    if layers and not _activity_losses_are_means():
+        raise ValueError(
+            f"layer {layers[0].name!r} has an activity regularizer, whose loss Keras "
+            f"{keras.__version__} adds as a sum over the batch: gradient averaging cannot "
+            "weigh it as the direct batch does; use keras>=3.14, which adds it per sample")
 
 
 @contextlib.contextmanager

@@ -140,6 +140,7 @@ class AccumulatingModel(keras.Model):
         # Keras would build the metrics from its first element too; built here, before
         # the window step, whose variables need the optimizer's.
         _keras_src.symbolic_build(self, spec)
+        _keras_src.check_activity_losses(self)
         self._make_window(spec)
         if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]

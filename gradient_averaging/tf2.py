@@ -73,6 +73,12 @@ def _loss_sum(loss_fn, y, outputs, regularization, n_local):
     return loss_sum
 
 
+def _has_activity_regularizer(model):
+    """Whether any layer of `model` (nested models' too) has an activity regularizer."""
+    return any(getattr(layer, "activity_regularizer", None) is not None
+               or _has_activity_regularizer(layer) for layer in getattr(model, "layers", ()))
+
+
 def _spec(t, leading):
     """A TensorSpec of `t` (a tensor, an array or a TensorSpec) with its first `leading`
     axes of any size."""
@@ -121,6 +127,9 @@ class _Accumulator:
         if not self.variables:
             raise ValueError("the model has no trainable variables")
         self.statistics = statistics_lib.BatchStatistics(model, bn_statistics)
+        if _has_activity_regularizer(model):  # Keras's internals only for such a model
+            from gradient_averaging import _keras_src
+            _keras_src.check_activity_losses(model)
         with self.strategy.scope():
             if not optimizer.built:
                 optimizer.build(self.variables)

@@ -53,7 +53,10 @@ def test_pip_installs_the_one_package_and_nothing_of_the_experiment(installed):
     metadata, = installed.glob("*.dist-info/METADATA")
     requires = [line for line in metadata.read_text().splitlines()
                 if line.startswith("Requires-Dist:")]
-    assert "Requires-Dist: keras<3.16,>=3.15" in requires, requires
+    keras_range, = (line.split("keras", 1)[1] for line in requires if " keras" in line)
+    # The range _keras_src accepts is the one pip installs.
+    assert set(keras_range.split(",")) == set(_keras_src.SUPPORTED_RANGE.split(",")), requires
+    assert "Requires-Dist: tensorflow>=2.20" in requires, requires
 
 
 def test_the_installed_package_imports_from_another_directory(installed, tmp_path):
@@ -97,14 +100,14 @@ def test_the_tf1_part_imports_and_trains_without_keras(tmp_path):
 
 
 def test_another_keras_release_is_refused_in_one_line(monkeypatch):
-    _keras_src.check_version("3.15.0")
-    _keras_src.check_version("3.15.1")
-    for version in ("3.16.0", "3.14.1", "4.0.0", "nightly"):
+    for version in ("3.12.0", "3.13.2", "3.14.1", "3.15.0", "3.15.1"):
+        _keras_src.check_version(version)
+    for version in ("3.11.3", "3.16.0", "4.0.0", "2.15.0", "nightly"):
         with pytest.raises(ImportError) as error:
             _keras_src.check_version(version)
         message = str(error.value)
         assert len(message.splitlines()) == 1
-        assert f"keras {version} is installed" in message and "keras>=3.15,<3.16" in message
+        assert f"keras {version} is installed" in message and "keras>=3.12,<3.16" in message
 
 
 def test_a_keras_file_saved_by_the_first_release_loads():

@@ -8,9 +8,18 @@ import contextlib
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from gradient_averaging import keras_fit
+
+KERAS = tuple(int(part) for part in keras.__version__.split(".")[:2])  # (major, minor)
+
+
+def new_in_keras(release, feature):
+    """Skips a test of `feature`, which Keras has from `release` (major, minor) on."""
+    return pytest.mark.skipif(KERAS < release,
+                              reason=f"{feature} is new in Keras {release[0]}.{release[1]}")
 
 # Ops that communicate between replicas.
 ALL_REDUCE_OPS = ("CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3",
@@ -50,6 +59,17 @@ def tiny_model(seed=1, dropout=0.0):
         layers.append(keras.layers.Dropout(dropout, seed=seed))
     return keras.Sequential(layers + [keras.layers.Dense(CLASSES,
                                                          kernel_initializer=init(seed + 1))])
+
+
+def activity_regularized(l2=0.05):
+    """tiny_model's layers with an activity regularizer between them: a loss the forward
+    pass adds (add_loss), per sample from Keras 3.14, summed over the batch before."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((FEATURES,)),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(1)),
+        keras.layers.ActivityRegularization(l2=l2),
+        keras.layers.Dense(CLASSES, kernel_initializer=init(2))])
 
 
 def sgd(**kwargs):
