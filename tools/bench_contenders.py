@@ -1,37 +1,54 @@
-"""The contenders of the speed section, and how they take turns against the clock.
+"""What the bench races, how they take turns against the clock, and where their time goes.
 
 Every contender trains the post's ConvNet on real MNIST through `train(updates)`: the TF1
-graphs as `main.py` trains them, Keras 3's built-in accumulation, the tf2 engine. Keras
-loads only inside the Keras and tf2 contenders, so that a memory probe, which imports this
-module, measures TensorFlow alone.
+graphs as `main.py` trains them, Keras 3's built-in accumulation, the tf2 engine, Keras
+`fit` through `accumulate`. Keras loads only inside the Keras and tf2 contenders, so that a
+memory probe, which imports this module, measures TensorFlow alone.
 """
 
 import collections
+import glob
+import os
+import re
+import shutil
 import statistics
+import tempfile
 import time
 
 import tensorflow as tf
 
+from experiment import averagers
+from experiment import config
 from experiment import data
 from experiment import engine_tf1
-from experiment import loop
-from experiment import averagers
 
 SEED = 0
 ENDLESS = 10 ** 9  # mini-batches a contender may draw: more than any benchmark trains
+# Op classes for the profile: the first pattern that matches the op type names it.
+OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
+              ("dropout RNG", r"Random"), ("finite check", r"^(IsFinite|All)$"),
+              ("variable updates", r"ApplyAdam|AssignAddVariable|AssignVariable"))
+CONTAINER_OPS = ("While", "If", "PartitionedCall", "Case")  # time of ops they hold
 
 
 class SessionContender:
-    """One TF1 graph training through the tf1 engine's `step`, as `main.py`'s loop does."""
+    """An engine training through its `step`, as `main.py`'s loop does: the tf1 engine
+    (a TF1 graph per averager), or the tf2 engine (the window in one compiled call)."""
 
-    def __init__(self, label, config, datasets):
-        self.label, self.config = label, config
-        self.engine = engine_tf1.Engine(config, SEED)
-        self.batches = data.batches(datasets.train, SEED, config.batch_size, 0, ENDLESS)
+    def __init__(self, label, n, b, datasets, accumulate="stack", engine="tf1"):
+        self.label, self.n = label, n
+        cfg = config.Config(average_gradients=n, batch_size=b, accumulate=accumulate,
+                            engine=engine)
+        if engine == "tf2":
+            from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
+            self.engine = engine_tf2.Engine(cfg, SEED)
+        else:
+            self.engine = engine_tf1.Engine(cfg, SEED)
+        self.batches = data.batches(datasets.train, SEED, b, 0, ENDLESS)
         self.iteration = 0
 
     def train(self, updates):
-        for _ in range(updates * self.config.average_gradients):
+        for _ in range(updates * self.n):
             self.iteration += 1
             self.engine.step(*next(self.batches), self.iteration)
 
@@ -40,32 +57,29 @@ class SessionContender:
 
 
 class KerasContender:
-    """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on B samples.
+    """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on B samples,
+    `model.fit` over a tf.data pipeline of B-sized batches, `steps_per_execution`
+    mini-batches per compiled call (Keras's own way to cut per-step overhead); with None,
+    train_on_batch, one call per mini-batch. No XLA: under op determinism (on in main.py
+    and here) Keras turns jit_compile off."""
 
-    mode "fit": model.fit over a tf.data pipeline of B-sized batches, `steps_per_execution`
-    mini-batches per compiled call (Keras's own way to cut per-step overhead);
-    mode "train_on_batch": one call per mini-batch. No XLA: under op determinism (on in
-    main.py and here) Keras turns jit_compile off.
-    """
-
-    def __init__(self, label, n, b, datasets, mode="fit", steps_per_execution=1):
+    def __init__(self, label, n, b, datasets, steps_per_execution=1):
         import keras
         import model  # Keras loads only where a Keras contender runs
         keras.utils.set_random_seed(SEED)
-        self.label, self.n, self.b, self.mode = label, n, b, mode
+        self.label, self.n, self.b, self.per_call = label, n, b, steps_per_execution
         self.model = model.keras_model("convnet", 0.5, SEED)  # the tf2 engine's ConvNet
-        accumulation_steps = n if n > 1 else None
         self.model.compile(
-            optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation_steps),
+            optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=n if n > 1 else None),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=False, steps_per_execution=steps_per_execution)
+            jit_compile=False, steps_per_execution=steps_per_execution or 1)
         self.train_split = datasets.train
         self.stream = data.SampleStream(len(datasets.train.labels), SEED)
         self.dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
                         .repeat().batch(b, drop_remainder=True).prefetch(2))
 
     def train(self, updates):
-        if self.mode == "fit":
+        if self.per_call:
             self.model.fit(self.dataset, steps_per_epoch=updates * self.n, epochs=1, verbose=0,
                            shuffle=False)
             return
@@ -76,49 +90,32 @@ class KerasContender:
         pass
 
 
-class TF2Contender(SessionContender):
-    """The tf2 engine as `main.py --engine=tf2` trains it: engine_tf2.Engine's `step`
-    buffers N mini-batches and trains the window in one compiled call; `train` and
-    `close` are SessionContender's, only the engine differs."""
+class KerasFitContender(KerasContender):
+    """`accumulate(model, N)` on the same ConvNet, compiled with plain Adam(1e-3) and
+    fitted on the same pipeline, default steps_per_execution: each window one call."""
 
     def __init__(self, label, n, b, datasets):
-        from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
-        self.label = label
-        self.config = loop.Config(engine="tf2", average_gradients=n, batch_size=b)
-        self.engine = engine_tf2.Engine(self.config, SEED)
-        self.batches = data.batches(datasets.train, SEED, b, 0, ENDLESS)
-        self.iteration = 0
+        import keras
+        from gradient_averaging import keras_fit  # Keras loads only where a Keras contender runs
+        super().__init__(label, n, b, datasets)
+        self.model = keras_fit.accumulate(self.model, average_gradients=n)
+        self.model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                           jit_compile=False)
 
 
 def tf1_contenders(n, b, datasets):
     """The direct batch N*B (the post's minimize) and every averager at N x B."""
-    contenders = [SessionContender("direct", loop.Config(
-        average_gradients=1, batch_size=n * b), datasets)]
-    for averager in averagers.AVERAGERS:
-        contenders.append(SessionContender(averager, loop.Config(
-            average_gradients=n, batch_size=b, accumulate=averager), datasets))
-    return contenders
-
-
-def keras_modes(n, updates):
-    """Ways to train with Keras's accumulation: the setup section compares the plain ones
-    with one call per update; the speed section times the two that are fastest."""
-    return {"train_on_batch": dict(mode="train_on_batch"),
-            "fit, steps_per_execution=1": dict(mode="fit", steps_per_execution=1),
-            "fit, steps_per_execution=N": dict(mode="fit", steps_per_execution=n),
-            "fit, steps_per_execution=N*U": dict(mode="fit", steps_per_execution=n * updates)}
-
-
-# The Keras contenders of the speed section, by label; a target takes the faster one.
-KERAS_CONTENDERS = {"keras": "fit, steps_per_execution=N",
-                    "keras_long": "fit, steps_per_execution=N*U"}
+    return [SessionContender("direct", 1, n * b, datasets)] + [
+        SessionContender(averager, n, b, datasets, averager) for averager in averagers.AVERAGERS]
 
 
 # ---------------------------------------------------------------- timing
 
 
 def interleaved(contenders, updates, repeats):
-    """Seconds per update of each contender, `repeats` rounds, turns rotating per round.
+    """Seconds per update of each contender, `repeats` rounds, turns rotating per round,
+    so that drift of a shared machine hits them alike.
 
     Returns:
       {label: [seconds per update, one per round]}.
@@ -143,7 +140,46 @@ def paired_ratio(times, label, base):
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
 
 
-def keras_vs_fused(times):
-    """The faster Keras contender's label, and fused's speed-up over it."""
-    best = min(KERAS_CONTENDERS, key=lambda k: statistics.median(times[k]))
-    return best, paired_ratio(times, best, "fused")
+# ---------------------------------------------------------------- profile
+
+
+def op_class(op_type):
+    return next((name for name, pattern in OP_CLASSES if re.search(pattern, op_type)), "other")
+
+
+def profile(contender, updates):
+    """Where one update's time goes, from a tf.profiler trace of `updates` updates.
+
+    Returns:
+      {"wall_ms": per update, "kernel_ms": {op class: per update}, "top": the six op
+      types that took longest}: kernel time summed over threads; ops that only hold
+      others are left out.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    logdir = tempfile.mkdtemp(prefix="bench-profile-")
+    tf.profiler.experimental.start(logdir)
+    start = time.perf_counter()
+    contender.train(updates)
+    wall = time.perf_counter() - start
+    tf.profiler.experimental.stop()
+    space = xplane_pb2.XSpace()
+    with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
+              "rb") as f:
+        space.ParseFromString(f.read())
+    shutil.rmtree(logdir, ignore_errors=True)
+    kernel_ms, per_type = collections.Counter(), collections.Counter()
+    for plane in space.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if ":" not in name or "::" in name:
+                    continue  # executor bookkeeping (ExecutorState::Process), not an op
+                op_type = name.rsplit(":", 1)[1]
+                if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
+                    continue
+                kernel_ms[op_class(op_type)] += event.duration_ps / 1e9 / updates
+                per_type[op_type] += event.duration_ps / 1e9 / updates
+    return {"wall_ms": 1e3 * wall / updates, "kernel_ms": dict(kernel_ms),
+            "top": per_type.most_common(6)}

@@ -32,7 +32,7 @@ SEED = 0       # the strip's jitter is drawn the same every time
 # The bench figure as it reads at README width (~900 px): speed across the top, the two
 # memory panels under it; 8 x 8.6 inches at DPI, not a strip.
 BENCH_INCHES = (8.0, 8.6)
-# What each bench contender is, named on the figure (bench_contenders.py makes them).
+# What each bench contender is, named on the figure (bench_speed.py races them).
 CONTENDERS = {
     "direct": "direct: one batch of N*B",
     "stack": "stack: the post's, numpy",
@@ -43,6 +43,7 @@ CONTENDERS = {
     "keras": "keras: Keras, steps_per_execution=N",
     "keras_long": "keras_long: Keras, steps_per_execution=N*U",
     "tf2": "tf2: --engine=tf2",
+    "keras_fit": "keras_fit: accumulate(model, N) + fit",
 }
 # Lines of the host-memory panel: a marker and a dash per averager, so that lines lying on
 # one another can still be told apart (colour alone cannot).
@@ -255,13 +256,13 @@ def bench_figure(speed, memory, host=None):
     when one averager's memory grows far above the others').
 
     Args:
-      speed: bench's speed_section rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
+      speed: bench_speed.Speed's rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
         "q3"}}, ...}], "direct" among the labels; bars are the medians of the paired
         per-round ratios, whiskers their quartiles.
-      memory: bench's memory_section dict, or None: {"samples", "n", "b", "direct": probe,
-        "small": probe, "accumulated": {averager: probe}}, a probe {"peak_mb", ...} or
-        {"error"}; averagers whose probe failed are left out.
-      host: bench's host_memory_section dict, or None: {"ns", "averagers", "table":
+      memory: bench_memory.PeakMemory's result, or None: {"samples", "n", "b", "direct":
+        probe, "alone": probe, "accumulated": {averager: probe}}, a probe {"peak_mb", ...}
+        or {"error"}; averagers whose probe failed are left out.
+      host: bench_memory.HostGrowth's result, or None: {"ns", "averagers", "table":
         {(averager, N): probe}, ...}.
 
     Returns:
@@ -349,7 +350,7 @@ def _speed_panel(sub, speed):
 
 def _usable_memory(memory):
     """The accumulated probes that can be divided by both references, or {}."""
-    if not memory or "peak_mb" not in memory["direct"] or "peak_mb" not in memory["small"]:
+    if not memory or "peak_mb" not in memory["direct"] or "peak_mb" not in memory["alone"]:
         return {}
     return {s: p for s, p in memory["accumulated"].items() if "peak_mb" in p}
 
@@ -358,7 +359,7 @@ def _memory_panel(sub, memory, usable):
     ax = sub.subplots()
     averagers = list(usable)
     x = np.arange(len(averagers))
-    references = ((f"B={memory['b']} alone", memory["small"]["peak_mb"]),
+    references = ((f"B={memory['b']} alone", memory["alone"]["peak_mb"]),
                   (f"direct (1 x {memory['samples']})", memory["direct"]["peak_mb"]))
     top = 1.0
     for i, (label, reference) in enumerate(references):

@@ -171,7 +171,7 @@ def probe(peak_mb):
 def memory_section():
     """bench's memory_section dict; one averager's probe failed."""
     return {"samples": 16384, "n": 128, "b": 128, "direct": probe(2900.0),
-            "small": probe(620.0), "accumulated": {"stack": probe(700.0),
+            "alone": probe(620.0), "accumulated": {"stack": probe(700.0),
                                                    "fused": {"error": "probe failed (1)"}}}
 
 

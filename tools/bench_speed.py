@@ -1,0 +1,224 @@
+"""The speed sections: time per update of every contender at the post's (N, B) and where it
+goes, Keras used plainly, and fused against direct again on Eigen kernels (oneDNN off)."""
+
+import statistics
+
+from experiment import averagers
+from experiment import data
+from tools import bench_contenders as bc
+from tools import bench_probe
+from tools.bench_section import Section, worst
+
+# The targets.
+FUSED_LIMITS = {(5, 20): 1.15, (20, 5): 1.5}  # fused against the direct batch
+KERAS_SPEEDUP = 2.0  # fused against Keras's accumulation, where it accumulates (N > 1)
+TF2_VS_FUSED = 1.15  # the tf2 window against tf1's fused, at the FUSED_LIMITS configs
+KERAS_FIT_CONFIG = (5, 20)  # fit with accumulate no slower than Keras's own here
+KERAS = ("keras", "keras_long")  # Keras's accumulation, one call per update or per block
+LABELS = ("direct", *averagers.AVERAGERS, *KERAS, "tf2", "keras_fit")
+
+ABOUT = """\
+Each update trains N*B samples of real MNIST (the post's ConvNet, dropout on, Adam 1e-3). \
+Every contender is built once, trained one untimed block, then timed in {repeats} rounds in \
+which each trains a block of {updates} updates, the order rotating every round; the ratio \
+is the median of the per-round ratios to `direct`. Data: the post's sample stream through \
+the engines' `step`, as `main.py`'s loop trains, or tf.data (Keras); no evaluation.
+
+- `direct`: one batch of N*B, the post's `minimize`; `{averagers}`: the tf1 averagers \
+(`--accumulate`, docs/averagers.md). At N=1 each is that same `minimize`: their spread \
+there is this run's noise.
+- `keras`, `keras_long`: the ConvNet as a Keras 3 model, \
+`Adam(1e-3, gradient_accumulation_steps=N)`, `model.fit` on B-sized batches with \
+`steps_per_execution` N (one call per update, as `fused`) or N*U (one per block): Keras's \
+fastest (the plain ways are below). At N=1 Keras does not accumulate.
+- `tf2`: `--engine=tf2`: the engine buffers N mini-batches and trains the window in one \
+compiled call.
+- `keras_fit`: `accumulate(model, N)` compiled with plain `Adam(1e-3)`, fitted on the same \
+batches, one compiled call per window.
+- Everything runs under op determinism, as `main.py` does: Keras compiles no XLA, and \
+`--jit-compile` is not timed (TensorFlow has no deterministic XLA gradient of max \
+pooling; docs/tf2-engine.md has its speed)."""
+
+
+def keras_best(row):
+    """The faster of Keras's two contenders in this row."""
+    return min(KERAS, key=lambda k: row["median_ms"][k])
+
+
+def noise_floor(rows):
+    """How far from 1 the averagers' ratios to `direct` came at N=1, where all are the
+    same graph: this run's noise; None without an N=1 row."""
+    return next((max(abs(r["vs_direct"][s]["ratio"] - 1) for s in averagers.AVERAGERS)
+                 for r in rows if r["n"] == 1), None)
+
+
+def _ratios(rows, label, base):
+    """{"at N=../B=..": paired ratio label / base} over rows; label may be a function."""
+    return {f"at N={r['n']}/B={r['b']}": bc.paired_ratio(
+        r["times"], label(r) if callable(label) else label, base) for r in rows}
+
+
+class Speed(Section):
+    name, title = "speed", "Speed: training time per update"
+    FULL = dict(configs=((1, 100), (5, 20), (10, 10), (20, 5)), updates=20, repeats=7)
+    QUICK = dict(configs=((5, 20),), updates=1, repeats=2)
+
+    def steps(self):
+        return len(self.settings["configs"])
+
+    def measure(self, run):
+        s, rows = self.settings, []
+        for n, b in s["configs"]:
+            run.log(f"Speed at N={n} x B={b} (direct: B={n * b})")
+            contenders = bc.tf1_contenders(n, b, run.datasets) + [
+                bc.KerasContender("keras", n, b, run.datasets, n),
+                bc.KerasContender("keras_long", n, b, run.datasets, n * s["updates"]),
+                bc.SessionContender("tf2", n, b, run.datasets, engine="tf2"),
+                bc.KerasFitContender("keras_fit", n, b, run.datasets)]
+            times = bc.interleaved(contenders, s["updates"], s["repeats"])
+            profiles = {c.label: bc.profile(c, s["updates"]) for c in contenders}
+            for c in contenders:
+                c.close()
+            row = dict(n=n, b=b, times=times, profiles=profiles,
+                       median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                       vs_direct={k: bc.paired_ratio(times, k, "direct") for k in times})
+            run.log("  " + ", ".join(f"{k}: {row['median_ms'][k]:.1f} ms "
+                                     f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in times))
+            rows.append(row)
+            run.step()
+        return rows
+
+    def targets(self, rows):
+        at = lambda n, b: [r for r in rows if (r["n"], r["b"]) == (n, b)]  # noqa: E731
+        accumulating = [r for r in rows if r["n"] > 1]
+        out = [worst(f"fused <= {limit}x direct at N={n}/B={b}",
+                     _ratios(at(n, b), "fused", "direct"), limit)
+               for (n, b), limit in FUSED_LIMITS.items()]
+        out += [worst(f"{s} never slower than stack (N > 1)", _ratios(accumulating, s, "stack"),
+                      1.0, noise=noise_floor(rows)) for s in ("running", "graph", "fused")]
+        out.append(worst(f"fused >= {KERAS_SPEEDUP:g}x faster than Keras's accumulation (N > 1)",
+                         _ratios(accumulating, keras_best, "fused"), KERAS_SPEEDUP,
+                         at_least=True))
+        out += [worst(f"tf2 <= {TF2_VS_FUSED}x fused at N={n}/B={b}",
+                      _ratios(at(n, b), "tf2", "fused"), TF2_VS_FUSED) for n, b in FUSED_LIMITS]
+        out.append(worst("tf2 faster than Keras's accumulation with steps_per_execution=N "
+                         "(N > 1)", _ratios(accumulating, "tf2", "keras"), 1.0))
+        n, b = KERAS_FIT_CONFIG
+        out.append(worst(f"fit with accumulate <= Keras's gradient_accumulation_steps with "
+                         f"steps_per_execution=N at N={n}/B={b}",
+                         _ratios(at(n, b), "keras_fit", "keras"), 1.0))
+        return out
+
+    def markdown(self, rows):
+        labels = [k for k in LABELS if k in rows[0]["times"]]
+        lines = [f"## {self.title}", "",
+                 ABOUT.format(averagers="`, `".join(averagers.AVERAGERS), **self.settings), "",
+                 "| N x B | " + " | ".join(labels) + " | faster Keras / fused |",
+                 "|---" * (len(labels) + 2) + "|"]
+        for r in rows:
+            lines.append(f"| {r['n']} x {r['b']} | " + " | ".join(
+                f"{r['median_ms'][k]:.1f} ms, {r['vs_direct'][k]['ratio']:.2f}x" for k in labels)
+                + f" | {bc.paired_ratio(r['times'], keras_best(r), 'fused')['ratio']:.2f}x |")
+        noise = noise_floor(rows)
+        if noise is not None:
+            lines += ["", f"This run's noise: at N=1 the averagers' ratios to `direct`, the same "
+                      f"graph, came out up to {noise:.0%} away from 1. A target \"never slower "
+                      f"than stack\" missed by less, or met in a quarter of the rounds, is "
+                      f"\"within noise\"."]
+        lines += ["", "## Profile: where one update's time goes", "",
+                  "tf.profiler over one block of updates per contender, after the timed "
+                  "rounds; kernel milliseconds per update, summed over threads (so they can "
+                  "exceed the wall time), by op class. Tracing slows the small ops most."]
+        for r in rows:
+            classes = sorted({c for p in r["profiles"].values() for c in p["kernel_ms"]})
+            lines += ["", f"N={r['n']} x B={r['b']}:", "", "| | " + " | ".join(labels) + " |",
+                      "|---" * (len(labels) + 1) + "|",
+                      "| wall ms, timed rounds | " + " | ".join(
+                          f"{r['median_ms'][k]:.1f}" for k in labels) + " |",
+                      "| wall ms, traced | " + " | ".join(
+                          f"{r['profiles'][k]['wall_ms']:.1f}" for k in labels) + " |"]
+            lines += [f"| {c} | " + " | ".join(f"{r['profiles'][k]['kernel_ms'].get(c, 0):.2f}"
+                                               for k in labels) + " |" for c in classes]
+        return lines
+
+
+class KerasPlain(Section):
+    name, title = "keras_plain", "Keras used plainly"
+    FULL, QUICK = dict(n=5, b=20, updates=20, repeats=3), None
+
+    def measure(self, run):
+        s = self.settings
+        contenders = [bc.KerasContender(label, s["n"], s["b"], run.datasets, per_call)
+                      for label, per_call in (("train_on_batch", None),
+                                              ("fit, steps_per_execution=1", 1),
+                                              ("fit, steps_per_execution=N", s["n"]))]
+        times = bc.interleaved(contenders, s["updates"], s["repeats"])
+        ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        run.log("  " + ", ".join(f"{label}: {v:.1f} ms" for label, v in ms.items()))
+        return ms
+
+    def markdown(self, ms):
+        return [f"## {self.title} (N={self.settings['n']} x B={self.settings['b']})", "",
+                "Keras's accumulation, a call per mini-batch against one compiled call per "
+                "update.", "", "| how | ms per update |", "|---|---|"] + [
+                    f"| {label} | {v:.1f} |" for label, v in ms.items()]
+
+
+def kernels_probe(spec):
+    """direct against fused, interleaved, in a probe process (started with oneDNN off)."""
+    datasets = data.load_mnist()
+    out = []
+    for n, b in spec["configs"]:
+        contenders = [bc.SessionContender("direct", 1, n * b, datasets),
+                      bc.SessionContender("fused", n, b, datasets, "fused")]
+        times = bc.interleaved(contenders, spec["updates"], spec["repeats"])
+        onednn = any(t.startswith("_Mkl") for t, _ in bc.profile(contenders[0], 1)["top"])
+        for c in contenders:
+            c.close()
+        out.append(dict(n=n, b=b, direct_ms=1e3 * statistics.median(times["direct"]),
+                        fused_ms=1e3 * statistics.median(times["fused"]), onednn_ops=onednn,
+                        ratio=bc.paired_ratio(times, "fused", "direct")["ratio"]))
+    return {"rows": out}
+
+
+class Kernels(Section):
+    name, title = "kernels", "The same on Eigen kernels (oneDNN off)"
+    FULL, QUICK = Speed.FULL, Speed.QUICK
+
+    def measure(self, run):
+        speed = {(r["n"], r["b"]): r for r in run.results.get("speed") or []}
+        configs = [c for c in self.settings["configs"] if c in FUSED_LIMITS and c in speed]
+        if not configs:
+            return None
+        run.log("Fused against direct with oneDNN off")
+        result = bench_probe.probe(kernels_probe, dict(self.settings, configs=configs),
+                                   env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+        for k in result.get("rows", []):  # beside the speed section's, oneDNN on
+            row = speed[(k["n"], k["b"])]
+            k.update(direct_onednn_ms=row["median_ms"]["direct"],
+                     fused_onednn_ms=row["median_ms"]["fused"],
+                     onednn_ratio=row["vs_direct"]["fused"]["ratio"])
+        run.log("  " + (result.get("error") or ", ".join(
+            f"N={k['n']} x B={k['b']}: {k['ratio']:.2f}x" for k in result["rows"])))
+        return result
+
+    def markdown(self, result):
+        if result is None:
+            return []
+        lines = [f"## {self.title}", ""]
+        if "error" in result:
+            return lines + [result["error"]]
+        lines += ["`direct` and `fused` again, interleaved as above, in a probe process "
+                  "started with `TF_ENABLE_ONEDNN_OPTS=0`: TensorFlow's Eigen kernels instead "
+                  "of oneDNN's (`main.py` keeps oneDNN on). Where fused / direct is near 1 "
+                  "here and above it with oneDNN, fused's gap is oneDNN's cost per kernel "
+                  "call, which does not shrink with the mini-batch.", "",
+                  "| N x B | direct, oneDNN | direct, Eigen | fused, oneDNN | fused, Eigen | "
+                  "fused / direct, oneDNN | fused / direct, Eigen |",
+                  "|---|---|---|---|---|---|---|"]
+        for k in result["rows"]:
+            lines.append(f"| {k['n']} x {k['b']} | {k['direct_onednn_ms']:.1f} ms | "
+                         f"{k['direct_ms']:.1f} ms | {k['fused_onednn_ms']:.1f} ms | "
+                         f"{k['fused_ms']:.1f} ms | {k['onednn_ratio']:.2f}x | {k['ratio']:.2f}x"
+                         + (" (oneDNN ops still seen)" if k["onednn_ops"] else "") + " |")
+        return lines
