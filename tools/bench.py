@@ -6,7 +6,7 @@
 Accumulation exists to save memory, so it must not cost speed: the sections measure both.
 Each is a bench_section.Section (what it measures, its targets, its part of the markdown);
 SECTIONS lists them in the order of BENCHMARKS.md, which opens with every target, met or
-missed, and the ratios drawn into a PNG beside it (BENCHMARKS.png). On a terminal, stderr
+missed, and the speed ratios drawn into a PNG beside it (BENCHMARKS.png). On a terminal, stderr
 shows a bar of the measurements done and the time left.
 """
 
@@ -37,8 +37,7 @@ from tools.bench_section import Run, targets_table  # noqa: E402
 FLAGS = flags.FLAGS
 
 SECTIONS = (bench_speed.Speed, bench_speed.KerasPlain, bench_speed.Kernels,
-            bench_memory.PeakMemory, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper,
-            bench_device.Device)
+            bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper, bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")
@@ -53,16 +52,13 @@ def render(command, sections, run, targets, elapsed, figure=None):
              "Ratios are within this one run; CPU timings on a shared machine are noisy, so "
              "compare ratios, not times across runs.", "", *targets_table(targets)]
     if figure:
-        lines += ["", f"![Speed and memory ratios]({figure})", "",
-                  figures.bench_caption(*_figure_inputs(run))]
+        lines += ["", f"![Speed ratios]({figure})", "",
+                  "Time per update against the direct batch of N*B (the median of the per-round "
+                  "ratios, whiskers their quartiles; below the dashed line is faster)."]
     for section in sections:
         part = section.markdown(run.results[section.name])
         lines += [""] + part if part else []
     return "\n".join(lines) + "\n"
-
-
-def _figure_inputs(run):
-    return (run.results.get("speed") or [], run.results.get("memory"), run.results.get("host"))
 
 
 def write(output, text, figure=None, png=None):
@@ -110,7 +106,7 @@ def main_bench(argv):
         print(f"  {t.status:>13}: {t.target} -- {t.measured}")
     figure = os.path.splitext(output)[0] + ".png"
     try:
-        png = figures.png_bytes(figures.bench_figure(*_figure_inputs(run))[0])
+        png = figures.png_bytes(figures.bench_figure(run.results.get("speed"))[0])
         drawn = os.path.basename(figure)
     except ValueError as e:  # nothing measured that a figure could show
         png = drawn = None

@@ -17,7 +17,6 @@ import time
 
 import tensorflow as tf
 
-from experiment import averagers
 from experiment import config
 from experiment import data
 from experiment import engine_tf1
@@ -32,19 +31,21 @@ CONTAINER_OPS = ("While", "If", "PartitionedCall", "Case")  # time of ops they h
 
 
 class SessionContender:
-    """An engine training through its `step`, as `main.py`'s loop does: the tf1 engine
-    (a TF1 graph per averager), or the tf2 engine (the window in one compiled call)."""
+    """An engine trained through its `step` on `train` (a data.Split), as `main.py`'s loop
+    trains: the tf1 engine with an averager, or with "tf2" the tf2 engine (the window in
+    one compiled call)."""
 
-    def __init__(self, label, n, b, datasets, accumulate="stack", engine="tf1"):
+    def __init__(self, label, n, b, train, averager="stack", model="convnet"):
         self.label, self.n = label, n
-        cfg = config.Config(average_gradients=n, batch_size=b, accumulate=accumulate,
-                            engine=engine)
-        if engine == "tf2":
+        tf2 = averager == "tf2"
+        cfg = config.Config(average_gradients=n, batch_size=b, model=model, engine="tf2"
+                            if tf2 else "tf1", accumulate="stack" if tf2 else averager)
+        if tf2:
             from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
             self.engine = engine_tf2.Engine(cfg, SEED)
         else:
             self.engine = engine_tf1.Engine(cfg, SEED)
-        self.batches = data.batches(datasets.train, SEED, b, 0, ENDLESS)
+        self.batches = data.batches(train, SEED, b, 0, ENDLESS)
         self.iteration = 0
 
     def train(self, updates):
@@ -57,26 +58,25 @@ class SessionContender:
 
 
 class KerasContender:
-    """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on B samples,
-    `model.fit` over a tf.data pipeline of B-sized batches, `steps_per_execution`
+    """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on the tf2
+    engine's ConvNet, `fit` on a tf.data pipeline of B-sized batches, `steps_per_execution`
     mini-batches per compiled call (Keras's own way to cut per-step overhead); with None,
-    train_on_batch, one call per mini-batch. No XLA: under op determinism (on in main.py
+    `train_on_batch`, a call per mini-batch. No XLA: under op determinism (on in main.py
     and here) Keras turns jit_compile off."""
 
     def __init__(self, label, n, b, datasets, steps_per_execution=1):
         import keras
         import model  # Keras loads only where a Keras contender runs
         keras.utils.set_random_seed(SEED)
-        self.label, self.n, self.b, self.per_call = label, n, b, steps_per_execution
-        self.model = model.keras_model("convnet", 0.5, SEED)  # the tf2 engine's ConvNet
-        self.model.compile(
-            optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=n if n > 1 else None),
+        self.label, self.n, self.per_call = label, n, steps_per_execution
+        self.model = model.keras_model("convnet", 0.5, SEED)
+        self.model.compile(optimizer=keras.optimizers.Adam(
+            1e-3, gradient_accumulation_steps=n if n > 1 else None),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             jit_compile=False, steps_per_execution=steps_per_execution or 1)
-        self.train_split = datasets.train
-        self.stream = data.SampleStream(len(datasets.train.labels), SEED)
         self.dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
                         .repeat().batch(b, drop_remainder=True).prefetch(2))
+        self.batches = iter(self.dataset)
 
     def train(self, updates):
         if self.per_call:
@@ -84,7 +84,7 @@ class KerasContender:
                            shuffle=False)
             return
         for _ in range(updates * self.n):
-            self.model.train_on_batch(*self.stream.next_batch(self.train_split, self.b))
+            self.model.train_on_batch(*next(self.batches))
 
     def close(self):
         pass
@@ -104,10 +104,45 @@ class KerasFitContender(KerasContender):
                            jit_compile=False)
 
 
-def tf1_contenders(n, b, datasets):
-    """The direct batch N*B (the post's minimize) and every averager at N x B."""
-    return [SessionContender("direct", 1, n * b, datasets)] + [
-        SessionContender(averager, n, b, datasets, averager) for averager in averagers.AVERAGERS]
+def contender(label, n, b, datasets, updates=1):
+    """The contender of that label at N x B: "direct" (one batch of N*B, the post's
+    `minimize`), a tf1 averager, "tf2", "tf2_direct" (the tf2 engine on N*B), "keras" and
+    "keras_long" (Keras's accumulation, one call per update or per block of `updates`),
+    "keras_fit"."""
+    if label == "direct":
+        return SessionContender(label, 1, n * b, datasets.train)
+    if label == "tf2_direct":
+        return SessionContender(label, 1, n * b, datasets.train, "tf2")
+    if label in ("keras", "keras_long"):
+        return KerasContender(label, n, b, datasets, n * updates if label == "keras_long" else n)
+    if label == "keras_fit":
+        return KerasFitContender(label, n, b, datasets)
+    return SessionContender(label, n, b, datasets.train, label)
+
+
+def race(labels, n, b, datasets, updates, repeats, profiled=False):
+    """The labelled contenders at N x B, interleaved (with `profiled`, each traced after).
+
+    Returns:
+      {"n", "b", "times": interleaved's, "median_ms", "vs_direct": paired ratios,
+      "profiles": {label: profile} or None}.
+    """
+    contenders = [contender(label, n, b, datasets, updates) for label in labels]
+    try:
+        times = interleaved(contenders, updates, repeats)
+        profiles = {c.label: profile(c, updates) for c in contenders} if profiled else None
+    finally:
+        for c in contenders:
+            c.close()
+    return dict(n=n, b=b, times=times, profiles=profiles,
+                median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                vs_direct={k: paired_ratio(times, k, "direct") for k in times})
+
+
+def race_probe(spec):
+    """race() in a probe process (bench_probe.py), on its own MNIST."""
+    return race(spec["labels"], spec["n"], spec["b"], data.load_mnist(), spec["updates"],
+                spec["repeats"])
 
 
 # ---------------------------------------------------------------- timing
@@ -151,9 +186,8 @@ def profile(contender, updates):
     """Where one update's time goes, from a tf.profiler trace of `updates` updates.
 
     Returns:
-      {"wall_ms": per update, "kernel_ms": {op class: per update}, "top": the six op
-      types that took longest}: kernel time summed over threads; ops that only hold
-      others are left out.
+      {"wall_ms": per update, "kernel_ms": {op class: per update}}: kernel time summed
+      over threads; ops that only hold others are left out.
     """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
     logdir = tempfile.mkdtemp(prefix="bench-profile-")
@@ -167,7 +201,7 @@ def profile(contender, updates):
               "rb") as f:
         space.ParseFromString(f.read())
     shutil.rmtree(logdir, ignore_errors=True)
-    kernel_ms, per_type = collections.Counter(), collections.Counter()
+    kernel_ms = collections.Counter()
     for plane in space.planes:
         for line in plane.lines:
             if not line.name.startswith("tf_Compute"):
@@ -180,6 +214,4 @@ def profile(contender, updates):
                 if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
                     continue
                 kernel_ms[op_class(op_type)] += event.duration_ps / 1e9 / updates
-                per_type[op_type] += event.duration_ps / 1e9 / updates
-    return {"wall_ms": 1e3 * wall / updates, "kernel_ms": dict(kernel_ms),
-            "top": per_type.most_common(6)}
+    return {"wall_ms": 1e3 * wall / updates, "kernel_ms": dict(kernel_ms)}

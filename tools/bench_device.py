@@ -1,16 +1,13 @@
 """Peak device memory and speed on a GPU: the section `make bench` and `make gpu-check`
-add where TensorFlow sees a GPU; without one it says "no GPU" and measures nothing.
+add; without a GPU it says "no GPU" and measures nothing.
 
-Accumulation exists for a GPU's memory, so the number that matters is the device's peak.
-At a size where activations dominate (the post's ConvNet, N=8 x B=256): the direct batch
-N*B, B alone, each tf1 averager and the tf2 engine at N x B, each engine against its own
-direct batch and B alone. Each figure is a probe (bench_probe.py): it trains one update
-untimed (tracing, cuDNN's autotuning), resets the device's peak, trains `updates` updates
-and reads the peak. Speed: every contender in one probe, interleaved rounds.
+Accumulation exists for a GPU's memory: the device's peak is the number that matters.
+The post's ConvNet where activations dominate (N=8 x B=256): each tf1 averager and the tf2
+engine at N x B against its engine's direct batch and B alone, a probe each (one untimed
+update, the peak reset, `updates` updates); speed: every contender in one probe.
 """
 
 import functools
-import statistics
 import subprocess
 
 import tensorflow as tf
@@ -60,15 +57,10 @@ def build_info():
     return dict(tf.sysconfig.get_build_info())
 
 
-def _contender(label, averager, n, b, datasets):
-    if averager == "tf2":
-        return bc.SessionContender(label, n, b, datasets, engine="tf2")
-    return bc.SessionContender(label, n, b, datasets, averager)
-
-
 def memory_probe(spec):
     """One peak-memory measurement on the device, in a probe process."""
-    contender = _contender("probe", spec["averager"], spec["n"], spec["b"], data.load_mnist())
+    contender = bc.SessionContender("probe", spec["n"], spec["b"], data.load_mnist().train,
+                                    spec["averager"])
     try:
         contender.train(1)  # untimed: tracing, autotuning, the allocator's first chunks
         tf.config.experimental.reset_memory_stats(GPU)
@@ -78,21 +70,6 @@ def memory_probe(spec):
     finally:
         contender.close()
     return dict(spec, before_mb=before / MB, peak_mb=peak / MB, increment_mb=(peak - before) / MB)
-
-
-def speed_probe(spec):
-    """Every contender at (N, B), interleaved rounds, in a probe process."""
-    n, b, datasets = spec["n"], spec["b"], data.load_mnist()
-    contenders = bc.tf1_contenders(n, b, datasets) + [
-        _contender("tf2", "tf2", n, b, datasets), _contender("tf2_direct", "tf2", 1, n * b, datasets)]
-    try:
-        times = bc.interleaved(contenders, spec["updates"], spec["repeats"])
-    finally:
-        for c in contenders:
-            c.close()
-    return dict(spec, median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
-                vs_direct={k: bc.paired_ratio(times, k, "direct") for k in times},
-                tf2_vs_tf2_direct=bc.paired_ratio(times, "tf2", "tf2_direct"))
 
 
 def memory_specs(settings):
@@ -134,8 +111,8 @@ class Device(Section):
 
         run.log(f"Device memory on {found[0]['device_name']}: N={s['n']} x B={s['b']}")
         memory = [logged(probe(memory_probe, spec)) for spec in memory_specs(s)]
-        speed = [logged(probe(speed_probe, dict(n=n, b=b, updates=s["speed_updates"],
-                                                repeats=s["repeats"])))
+        speed = [logged(probe(bc.race_probe, dict(labels=LABELS, n=n, b=b, repeats=s["repeats"],
+                                                  updates=s["speed_updates"])))
                  for n, b in s["speed_configs"]]
         return dict(gpu=found, memory=memory, speed=speed)
 
@@ -161,8 +138,8 @@ class Device(Section):
                 worst(names[1], ratios("direct"), DEVICE_VS_DIRECT, failed=failed),
                 worst(names[2], times(lambda r: r["vs_direct"]["fused"]), DEVICE_SPEED,
                       failed=slow),
-                worst(names[3], times(lambda r: r["tf2_vs_tf2_direct"]), DEVICE_SPEED,
-                      failed=slow)]
+                worst(names[3], times(lambda r: bc.paired_ratio(r["times"], "tf2", "tf2_direct")),
+                      DEVICE_SPEED, failed=slow)]
 
     def markdown(self, d):
         lines = [f"## {self.title}", ""]
@@ -198,7 +175,8 @@ class Device(Section):
                   "batch.", "", "| N x B | " + " | ".join(LABELS) + " | tf2 / tf2_direct |",
                   "|---" * (len(LABELS) + 2) + "|"]
         for p in d["speed"]:
-            lines.append(f"| {p['n']} x {p['b']} | " + (p["error"] if "error" in p else " | ".join(
-                f"{p['median_ms'][k]:.1f} ms, {p['vs_direct'][k]['ratio']:.2f}x" for k in LABELS)
-                + f" | {p['tf2_vs_tf2_direct']['ratio']:.2f}x") + " |")
+            cells = [p["error"]] if "error" in p else [
+                f"{p['median_ms'][k]:.1f} ms, {p['vs_direct'][k]['ratio']:.2f}x" for k in LABELS
+            ] + [f"{bc.paired_ratio(p['times'], 'tf2', 'tf2_direct')['ratio']:.2f}x"]
+            lines.append(f"| {p['n']} x {p['b']} | " + " | ".join(cells) + " |")
         return lines

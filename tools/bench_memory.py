@@ -1,26 +1,24 @@
-"""Host memory: the peak RSS of a fresh process while it trains (a probe each), at a large
-effective batch against the direct batch and B alone, and as N grows.
+"""Host memory as N grows: the peak RSS of a probe while it trains one update.
 
-RSS holds TensorFlow's own floor of several hundred MB beside what training adds, and
-counts the host, not a device: it says little of what accumulation saves on a GPU.
+RSS counts the host, not a device, beside TensorFlow's own floor of several hundred MB;
+it is here for what a device's allocator does not see: the numpy windows of the `stack`
+and `running` averagers. On a model whose gradients dominate memory (the MLP), an averager
+that keeps the window's gradients grows by at least one gradient per added mini-batch.
 """
 
 import resource
 
 import numpy as np
-import tensorflow as tf
 
+import model
 from experiment import averagers
-from experiment import config
 from experiment import data
-from experiment import engine_tf1
 from tools import bench_probe
-from tools.bench_contenders import SEED
-from tools.bench_section import Section, Target, status, worst
+from tools.bench_contenders import SEED, SessionContender
+from tools.bench_section import Section, Target, status
 
 MB = 1 << 20
 STATUS = "/proc/self/status"
-ACCUMULATED_VS_ALONE, ACCUMULATED_VS_DIRECT = 1.25, 0.25
 FLAT_GRADIENTS_PER_N = 0.1  # "flat in N": what one more mini-batch may add, in gradients
 FLAT = ("running", "graph", "fused", "tf2")  # the averagers that keep no window of gradients
 
@@ -46,36 +44,24 @@ def rss_probe(spec):
     """Peak RSS in this probe process while it trains `updates` updates, against its RSS
     just before. It keeps only the samples it trains on, so that the 55,000 training
     images (170 MB as float32) do not hide what the averagers change."""
-    tf2 = spec["averager"] == "tf2"  # the tf2 engine, its window buffered as inputs
-    cfg = config.Config(average_gradients=spec["n"], batch_size=spec["b"], model=spec["model"],
-                        accumulate="stack" if tf2 else spec["averager"],
-                        iterations=spec["n"] * spec["updates"], engine="tf2" if tf2 else "tf1")
     import_mb = _proc_mb(STATUS, "VmRSS")  # TensorFlow imported, nothing else yet
     datasets = data.load_mnist()
     idx = data.SampleStream(len(datasets.train.labels), SEED).next_indices(
         spec["n"] * spec["b"] * spec["updates"])
     train = data.Split(datasets.train.images[idx], datasets.train.labels[idx])
     del datasets  # the full MNIST must not count in the peak
-    if tf2:
-        from experiment import engine_tf2  # Keras loads only in a tf2 probe
-        engine = engine_tf2.Engine(cfg, SEED)
-    else:
-        engine = engine_tf1.Engine(cfg, SEED)
+    contender = SessionContender("probe", spec["n"], spec["b"], train, spec["averager"],
+                                 spec["model"])
     try:
         baseline, exact = _proc_mb(STATUS, "VmRSS"), _reset_peak()
-        for iteration, (images, labels) in enumerate(
-                data.batches(train, SEED, cfg.batch_size, 0, cfg.iterations), 1):
-            engine.step(images, labels, iteration)
+        contender.train(spec["updates"])
         # Without the reset, the process's lifetime peak (MNIST's loading included).
         peak = _proc_mb(STATUS, "VmHWM") if exact else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     finally:
-        engine.close()
-    parameters = engine.net.count_params() if tf2 else sum(
-        v.shape.num_elements() for v in
-        engine.run_graph.graph.get_collection(tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES))
+        contender.close()
     return dict(spec, import_mb=import_mb, baseline_mb=baseline, peak_mb=peak,
-                increment_mb=peak - baseline, parameters=parameters)
+                increment_mb=peak - baseline)
 
 
 def _probes(run, specs, jobs=1):
@@ -86,56 +72,6 @@ def _probes(run, specs, jobs=1):
                                  f"+{p['increment_mb']:.0f} MB in training"))
         out.append(p)
     return out
-
-
-class PeakMemory(Section):
-    name, title = "memory", "Peak host memory at a large effective batch"
-    FULL = dict(samples=16384, b=128, averagers=averagers.AVERAGERS, jobs=1)
-    QUICK = dict(samples=512, b=128, averagers=("fused",), jobs=3)
-
-    def measure(self, run):
-        s, b = self.settings["samples"], self.settings["b"]
-        n = s // b
-        spec = lambda averager, n, b, updates: dict(  # noqa: E731
-            model="convnet", averager=averager, n=n, b=b, updates=updates)
-        run.log(f"Peak host memory: {s} samples direct against {n} x {b} accumulated")
-        direct, alone, *accumulated = _probes(
-            run, [spec("stack", 1, s, 2), spec("stack", 1, b, 2 * n)]
-            + [spec(a, n, b, 2) for a in self.settings["averagers"]], self.settings["jobs"])
-        return dict(samples=s, n=n, b=b, direct=direct, alone=alone,
-                    accumulated={p["averager"]: p for p in accumulated})
-
-    def targets(self, m):
-        failed = any("error" in p for p in (m["direct"], m["alone"], *m["accumulated"].values()))
-        peaks = {a: p["peak_mb"] for a, p in m["accumulated"].items() if "peak_mb" in p}
-        ratios = lambda ref: {f"({a})": peak / m[ref]["peak_mb"] for a, peak in  # noqa: E731
-                              peaks.items()} if "peak_mb" in m[ref] else {}
-        return [worst(f"accumulated peak <= {ACCUMULATED_VS_ALONE}x that of B={m['b']} alone",
-                      ratios("alone"), ACCUMULATED_VS_ALONE, failed=failed),
-                worst(f"accumulated peak <= {ACCUMULATED_VS_DIRECT:g} of the direct batch's",
-                      ratios("direct"), ACCUMULATED_VS_DIRECT, failed=failed)]
-
-    def markdown(self, m):
-        lines = [f"## {self.title}: {m['samples']} samples per update", "",
-                 "The post's ConvNet; the peak RSS of a fresh process (a probe) while it trains "
-                 "2 updates (B alone: as many samples), against its RSS just before training. "
-                 "A probe keeps only the samples it trains on, resets the kernel's peak-RSS "
-                 "counter (`/proc/self/clear_refs`), trains and reads `VmHWM`. RSS holds "
-                 "TensorFlow's own floor"
-                 + (f" ({m['direct']['import_mb']:.0f} MB right after importing it)"
-                    if "import_mb" in m["direct"] else "")
-                 + ": what training adds is the column to compare.", "",
-                 "| run | N x B | peak MB | before MB | training adds MB | peak / B alone | "
-                 "peak / direct |", "|---|---|---|---|---|---|---|"]
-        rows = [("direct", m["direct"]), (f"B={m['b']} alone", m["alone"]),
-                *m["accumulated"].items()]
-        for label, p in rows:
-            cells = [p.get("error", "")] if "error" in p else [
-                f"{p['peak_mb']:.0f}", f"{p['baseline_mb']:.0f}", f"{p['increment_mb']:.0f}"] + [
-                f"{p['peak_mb'] / m[ref]['peak_mb']:.2f}" if "peak_mb" in m[ref] else ""
-                for ref in ("alone", "direct")]
-            lines.append(f"| {label} | {p['n']} x {p['b']} | " + " | ".join(cells) + " |")
-        return lines
 
 
 def host_slope(host, averager):
@@ -151,17 +87,16 @@ def host_slope(host, averager):
 class HostGrowth(Section):
     name, title = "host", "Host memory as N grows"
     FULL = dict(model="mlp", b=16, ns=(1, 2, 4, 8, 16, 32, 64),
-                averagers=(*averagers.AVERAGERS, "tf2"))
-    QUICK = None
+                averagers=(*averagers.AVERAGERS, "tf2"), jobs=1)
+    QUICK = dict(model="mlp", b=16, ns=(1, 2, 4), averagers=("fused",), jobs=3)
 
     def measure(self, run):
         s = self.settings
         spec = lambda averager, n: dict(  # noqa: E731
             model=s["model"], averager=averager, n=n, b=s["b"], updates=1)
         run.log(f"Host memory as N grows ({s['model']}, B={s['b']})")
-        (first,) = _probes(run, [spec(s["averagers"][0], 1)])  # N=1: minimize, for all
-        grad_mb = 4 * first.get("parameters", float("nan")) / MB
-        specs, skipped = [], {}
+        grad_mb = 4 * model.keras_model(s["model"]).count_params() / MB
+        specs, skipped = [spec(s["averagers"][0], 1)], {}  # N=1: minimize, for all
         for a in s["averagers"]:
             for n in s["ns"][1:]:
                 # stack keeps N gradients and stacks them: about 2N copies at the apply.
@@ -170,10 +105,11 @@ class HostGrowth(Section):
                     skipped[(a, n)] = f"skipped: needs ~{need / 1024:.1f} GB"
                 else:
                     specs.append(spec(a, n))
+        first, *rest = _probes(run, specs, s["jobs"])
         table = {(a, 1): first for a in s["averagers"]}
-        table.update({(p["averager"], p["n"]): p for p in _probes(run, specs)})
-        return dict(grad_mb=grad_mb, parameters=first.get("parameters", 0), ns=s["ns"],
-                    averagers=s["averagers"], table=table, skipped=skipped)
+        table.update({(p["averager"], p["n"]): p for p in rest})
+        return dict(grad_mb=grad_mb, ns=s["ns"], averagers=s["averagers"], table=table,
+                    skipped=skipped)
 
     def targets(self, h):
         out = []
@@ -189,8 +125,8 @@ class HostGrowth(Section):
 
     def markdown(self, h):
         lines = [f"## {self.title}", "",
-                 f"`--model={self.settings['model']}` ({h['parameters']:,} parameters: one "
-                 f"gradient is {h['grad_mb']:.0f} MB), B={self.settings['b']}, one update; "
+                 f"`--model={self.settings['model']}` (one gradient is {h['grad_mb']:.0f} MB), "
+                 f"B={self.settings['b']}, one update; "
                  "peak RSS in MB of a probe while it trains (at N=1 every averager is "
                  "`minimize`).", "", "| N | " + " | ".join(h["averagers"]) + " |",
                  "|---" * (len(h["averagers"]) + 1) + "|"]

@@ -4,7 +4,6 @@ goes, Keras used plainly, and fused against direct again on Eigen kernels (oneDN
 import statistics
 
 from experiment import averagers
-from experiment import data
 from tools import bench_contenders as bc
 from tools import bench_probe
 from tools.bench_section import Section, worst
@@ -70,20 +69,9 @@ class Speed(Section):
         s, rows = self.settings, []
         for n, b in s["configs"]:
             run.log(f"Speed at N={n} x B={b} (direct: B={n * b})")
-            contenders = bc.tf1_contenders(n, b, run.datasets) + [
-                bc.KerasContender("keras", n, b, run.datasets, n),
-                bc.KerasContender("keras_long", n, b, run.datasets, n * s["updates"]),
-                bc.SessionContender("tf2", n, b, run.datasets, engine="tf2"),
-                bc.KerasFitContender("keras_fit", n, b, run.datasets)]
-            times = bc.interleaved(contenders, s["updates"], s["repeats"])
-            profiles = {c.label: bc.profile(c, s["updates"]) for c in contenders}
-            for c in contenders:
-                c.close()
-            row = dict(n=n, b=b, times=times, profiles=profiles,
-                       median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
-                       vs_direct={k: bc.paired_ratio(times, k, "direct") for k in times})
+            row = bc.race(LABELS, n, b, run.datasets, s["updates"], s["repeats"], profiled=True)
             run.log("  " + ", ".join(f"{k}: {row['median_ms'][k]:.1f} ms "
-                                     f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in times))
+                                     f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in LABELS))
             rows.append(row)
             run.step()
         return rows
@@ -164,61 +152,40 @@ class KerasPlain(Section):
                     f"| {label} | {v:.1f} |" for label, v in ms.items()]
 
 
-def kernels_probe(spec):
-    """direct against fused, interleaved, in a probe process (started with oneDNN off)."""
-    datasets = data.load_mnist()
-    out = []
-    for n, b in spec["configs"]:
-        contenders = [bc.SessionContender("direct", 1, n * b, datasets),
-                      bc.SessionContender("fused", n, b, datasets, "fused")]
-        times = bc.interleaved(contenders, spec["updates"], spec["repeats"])
-        onednn = any(t.startswith("_Mkl") for t, _ in bc.profile(contenders[0], 1)["top"])
-        for c in contenders:
-            c.close()
-        out.append(dict(n=n, b=b, direct_ms=1e3 * statistics.median(times["direct"]),
-                        fused_ms=1e3 * statistics.median(times["fused"]), onednn_ops=onednn,
-                        ratio=bc.paired_ratio(times, "fused", "direct")["ratio"]))
-    return {"rows": out}
-
-
 class Kernels(Section):
     name, title = "kernels", "The same on Eigen kernels (oneDNN off)"
     FULL, QUICK = Speed.FULL, Speed.QUICK
 
     def measure(self, run):
-        speed = {(r["n"], r["b"]): r for r in run.results.get("speed") or []}
-        configs = [c for c in self.settings["configs"] if c in FUSED_LIMITS and c in speed]
-        if not configs:
-            return None
-        run.log("Fused against direct with oneDNN off")
-        result = bench_probe.probe(kernels_probe, dict(self.settings, configs=configs),
-                                   env={"TF_ENABLE_ONEDNN_OPTS": "0"})
-        for k in result.get("rows", []):  # beside the speed section's, oneDNN on
-            row = speed[(k["n"], k["b"])]
-            k.update(direct_onednn_ms=row["median_ms"]["direct"],
-                     fused_onednn_ms=row["median_ms"]["fused"],
-                     onednn_ratio=row["vs_direct"]["fused"]["ratio"])
-        run.log("  " + (result.get("error") or ", ".join(
-            f"N={k['n']} x B={k['b']}: {k['ratio']:.2f}x" for k in result["rows"])))
-        return result
+        """[{"onednn": the speed section's row, "eigen": the same race in a probe}]."""
+        rows = []
+        for row in run.results.get("speed") or []:
+            if (row["n"], row["b"]) not in FUSED_LIMITS:
+                continue
+            eigen = bench_probe.probe(bc.race_probe, dict(
+                labels=("direct", "fused"), n=row["n"], b=row["b"],
+                updates=self.settings["updates"], repeats=self.settings["repeats"]),
+                env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+            run.log(f"Fused against direct with oneDNN off, N={row['n']} x B={row['b']}: "
+                    + (eigen.get("error") or f"{eigen['vs_direct']['fused']['ratio']:.2f}x"))
+            rows.append(dict(onednn=row, eigen=eigen))
+        return rows
 
-    def markdown(self, result):
-        if result is None:
+    def markdown(self, rows):
+        if not rows:
             return []
-        lines = [f"## {self.title}", ""]
-        if "error" in result:
-            return lines + [result["error"]]
-        lines += ["`direct` and `fused` again, interleaved as above, in a probe process "
-                  "started with `TF_ENABLE_ONEDNN_OPTS=0`: TensorFlow's Eigen kernels instead "
-                  "of oneDNN's (`main.py` keeps oneDNN on). Where fused / direct is near 1 "
-                  "here and above it with oneDNN, fused's gap is oneDNN's cost per kernel "
-                  "call, which does not shrink with the mini-batch.", "",
-                  "| N x B | direct, oneDNN | direct, Eigen | fused, oneDNN | fused, Eigen | "
-                  "fused / direct, oneDNN | fused / direct, Eigen |",
-                  "|---|---|---|---|---|---|---|"]
-        for k in result["rows"]:
-            lines.append(f"| {k['n']} x {k['b']} | {k['direct_onednn_ms']:.1f} ms | "
-                         f"{k['direct_ms']:.1f} ms | {k['fused_onednn_ms']:.1f} ms | "
-                         f"{k['fused_ms']:.1f} ms | {k['onednn_ratio']:.2f}x | {k['ratio']:.2f}x"
-                         + (" (oneDNN ops still seen)" if k["onednn_ops"] else "") + " |")
+        lines = [f"## {self.title}", "",
+                 "`direct` and `fused` again, interleaved as above, in a probe process started "
+                 "with `TF_ENABLE_ONEDNN_OPTS=0`: TensorFlow's Eigen kernels instead of "
+                 "oneDNN's (`main.py` keeps oneDNN on). Where fused / direct is near 1 here "
+                 "and above it with oneDNN, fused's gap is oneDNN's cost per kernel call, which "
+                 "does not shrink with the mini-batch.", "",
+                 "| N x B | direct, oneDNN | direct, Eigen | fused, oneDNN | fused, Eigen | "
+                 "fused / direct, oneDNN | fused / direct, Eigen |", "|---" * 7 + "|"]
+        for r in rows:
+            one, eigen = r["onednn"], r["eigen"]
+            cells = [eigen["error"]] if "error" in eigen else [
+                f"{x['median_ms'][k]:.1f} ms" for k in ("direct", "fused") for x in (one, eigen)
+            ] + [f"{x['vs_direct']['fused']['ratio']:.2f}x" for x in (one, eigen)]
+            lines.append(f"| {one['n']} x {one['b']} | " + " | ".join(cells) + " |")
         return lines

@@ -1,24 +1,18 @@
 """What AveragingOptimizer's train op costs against the plain optimizer's, per mini-batch.
 
-    python -m tools.bench_tf1_wrapper            # about a minute on 2 cores
-    python -m tools.bench_tf1_wrapper --quick    # a smoke test
+    python -m tools.bench_tf1_wrapper [--quick]    # this section of make bench alone
 
-The target: at the same B per mini-batch, one run of the wrapper's train op (add
-the mini-batch; every Nth run also apply the mean) costs at most 1.05x one run of the
-plain optimizer's (apply every run), on the post's ConvNet (dense gradients, Adam) and
-on a 50000 x 64 embedding table (sparse gradients, Momentum). Also timed: the wrapper
-without its lock (the cost of making runs from several threads atomic) and at N=1.
-
-Each contender is its own graph and session, fed from a few fixed random batches (the
-speed of these ops does not depend on the values). The contenders take turns as the
-speed section's do (bench_contenders.interleaved: rounds that rotate who goes first, so
-drift of a shared machine hits them alike), and the ratios are paired per round
-(bench_contenders.paired_ratio: median and quartiles over the rounds).
+At the same B, one run of the wrapper's train op (add the mini-batch; every Nth run also
+apply the mean) against one of the plain optimizer's (apply every run), on the post's
+ConvNet (dense gradients, Adam) and on an embedding table (sparse gradients, Momentum);
+also the wrapper without its lock and at N=1. Each contender is its own graph and session,
+fed a few fixed random batches (these ops' speed does not depend on the values).
 """
 
 import contextlib
 import statistics
 import sys
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -65,24 +59,13 @@ CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", F
               "wrapped N=1": (1, True)}
 
 
-@contextlib.contextmanager
-def _without_lock():
-    """AveragingOptimizer's window lock taken out while a graph is built, to time what it
-    costs: its `_Window.locked` block becomes a plain group of the same ops."""
-    original = tf1._Window.locked  # noqa: SLF001
-
-    @contextlib.contextmanager
-    def unlocked(window, after):
-        del window, after
-        held = tf1._Held()  # noqa: SLF001
-        yield held
-        held.released = tf.group(*held.ops)
-
-    tf1._Window.locked = unlocked  # noqa: SLF001
-    try:
-        yield
-    finally:
-        tf1._Window.locked = original  # noqa: SLF001
+def _unlocked(window, after):
+    """AveragingOptimizer's window lock taken out, to time what it costs: the block it
+    guards becomes a plain group of the same ops."""
+    del window, after
+    held = tf1._Held()  # noqa: SLF001
+    yield held
+    held.released = tf.group(*held.ops)
 
 
 class Contender:
@@ -97,7 +80,8 @@ class Contender:
             optimizer = make_optimizer()
             if n is not None:
                 optimizer = AveragingOptimizer(optimizer, n)
-            with contextlib.nullcontext() if locked else _without_lock():
+            with contextlib.nullcontext() if locked else mock.patch.object(
+                    tf1._Window, "locked", contextlib.contextmanager(_unlocked)):  # noqa: SLF001
                 self.train_op = optimizer.minimize(loss)
             init = v1.global_variables_initializer()
         self.graph.finalize()
@@ -116,11 +100,11 @@ class Contender:
 
 class Wrapper(Section):
     name, title = "wrapper", "AveragingOptimizer's train op against the plain optimizer's"
-    FULL, QUICK = dict(rounds=15, windows=10), dict(rounds=2, windows=1)  # a block: windows x N runs
+    FULL, QUICK = dict(rounds=15, windows=10), dict(rounds=2, windows=1)  # block: windows*N
 
     def measure(self, run):
-        """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain": {label: paired},
-        "lock": wrapped / unlocked, paired}}."""
+        """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain": {label: paired
+        ratio}, "lock": wrapped / unlocked}}."""
         out = {}
         for name, (build, n) in MODELS.items():
             contenders = [Contender(label, build, n if size == "N" else size, locked)
@@ -152,9 +136,8 @@ class Wrapper(Section):
                  f"{ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per run; "
                  "ratios paired per round (median, quartiles). Per run the wrapper adds the "
                  "mini-batch's gradient (sparse: a scatter-add of its rows into the "
-                 "table-sized accumulator), the count, the weight sum and the cond. "
-                 "`unlocked` is the wrapper without the lock that makes concurrent runs "
-                 "atomic, so wrapped / unlocked is what the lock costs.", "",
+                 "table-sized accumulator), the count, the weight sum and the cond; "
+                 "`unlocked`: without the lock that makes concurrent runs atomic.", "",
                  "| model | N x B | plain ms | wrapped ms | wrapped / plain | unlocked / plain "
                  "| N=1 / plain | the lock: wrapped / unlocked |",
                  "|---|---|---|---|---|---|---|---|"]

@@ -1,15 +1,15 @@
-"""make gpu-check: the GPU tests and the device sections of the bench, into GPU.md.
+"""make gpu-check: the GPU tests and the device section of the bench, into GPU.md.
 
     python -m tools.gpu_check                 # writes GPU.md
-    python -m tools.gpu_check --quick         # the device sections scaled down
+    python -m tools.gpu_check --quick         # the device section scaled down
 
 On a GPU it runs, with the GPU visible (GPU_TESTS=1; the rest of the suite hides it), the
 tests that are about a GPU: tests/experiment/test_gpu.py (both engines, --jit-compile and
 --distribute=mirrored through main.py, determinism run to run, Keras fit under the XLA
 Keras turns on there) and tests/library/test_keras_fit.py (accumulate against the direct
 batch, under that XLA). Then the bench's device section (bench_device.Device: peak
-device memory and speed, and its targets). GPU.md records the device, its driver, TensorFlow's build,
-each test's outcome, every number and each target met or missed.
+device memory and speed, and its targets). GPU.md records the device, its driver,
+TensorFlow's build, each test's outcome, every number and each target met or missed.
 
 Without a GPU it measures nothing, in seconds, and GPU.md says so.
 """
@@ -141,5 +141,5 @@ if __name__ == "__main__":
     # Defined here, not at import: tools.bench defines the same names, and a test process
     # may import both.
     cli.define("string", "output", "GPU.md", "Markdown file to write.")
-    cli.define("bool", "quick", False, "The device sections scaled down (a smoke test).")
+    cli.define("bool", "quick", False, "The device section scaled down (a smoke test).")
     app.run(main_check, flags_parser=cli.parse_flags)
