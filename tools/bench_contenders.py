@@ -1,16 +1,15 @@
 """What the bench races, how they take turns against the clock, and where their time goes.
 
-Every contender trains the post's ConvNet on real MNIST through `train(updates)`: the TF1
-graphs as `main.py` trains them, Keras 3's built-in accumulation, the tf2 engine, Keras
-`fit` through `accumulate`. Keras loads only inside the Keras and tf2 contenders, so that a
-memory probe, which imports this module, measures TensorFlow alone.
+Every contender trains the post's ConvNet on real MNIST through `train(updates)`: the
+engines as `main.py` trains them, Keras 3's built-in accumulation, Keras `fit` through
+`accumulate`. Keras loads only inside the Keras and tf2 contenders, so that a memory
+probe, which imports this module, measures TensorFlow alone.
 """
 
 import collections
 import glob
 import os
 import re
-import shutil
 import statistics
 import tempfile
 import time
@@ -58,20 +57,24 @@ class SessionContender:
 
 
 class KerasContender:
-    """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on the tf2
-    engine's ConvNet, `fit` on a tf.data pipeline of B-sized batches, `steps_per_execution`
-    mini-batches per compiled call (Keras's own way to cut per-step overhead); with None,
+    """Keras 3's built-in accumulation, Adam(gradient_accumulation_steps=N), on the tf2
+    engine's ConvNet, or with `accumulate` gradient_averaging's `accumulate(model, N)` with
+    plain Adam: `fit` on a tf.data pipeline of B-sized batches, `steps_per_execution`
+    mini-batches per compiled call (Keras's own way to cut per-step overhead), or with None
     `train_on_batch`, a call per mini-batch. No XLA: under op determinism (on in main.py
     and here) Keras turns jit_compile off."""
 
-    def __init__(self, label, n, b, datasets, steps_per_execution=1):
+    def __init__(self, label, n, b, datasets, steps_per_execution=1, accumulate=False):
         import keras
         import model  # Keras loads only where a Keras contender runs
+        from gradient_averaging import keras_fit
         keras.utils.set_random_seed(SEED)
         self.label, self.n, self.per_call = label, n, steps_per_execution
         self.model = model.keras_model("convnet", 0.5, SEED)
+        if accumulate:
+            self.model = keras_fit.accumulate(self.model, average_gradients=n)
         self.model.compile(optimizer=keras.optimizers.Adam(
-            1e-3, gradient_accumulation_steps=n if n > 1 else None),
+            1e-3, gradient_accumulation_steps=n if n > 1 and not accumulate else None),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             jit_compile=False, steps_per_execution=steps_per_execution or 1)
         self.dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
@@ -90,20 +93,6 @@ class KerasContender:
         pass
 
 
-class KerasFitContender(KerasContender):
-    """`accumulate(model, N)` on the same ConvNet, compiled with plain Adam(1e-3) and
-    fitted on the same pipeline, default steps_per_execution: each window one call."""
-
-    def __init__(self, label, n, b, datasets):
-        import keras
-        from gradient_averaging import keras_fit  # Keras loads only where a Keras contender runs
-        super().__init__(label, n, b, datasets)
-        self.model = keras_fit.accumulate(self.model, average_gradients=n)
-        self.model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                           jit_compile=False)
-
-
 def contender(label, n, b, datasets, updates=1):
     """The contender of that label at N x B: "direct" (one batch of N*B, the post's
     `minimize`), a tf1 averager, "tf2", "tf2_direct" (the tf2 engine on N*B), "keras" and
@@ -116,7 +105,7 @@ def contender(label, n, b, datasets, updates=1):
     if label in ("keras", "keras_long"):
         return KerasContender(label, n, b, datasets, n * updates if label == "keras_long" else n)
     if label == "keras_fit":
-        return KerasFitContender(label, n, b, datasets)
+        return KerasContender(label, n, b, datasets, accumulate=True)
     return SessionContender(label, n, b, datasets.train, label)
 
 
@@ -190,17 +179,16 @@ def profile(contender, updates):
       over threads; ops that only hold others are left out.
     """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    logdir = tempfile.mkdtemp(prefix="bench-profile-")
-    tf.profiler.experimental.start(logdir)
-    start = time.perf_counter()
-    contender.train(updates)
-    wall = time.perf_counter() - start
-    tf.profiler.experimental.stop()
     space = xplane_pb2.XSpace()
-    with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
-              "rb") as f:
-        space.ParseFromString(f.read())
-    shutil.rmtree(logdir, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as logdir:
+        tf.profiler.experimental.start(logdir)
+        start = time.perf_counter()
+        contender.train(updates)
+        wall = time.perf_counter() - start
+        tf.profiler.experimental.stop()
+        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
+                  "rb") as f:
+            space.ParseFromString(f.read())
     kernel_ms = collections.Counter()
     for plane in space.planes:
         for line in plane.lines:

@@ -16,7 +16,7 @@ from experiment import averagers
 from experiment import data
 from tools import bench_contenders as bc
 from tools.bench_probe import probe
-from tools.bench_section import Section, Target, worst
+from tools.bench_section import Section, Target, table, worst
 
 GPU = "GPU:0"
 MB = 1 << 20
@@ -25,6 +25,7 @@ MB = 1 << 20
 DEVICE_VS_ALONE, DEVICE_VS_DIRECT = 1.1, 0.3
 DEVICE_SPEED, DEVICE_SPEED_MIN_B = 1.1, 32
 LABELS = ("direct", *averagers.AVERAGERS, "tf2", "tf2_direct")  # the speed probe's
+REFS = ("alone", "direct")  # what each memory probe is set against
 NO_GPU = ("no GPU: TensorFlow sees no GPU on this machine, so peak device memory and "
           "speed on a device were not measured; `make gpu-check` measures them where there "
           "is one.")
@@ -50,11 +51,6 @@ def gpus():
                             map(str, details.get("compute_capability") or ())) or "?",
                         driver=driver, memory=memory))
     return out
-
-
-def build_info():
-    """TensorFlow's build (CUDA, cuDNN, the compute capabilities compiled for)."""
-    return dict(tf.sysconfig.get_build_info())
 
 
 def memory_probe(spec):
@@ -150,19 +146,19 @@ class Device(Section):
                   f"Peak device memory (`get_memory_info('{GPU}')['peak']`) while training "
                   f"{s['updates']} updates, after one untimed update and `reset_memory_stats`; "
                   "a probe each; \"before\" is the device memory in use when the peak was "
-                  "reset (weights, optimizer slots).", "",
-                  "| engine | run | N x B | peak MB | before MB | training adds MB | "
-                  "peak / B alone | peak / direct |", "|---|---|---|---|---|---|---|---|"]
+                  "reset (weights, optimizer slots).", ""]
         refs = {(p["engine"], p["role"]): p for p in d["memory"]}
-        for p in d["memory"]:
-            run = {"alone": "B alone", "direct": "direct"}.get(p["role"], p["averager"])
+
+        def memory_row(p):
             cells = [p["error"]] if "error" in p else [
                 f"{p['peak_mb']:.1f}", f"{p['before_mb']:.1f}", f"{p['increment_mb']:.1f}"] + [
                 f"{p['peak_mb'] / refs[(p['engine'], ref)]['peak_mb']:.2f}"
-                if "peak_mb" in refs.get((p["engine"], ref), {}) else ""
-                for ref in ("alone", "direct")]
-            lines.append(f"| {p['engine']} | {run} | {p['n']} x {p['b']} | "
-                         + " | ".join(cells) + " |")
+                if "peak_mb" in refs.get((p["engine"], ref), {}) else "" for ref in REFS]
+            run = {"alone": "B alone", "direct": "direct"}.get(p["role"], p["averager"])
+            return (p["engine"], run, f"{p['n']} x {p['b']}", *cells)
+
+        lines += table(("engine", "run", "N x B", "peak MB", "before MB", "training adds MB",
+                        "peak / B alone", "peak / direct"), map(memory_row, d["memory"]))
         refused = [p for p in d["memory"] + d["speed"] if "determinism_error" in p]
         if refused:
             lines += ["", "Measured without op determinism (TensorFlow refused it): " + "; ".join(
@@ -172,11 +168,9 @@ class Device(Section):
                   f"{s['speed_updates']} updates after one untimed block; the ratio is the "
                   "median of the per-round ratios to `direct` (tf1, one batch of N*B). "
                   "`tf2_direct`: the tf2 engine at N=1 on N*B, the tf2 window's own direct "
-                  "batch.", "", "| N x B | " + " | ".join(LABELS) + " | tf2 / tf2_direct |",
-                  "|---" * (len(LABELS) + 2) + "|"]
-        for p in d["speed"]:
-            cells = [p["error"]] if "error" in p else [
+                  "batch.", ""]
+        return lines + table(("N x B", *LABELS, "tf2 / tf2_direct"), [
+            (f"{p['n']} x {p['b']}", *([p["error"]] if "error" in p else [
                 f"{p['median_ms'][k]:.1f} ms, {p['vs_direct'][k]['ratio']:.2f}x" for k in LABELS
-            ] + [f"{bc.paired_ratio(p['times'], 'tf2', 'tf2_direct')['ratio']:.2f}x"]
-            lines.append(f"| {p['n']} x {p['b']} | " + " | ".join(cells) + " |")
-        return lines
+            ] + [f"{bc.paired_ratio(p['times'], 'tf2', 'tf2_direct')['ratio']:.2f}x"]))
+            for p in d["speed"]])

@@ -6,8 +6,6 @@ and `running` averagers. On a model whose gradients dominate memory (the MLP), a
 that keeps the window's gradients grows by at least one gradient per added mini-batch.
 """
 
-import resource
-
 import numpy as np
 
 import model
@@ -15,7 +13,7 @@ from experiment import averagers
 from experiment import data
 from tools import bench_probe
 from tools.bench_contenders import SEED, SessionContender
-from tools.bench_section import Section, Target, status
+from tools.bench_section import Section, Target, status, table
 
 MB = 1 << 20
 STATUS = "/proc/self/status"
@@ -30,21 +28,10 @@ def _proc_mb(path, field):
                      if line.startswith(field + ":")), float("nan"))
 
 
-def _reset_peak():
-    """Resets the kernel's peak-RSS counter (VmHWM); False where the kernel cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def rss_probe(spec):
     """Peak RSS in this probe process while it trains `updates` updates, against its RSS
     just before. It keeps only the samples it trains on, so that the 55,000 training
     images (170 MB as float32) do not hide what the averagers change."""
-    import_mb = _proc_mb(STATUS, "VmRSS")  # TensorFlow imported, nothing else yet
     datasets = data.load_mnist()
     idx = data.SampleStream(len(datasets.train.labels), SEED).next_indices(
         spec["n"] * spec["b"] * spec["updates"])
@@ -53,25 +40,14 @@ def rss_probe(spec):
     contender = SessionContender("probe", spec["n"], spec["b"], train, spec["averager"],
                                  spec["model"])
     try:
-        baseline, exact = _proc_mb(STATUS, "VmRSS"), _reset_peak()
+        baseline = _proc_mb(STATUS, "VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) reset to now
+            f.write("5")
         contender.train(spec["updates"])
-        # Without the reset, the process's lifetime peak (MNIST's loading included).
-        peak = _proc_mb(STATUS, "VmHWM") if exact else \
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = _proc_mb(STATUS, "VmHWM")
     finally:
         contender.close()
-    return dict(spec, import_mb=import_mb, baseline_mb=baseline, peak_mb=peak,
-                increment_mb=peak - baseline)
-
-
-def _probes(run, specs, jobs=1):
-    out = []
-    for p in bench_probe.probe_all(rss_probe, specs, jobs):
-        what = f"{p['model']} {p['averager'] if p['n'] > 1 else 'direct'} N={p['n']} B={p['b']}"
-        run.log(f"  {what}: " + (p.get("error") or f"peak {p['peak_mb']:.0f} MB, "
-                                 f"+{p['increment_mb']:.0f} MB in training"))
-        out.append(p)
-    return out
+    return dict(spec, baseline_mb=baseline, peak_mb=peak, increment_mb=peak - baseline)
 
 
 def host_slope(host, averager):
@@ -92,11 +68,9 @@ class HostGrowth(Section):
 
     def measure(self, run):
         s = self.settings
-        spec = lambda averager, n: dict(  # noqa: E731
-            model=s["model"], averager=averager, n=n, b=s["b"], updates=1)
         run.log(f"Host memory as N grows ({s['model']}, B={s['b']})")
         grad_mb = 4 * model.keras_model(s["model"]).count_params() / MB
-        specs, skipped = [spec(s["averagers"][0], 1)], {}  # N=1: minimize, for all
+        runs, skipped = [(s["averagers"][0], 1)], {}  # N=1 is `minimize` for all: once
         for a in s["averagers"]:
             for n in s["ns"][1:]:
                 # stack keeps N gradients and stacks them: about 2N copies at the apply.
@@ -104,10 +78,15 @@ class HostGrowth(Section):
                 if need > 0.8 * _proc_mb("/proc/meminfo", "MemAvailable"):
                     skipped[(a, n)] = f"skipped: needs ~{need / 1024:.1f} GB"
                 else:
-                    specs.append(spec(a, n))
-        first, *rest = _probes(run, specs, s["jobs"])
-        table = {(a, 1): first for a in s["averagers"]}
-        table.update({(p["averager"], p["n"]): p for p in rest})
+                    runs.append((a, n))
+        table = {}
+        for p in bench_probe.probe_all(rss_probe, [dict(
+                model=s["model"], averager=a, n=n, b=s["b"], updates=1) for a, n in runs],
+                s["jobs"]):
+            run.log(f"  {p['averager']} N={p['n']}: " + (p.get("error") or (
+                f"peak {p['peak_mb']:.0f} MB, +{p['increment_mb']:.0f} MB in training")))
+            table[(p["averager"], p["n"])] = p
+        table.update({(a, 1): table[runs[0]] for a in s["averagers"]})
         return dict(grad_mb=grad_mb, ns=s["ns"], averagers=s["averagers"], table=table,
                     skipped=skipped)
 
@@ -124,22 +103,18 @@ class HostGrowth(Section):
         return out
 
     def markdown(self, h):
-        lines = [f"## {self.title}", "",
-                 f"`--model={self.settings['model']}` (one gradient is {h['grad_mb']:.0f} MB), "
-                 f"B={self.settings['b']}, one update; "
-                 "peak RSS in MB of a probe while it trains (at N=1 every averager is "
-                 "`minimize`).", "", "| N | " + " | ".join(h["averagers"]) + " |",
-                 "|---" * (len(h["averagers"]) + 1) + "|"]
-        for n in h["ns"]:
-            cells = [h["skipped"].get((a, n), "-") if (a, n) not in h["table"] else
-                     h["table"][(a, n)].get("error") or f"{h['table'][(a, n)]['peak_mb']:.0f}"
-                     for a in h["averagers"]]
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        def cell(a, n):
+            p = h["table"].get((a, n))
+            return h["skipped"].get((a, n), "-") if p is None else (
+                p.get("error") or f"{p['peak_mb']:.0f}")
+
         slopes = [(a, host_slope(h, a)) for a in h["averagers"]]
-        slopes = [f"{a} {m:+.1f} MB ({m / h['grad_mb']:+.3f} gradients)"
-                  for a, m in slopes if m is not None]
-        if slopes:
-            lines += ["", "Least-squares growth per added mini-batch, over N > 1: "
-                      + ", ".join(slopes) + f". Flat means under {FLAT_GRADIENTS_PER_N} "
-                      "gradients; keeping the window's gradients costs at least one."]
-        return lines
+        return [f"## {self.title}", "",
+                f"`--model={self.settings['model']}` (one gradient is {h['grad_mb']:.0f} MB), "
+                f"B={self.settings['b']}, one update; peak RSS in MB of a probe while it trains "
+                "(at N=1 every averager is `minimize`).", ""] + table(
+            ("N", *h["averagers"]), [(n, *(cell(a, n) for a in h["averagers"])) for n in h["ns"]]
+        ) + ["", "Least-squares growth per added mini-batch, over N > 1: " + ", ".join(
+            f"{a} {m:+.1f} MB ({m / h['grad_mb']:+.3f} gradients)" for a, m in slopes
+            if m is not None) + f". Flat means under {FLAT_GRADIENTS_PER_N} gradients; keeping "
+            "the window's gradients costs at least one."]

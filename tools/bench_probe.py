@@ -1,12 +1,10 @@
-"""The bench's probe: one measurement in a fresh process, given a JSON spec, returning JSON.
+"""The bench's probe: a measurement in a fresh process, given a JSON spec, returning JSON.
 
-A section needs a fresh process where the measurement must not see this one's state (a
-process's peak RSS, a device's allocator) or where TensorFlow reads a setting only at
-start (TF_ENABLE_ONEDNN_OPTS). `probe(function, spec)` runs
-`python -m tools.bench_probe MODULE:FUNCTION JSON`, which imports TensorFlow quietly,
-turns op determinism on as main.py does, calls function(spec) and prints its dict as one
-JSON line. A failure comes back as the spec with an `error` line, never as an exception.
-The parent may hold no TensorFlow: this module imports none.
+Where a measurement must not see this process's state (a peak RSS, a device allocator's
+peak) or needs a setting TensorFlow reads only at start (TF_ENABLE_ONEDNN_OPTS),
+probe(function, spec) runs `python -m tools.bench_probe MODULE:FUNCTION JSON`: TensorFlow
+imported quietly, op determinism on as main.py sets it, function(spec)'s dict printed as
+one JSON line. A failure comes back as the spec with an `error` line, never raised.
 """
 
 import concurrent.futures
@@ -23,13 +21,9 @@ TIMEOUT = 600  # seconds
 
 
 def probe(function, spec, env=None, timeout=TIMEOUT):
-    """function(spec) in a fresh process (`env` added to its environment), under op
-    determinism; where TensorFlow has no deterministic kernel for it, once more without
-    (the result's `determinism_error` says why).
-
-    Returns:
-      function's dict, or `spec` with `error`: one line (the failure, the timeout).
-    """
+    """function(spec) in a fresh process, `env` added to its environment; where TensorFlow
+    has no deterministic kernel for it, again without op determinism (the result's
+    `determinism_error` says why)."""
     result = _spawn(function, dict(spec, deterministic=True), env, timeout)
     if result.pop("determinism", False):
         refused = result["error"]
@@ -46,11 +40,12 @@ def probe_all(function, specs, jobs=1, env=None):
 
 
 def _spawn(function, spec, env, timeout):
-    name = f"{function.__module__}:{function.__name__}"
     try:
-        done = subprocess.run([sys.executable, "-m", "tools.bench_probe", name, json.dumps(spec)],
-                              cwd=common.ROOT, capture_output=True, text=True, timeout=timeout,
-                              env=dict(os.environ, **(env or {})))
+        done = subprocess.run(
+            [sys.executable, "-m", "tools.bench_probe",
+             f"{function.__module__}:{function.__name__}", json.dumps(spec)],
+            cwd=common.ROOT, capture_output=True, text=True, timeout=timeout,
+            env=dict(os.environ, **(env or {})))
     except subprocess.TimeoutExpired:
         return dict(spec, error=f"probe timed out after {timeout} s")
     lines = done.stdout.strip().splitlines()

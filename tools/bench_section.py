@@ -93,6 +93,11 @@ def worst(target, ratios, limit, at_least=False, noise=None, failed=False):
                   status(ok, noisy and not failed))
 
 
+def table(header, rows):
+    """A markdown table: the header's cells, then each row's."""
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
+        "| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
 def targets_table(targets):
-    return (["## Targets", "", "| target | measured | status |", "|---|---|---|"]
-            + [f"| {t.target} | {t.measured} | {t.status} |" for t in targets])
+    return ["## Targets", ""] + table(Target._fields, targets)

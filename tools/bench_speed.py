@@ -6,7 +6,7 @@ import statistics
 from experiment import averagers
 from tools import bench_contenders as bc
 from tools import bench_probe
-from tools.bench_section import Section, worst
+from tools.bench_section import Section, table, worst
 
 # The targets.
 FUSED_LIMITS = {(5, 20): 1.15, (20, 5): 1.5}  # fused against the direct batch
@@ -98,15 +98,14 @@ class Speed(Section):
         return out
 
     def markdown(self, rows):
-        labels = [k for k in LABELS if k in rows[0]["times"]]
+        def cell(r, k):
+            return f"{r['median_ms'][k]:.1f} ms, {r['vs_direct'][k]['ratio']:.2f}x"
+
         lines = [f"## {self.title}", "",
-                 ABOUT.format(averagers="`, `".join(averagers.AVERAGERS), **self.settings), "",
-                 "| N x B | " + " | ".join(labels) + " | faster Keras / fused |",
-                 "|---" * (len(labels) + 2) + "|"]
-        for r in rows:
-            lines.append(f"| {r['n']} x {r['b']} | " + " | ".join(
-                f"{r['median_ms'][k]:.1f} ms, {r['vs_direct'][k]['ratio']:.2f}x" for k in labels)
-                + f" | {bc.paired_ratio(r['times'], keras_best(r), 'fused')['ratio']:.2f}x |")
+                 ABOUT.format(averagers="`, `".join(averagers.AVERAGERS), **self.settings), ""]
+        lines += table(("N x B", *LABELS, "faster Keras / fused"), [
+            (f"{r['n']} x {r['b']}", *(cell(r, k) for k in LABELS),
+             f"{bc.paired_ratio(r['times'], keras_best(r), 'fused')['ratio']:.2f}x") for r in rows])
         noise = noise_floor(rows)
         if noise is not None:
             lines += ["", f"This run's noise: at N=1 the averagers' ratios to `direct`, the same "
@@ -118,15 +117,12 @@ class Speed(Section):
                   "rounds; kernel milliseconds per update, summed over threads (so they can "
                   "exceed the wall time), by op class. Tracing slows the small ops most."]
         for r in rows:
-            classes = sorted({c for p in r["profiles"].values() for c in p["kernel_ms"]})
-            lines += ["", f"N={r['n']} x B={r['b']}:", "", "| | " + " | ".join(labels) + " |",
-                      "|---" * (len(labels) + 1) + "|",
-                      "| wall ms, timed rounds | " + " | ".join(
-                          f"{r['median_ms'][k]:.1f}" for k in labels) + " |",
-                      "| wall ms, traced | " + " | ".join(
-                          f"{r['profiles'][k]['wall_ms']:.1f}" for k in labels) + " |"]
-            lines += [f"| {c} | " + " | ".join(f"{r['profiles'][k]['kernel_ms'].get(c, 0):.2f}"
-                                               for k in labels) + " |" for c in classes]
+            p = r["profiles"]
+            classes = sorted({c for profile in p.values() for c in profile["kernel_ms"]})
+            lines += ["", f"N={r['n']} x B={r['b']}:", ""] + table(("", *LABELS), [
+                ("wall ms, timed rounds", *(f"{r['median_ms'][k]:.1f}" for k in LABELS)),
+                ("wall ms, traced", *(f"{p[k]['wall_ms']:.1f}" for k in LABELS))] + [
+                (c, *(f"{p[k]['kernel_ms'].get(c, 0):.2f}" for k in LABELS)) for c in classes])
         return lines
 
 
@@ -148,8 +144,8 @@ class KerasPlain(Section):
     def markdown(self, ms):
         return [f"## {self.title} (N={self.settings['n']} x B={self.settings['b']})", "",
                 "Keras's accumulation, a call per mini-batch against one compiled call per "
-                "update.", "", "| how | ms per update |", "|---|---|"] + [
-                    f"| {label} | {v:.1f} |" for label, v in ms.items()]
+                "update.", ""] + table(("how", "ms per update"),
+                                       [(label, f"{v:.1f}") for label, v in ms.items()])
 
 
 class Kernels(Section):
@@ -174,18 +170,17 @@ class Kernels(Section):
     def markdown(self, rows):
         if not rows:
             return []
-        lines = [f"## {self.title}", "",
-                 "`direct` and `fused` again, interleaved as above, in a probe process started "
-                 "with `TF_ENABLE_ONEDNN_OPTS=0`: TensorFlow's Eigen kernels instead of "
-                 "oneDNN's (`main.py` keeps oneDNN on). Where fused / direct is near 1 here "
-                 "and above it with oneDNN, fused's gap is oneDNN's cost per kernel call, which "
-                 "does not shrink with the mini-batch.", "",
-                 "| N x B | direct, oneDNN | direct, Eigen | fused, oneDNN | fused, Eigen | "
-                 "fused / direct, oneDNN | fused / direct, Eigen |", "|---" * 7 + "|"]
+        body = []
         for r in rows:
             one, eigen = r["onednn"], r["eigen"]
-            cells = [eigen["error"]] if "error" in eigen else [
-                f"{x['median_ms'][k]:.1f} ms" for k in ("direct", "fused") for x in (one, eigen)
-            ] + [f"{x['vs_direct']['fused']['ratio']:.2f}x" for x in (one, eigen)]
-            lines.append(f"| {one['n']} x {one['b']} | " + " | ".join(cells) + " |")
-        return lines
+            body.append((f"{one['n']} x {one['b']}", *([eigen["error"]] if "error" in eigen else [
+                f"{x['median_ms'][k]:.1f} ms" for k in ("direct", "fused") for x in (one, eigen)]
+                + [f"{x['vs_direct']['fused']['ratio']:.2f}x" for x in (one, eigen)])))
+        return [f"## {self.title}", "",
+                "`direct` and `fused` again, interleaved as above, in a probe process started "
+                "with `TF_ENABLE_ONEDNN_OPTS=0`: TensorFlow's Eigen kernels instead of "
+                "oneDNN's (`main.py` keeps oneDNN on). Where fused / direct is near 1 here "
+                "and above it with oneDNN, fused's gap is oneDNN's cost per kernel call, which "
+                "does not shrink with the mini-batch.", ""] + table(
+            ("N x B", "direct, oneDNN", "direct, Eigen", "fused, oneDNN", "fused, Eigen",
+             "fused / direct, oneDNN", "fused / direct, Eigen"), body)

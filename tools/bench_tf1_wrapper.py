@@ -21,7 +21,7 @@ import model
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging import tf1
 from tools.bench_contenders import interleaved, paired_ratio
-from tools.bench_section import Run, Section, worst
+from tools.bench_section import Run, Section, table, worst
 
 v1 = tf.compat.v1
 
@@ -130,24 +130,20 @@ class Wrapper(Section):
 
     def markdown(self, result):
         fmt = lambda r: f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"  # noqa: E731
-        lines = [f"## {self.title}", "",
-                 "Per mini-batch run at the same B (`python -m tools.bench_tf1_wrapper` "
-                 "measures this alone): the ConvNet with Adam (dense gradients) and a "
-                 f"{ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per run; "
-                 "ratios paired per round (median, quartiles). Per run the wrapper adds the "
-                 "mini-batch's gradient (sparse: a scatter-add of its rows into the "
-                 "table-sized accumulator), the count, the weight sum and the cond; "
-                 "`unlocked`: without the lock that makes concurrent runs atomic.", "",
-                 "| model | N x B | plain ms | wrapped ms | wrapped / plain | unlocked / plain "
-                 "| N=1 / plain | the lock: wrapped / unlocked |",
-                 "|---|---|---|---|---|---|---|---|"]
-        for name, row in result.items():
-            vs = row["vs_plain"]
-            lines.append(f"| {name} | {row['n']} x {row['b']} | {row['ms']['plain']:.2f} | "
-                         f"{row['ms']['wrapped']:.2f} | {fmt(vs['wrapped'])} | "
-                         f"{fmt(vs['unlocked'])} | {fmt(vs['wrapped N=1'])} | "
-                         f"{fmt(row['lock'])} |")
-        return lines
+        return [f"## {self.title}", "",
+                "Per mini-batch run at the same B (`python -m tools.bench_tf1_wrapper` "
+                "measures this alone): the ConvNet with Adam (dense gradients) and a "
+                f"{ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per run; "
+                "ratios paired per round (median, quartiles). Per run the wrapper adds the "
+                "mini-batch's gradient (sparse: a scatter-add of its rows into the "
+                "table-sized accumulator), the count, the weight sum and the cond; "
+                "`unlocked`: without the lock that makes concurrent runs atomic.", ""] + table(
+            ("model", "N x B", "plain ms", "wrapped ms", "wrapped / plain", "unlocked / plain",
+             "N=1 / plain", "the lock: wrapped / unlocked"),
+            [(name, f"{row['n']} x {row['b']}", f"{row['ms']['plain']:.2f}",
+              f"{row['ms']['wrapped']:.2f}", *(fmt(row["vs_plain"][k]) for k in (
+                  "wrapped", "unlocked", "wrapped N=1")), fmt(row["lock"]))
+             for name, row in result.items()])
 
 
 if __name__ == "__main__":

@@ -26,13 +26,14 @@ from experiment import cli
 
 cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
 
+import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from experiment import results  # noqa: E402
 from tools import bench_device  # noqa: E402
 from tools import common  # noqa: E402
-from tools.bench_section import Run, targets_table  # noqa: E402
+from tools.bench_section import Run, table, targets_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")
@@ -72,8 +73,9 @@ def _outcomes(root):
     return out
 
 
-def render(build, tests, section, device, targets, command, elapsed):
+def render(tests, section, device, targets, command, elapsed):
     """GPU.md's text; `device`: the device section's result (None: no GPU)."""
+    build = tf.sysconfig.get_build_info()
     lines = ["# GPU check", "",
              f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
              f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
@@ -87,16 +89,15 @@ def render(build, tests, section, device, targets, command, elapsed):
             "and speed on a device) are not yet measured on a GPU. `make gpu-check` on a "
             "machine with one runs the GPU tests and the bench's device section and "
             "rewrites this file with what it measured.", ""] + targets_table(targets)) + "\n"
-    lines += ["## Device", "", "| device | name | compute capability | driver | memory |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {g['name']} | {g['device_name']} | {g['compute_capability']} | "
-              f"{g['driver']} | {g['memory']} |" for g in device["gpu"]]
+    lines += ["## Device", ""] + table(
+        ("device", "name", "compute capability", "driver", "memory"),
+        [[g[k] for k in ("name", "device_name", "compute_capability", "driver", "memory")]
+         for g in device["gpu"]])
     passed = sum(outcome == "passed" for _, outcome, _ in tests)
     lines += ["", "## Tests with the GPU visible", "",
               f"`GPU_TESTS=1 pytest {' '.join(GPU_TESTS)}`: {passed} of {len(tests)} passed.",
-              "", "| test | outcome | message |", "|---|---|---|"]
-    lines += [f"| {name} | {outcome} | {line.replace('|', '/')} |"
-              for name, outcome, line in tests]
+              ""] + table(("test", "outcome", "message"), [
+                  (name, outcome, line.replace("|", "/")) for name, outcome, line in tests])
     lines += ["", *targets_table(targets), "", *section.markdown(device)]
     return "\n".join(lines) + "\n"
 
@@ -113,8 +114,8 @@ def check(output, quick=False, command="python -m tools.gpu_check", log=print):
             log(f"  {outcome}: {name}" + (f" -- {line}" if line else ""))
     section, run = bench_device.Device(quick), Run(log=log)
     targets = run.measure([section])
-    text = render(bench_device.build_info(), tests, section, run.results[section.name],
-                  targets, command, time.perf_counter() - start)
+    text = render(tests, section, run.results[section.name], targets, command,
+                  time.perf_counter() - start)
     results.atomic_write_text(output, text)
     return text
 

@@ -164,7 +164,7 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     assert "Targets:" in proc.stdout
     with open(tmp_path / "quick.png", "rb") as f:  # the ratios, next to the markdown
         assert f.read(8) == b"\x89PNG\r\n\x1a\n" and len(f.read()) > 10_000
-    assert "![Speed and memory ratios](quick.png)" in text
+    assert "![Speed ratios](quick.png)" in text
     assert "\r" not in proc.stdout + proc.stderr  # no bar when stderr is not a terminal
     after = open(committed).read() if os.path.exists(committed) else None
     assert after == before  # --output went elsewhere
