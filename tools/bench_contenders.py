@@ -1,37 +1,54 @@
-"""The contenders of the speed section, and how they take turns against the clock.
+"""What the bench races, how they take turns against the clock, and where their time goes.
 
-Every contender trains the post's ConvNet on real MNIST through `train(updates)`: the TF1
-graphs as `main.py` trains them, Keras 3's built-in accumulation, the tf2 engine. Keras
-loads only inside the Keras and tf2 contenders, so that a memory probe, which imports this
-module, measures TensorFlow alone.
+Every contender trains the post's ConvNet on real MNIST through `train(updates)`: the
+engines as `main.py` trains them, Keras 3's built-in accumulation, Keras `fit` through
+`accumulate`. Keras loads only inside the Keras and tf2 contenders, so that a memory
+probe, which imports this module, measures TensorFlow alone.
 """
 
 import collections
+import glob
+import os
+import re
 import statistics
+import tempfile
 import time
 
 import tensorflow as tf
 
+from experiment import config
 from experiment import data
 from experiment import engine_tf1
-from experiment import loop
-from experiment import averagers
 
 SEED = 0
 ENDLESS = 10 ** 9  # mini-batches a contender may draw: more than any benchmark trains
+# Op classes for the profile: the first pattern that matches the op type names it.
+OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
+              ("dropout RNG", r"Random"), ("finite check", r"^(IsFinite|All)$"),
+              ("variable updates", r"ApplyAdam|AssignAddVariable|AssignVariable"))
+CONTAINER_OPS = ("While", "If", "PartitionedCall", "Case")  # time of ops they hold
 
 
 class SessionContender:
-    """One TF1 graph training through the tf1 engine's `step`, as `main.py`'s loop does."""
+    """An engine trained through its `step` on `train` (a data.Split), as `main.py`'s loop
+    trains: the tf1 engine with an averager, or with "tf2" the tf2 engine (the window in
+    one compiled call)."""
 
-    def __init__(self, label, config, datasets):
-        self.label, self.config = label, config
-        self.engine = engine_tf1.Engine(config, SEED)
-        self.batches = data.batches(datasets.train, SEED, config.batch_size, 0, ENDLESS)
+    def __init__(self, label, n, b, train, averager="stack", model="convnet"):
+        self.label, self.n = label, n
+        tf2 = averager == "tf2"
+        cfg = config.Config(average_gradients=n, batch_size=b, model=model, engine="tf2"
+                            if tf2 else "tf1", accumulate="stack" if tf2 else averager)
+        if tf2:
+            from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
+            self.engine = engine_tf2.Engine(cfg, SEED)
+        else:
+            self.engine = engine_tf1.Engine(cfg, SEED)
+        self.batches = data.batches(train, SEED, b, 0, ENDLESS)
         self.iteration = 0
 
     def train(self, updates):
-        for _ in range(updates * self.config.average_gradients):
+        for _ in range(updates * self.n):
             self.iteration += 1
             self.engine.step(*next(self.batches), self.iteration)
 
@@ -40,85 +57,89 @@ class SessionContender:
 
 
 class KerasContender:
-    """Keras 3's built-in accumulation: Adam(gradient_accumulation_steps=N) on B samples.
+    """Keras 3's built-in accumulation, Adam(gradient_accumulation_steps=N), on the tf2
+    engine's ConvNet, or with `accumulate` gradient_averaging's `accumulate(model, N)` with
+    plain Adam: `fit` on a tf.data pipeline of B-sized batches, `steps_per_execution`
+    mini-batches per compiled call (Keras's own way to cut per-step overhead), or with None
+    `train_on_batch`, a call per mini-batch. No XLA: under op determinism (on in main.py
+    and here) Keras turns jit_compile off."""
 
-    mode "fit": model.fit over a tf.data pipeline of B-sized batches, `steps_per_execution`
-    mini-batches per compiled call (Keras's own way to cut per-step overhead);
-    mode "train_on_batch": one call per mini-batch. No XLA: under op determinism (on in
-    main.py and here) Keras turns jit_compile off.
-    """
-
-    def __init__(self, label, n, b, datasets, mode="fit", steps_per_execution=1):
+    def __init__(self, label, n, b, datasets, steps_per_execution=1, accumulate=False):
         import keras
         import model  # Keras loads only where a Keras contender runs
+        from gradient_averaging import keras_fit
         keras.utils.set_random_seed(SEED)
-        self.label, self.n, self.b, self.mode = label, n, b, mode
-        self.model = model.keras_model("convnet", 0.5, SEED)  # the tf2 engine's ConvNet
-        accumulation_steps = n if n > 1 else None
-        self.model.compile(
-            optimizer=keras.optimizers.Adam(1e-3, gradient_accumulation_steps=accumulation_steps),
+        self.label, self.n, self.per_call = label, n, steps_per_execution
+        self.model = model.keras_model("convnet", 0.5, SEED)
+        if accumulate:
+            self.model = keras_fit.accumulate(self.model, average_gradients=n)
+        self.model.compile(optimizer=keras.optimizers.Adam(
+            1e-3, gradient_accumulation_steps=n if n > 1 and not accumulate else None),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=False, steps_per_execution=steps_per_execution)
-        self.train_split = datasets.train
-        self.stream = data.SampleStream(len(datasets.train.labels), SEED)
+            jit_compile=False, steps_per_execution=steps_per_execution or 1)
         self.dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
                         .repeat().batch(b, drop_remainder=True).prefetch(2))
+        self.batches = iter(self.dataset)
 
     def train(self, updates):
-        if self.mode == "fit":
+        if self.per_call:
             self.model.fit(self.dataset, steps_per_epoch=updates * self.n, epochs=1, verbose=0,
                            shuffle=False)
             return
         for _ in range(updates * self.n):
-            self.model.train_on_batch(*self.stream.next_batch(self.train_split, self.b))
+            self.model.train_on_batch(*next(self.batches))
 
     def close(self):
         pass
 
 
-class TF2Contender(SessionContender):
-    """The tf2 engine as `main.py --engine=tf2` trains it: engine_tf2.Engine's `step`
-    buffers N mini-batches and trains the window in one compiled call; `train` and
-    `close` are SessionContender's, only the engine differs."""
-
-    def __init__(self, label, n, b, datasets):
-        from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
-        self.label = label
-        self.config = loop.Config(engine="tf2", average_gradients=n, batch_size=b)
-        self.engine = engine_tf2.Engine(self.config, SEED)
-        self.batches = data.batches(datasets.train, SEED, b, 0, ENDLESS)
-        self.iteration = 0
-
-
-def tf1_contenders(n, b, datasets):
-    """The direct batch N*B (the post's minimize) and every averager at N x B."""
-    contenders = [SessionContender("direct", loop.Config(
-        average_gradients=1, batch_size=n * b), datasets)]
-    for averager in averagers.AVERAGERS:
-        contenders.append(SessionContender(averager, loop.Config(
-            average_gradients=n, batch_size=b, accumulate=averager), datasets))
-    return contenders
+def contender(label, n, b, datasets, updates=1):
+    """The contender of that label at N x B: "direct" (one batch of N*B, the post's
+    `minimize`), a tf1 averager, "tf2", "tf2_direct" (the tf2 engine on N*B), "keras" and
+    "keras_long" (Keras's accumulation, one call per update or per block of `updates`),
+    "keras_fit"."""
+    if label == "direct":
+        return SessionContender(label, 1, n * b, datasets.train)
+    if label == "tf2_direct":
+        return SessionContender(label, 1, n * b, datasets.train, "tf2")
+    if label in ("keras", "keras_long"):
+        return KerasContender(label, n, b, datasets, n * updates if label == "keras_long" else n)
+    if label == "keras_fit":
+        return KerasContender(label, n, b, datasets, accumulate=True)
+    return SessionContender(label, n, b, datasets.train, label)
 
 
-def keras_modes(n, updates):
-    """Ways to train with Keras's accumulation: the setup section compares the plain ones
-    with one call per update; the speed section times the two that are fastest."""
-    return {"train_on_batch": dict(mode="train_on_batch"),
-            "fit, steps_per_execution=1": dict(mode="fit", steps_per_execution=1),
-            "fit, steps_per_execution=N": dict(mode="fit", steps_per_execution=n),
-            "fit, steps_per_execution=N*U": dict(mode="fit", steps_per_execution=n * updates)}
+def race(labels, n, b, datasets, updates, repeats, profiled=False):
+    """The labelled contenders at N x B, interleaved (with `profiled`, each traced after).
+
+    Returns:
+      {"n", "b", "times": interleaved's, "median_ms", "vs_direct": paired ratios,
+      "profiles": {label: profile} or None}.
+    """
+    contenders = [contender(label, n, b, datasets, updates) for label in labels]
+    try:
+        times = interleaved(contenders, updates, repeats)
+        profiles = {c.label: profile(c, updates) for c in contenders} if profiled else None
+    finally:
+        for c in contenders:
+            c.close()
+    return dict(n=n, b=b, times=times, profiles=profiles,
+                median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                vs_direct={k: paired_ratio(times, k, "direct") for k in times})
 
 
-# The Keras contenders of the speed section, by label; a target takes the faster one.
-KERAS_CONTENDERS = {"keras": "fit, steps_per_execution=N",
-                    "keras_long": "fit, steps_per_execution=N*U"}
+def race_probe(spec):
+    """race() in a probe process (bench_probe.py), on its own MNIST."""
+    return race(spec["labels"], spec["n"], spec["b"], data.load_mnist(), spec["updates"],
+                spec["repeats"])
 
 
 # ---------------------------------------------------------------- timing
 
 
 def interleaved(contenders, updates, repeats):
-    """Seconds per update of each contender, `repeats` rounds, turns rotating per round.
+    """Seconds per update of each contender, `repeats` rounds, turns rotating per round,
+    so that drift of a shared machine hits them alike.
 
     Returns:
       {label: [seconds per update, one per round]}.
@@ -143,7 +164,42 @@ def paired_ratio(times, label, base):
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
 
 
-def keras_vs_fused(times):
-    """The faster Keras contender's label, and fused's speed-up over it."""
-    best = min(KERAS_CONTENDERS, key=lambda k: statistics.median(times[k]))
-    return best, paired_ratio(times, best, "fused")
+# ---------------------------------------------------------------- profile
+
+
+def op_class(op_type):
+    return next((name for name, pattern in OP_CLASSES if re.search(pattern, op_type)), "other")
+
+
+def profile(contender, updates):
+    """Where one update's time goes, from a tf.profiler trace of `updates` updates.
+
+    Returns:
+      {"wall_ms": per update, "kernel_ms": {op class: per update}}: kernel time summed
+      over threads; ops that only hold others are left out.
+    """
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    space = xplane_pb2.XSpace()
+    with tempfile.TemporaryDirectory(prefix="bench-profile-") as logdir:
+        tf.profiler.experimental.start(logdir)
+        start = time.perf_counter()
+        contender.train(updates)
+        wall = time.perf_counter() - start
+        tf.profiler.experimental.stop()
+        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
+                  "rb") as f:
+            space.ParseFromString(f.read())
+    kernel_ms = collections.Counter()
+    for plane in space.planes:
+        for line in plane.lines:
+            if not line.name.startswith("tf_Compute"):
+                continue
+            for event in line.events:
+                name = plane.event_metadata[event.metadata_id].name
+                if ":" not in name or "::" in name:
+                    continue  # executor bookkeeping (ExecutorState::Process), not an op
+                op_type = name.rsplit(":", 1)[1]
+                if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
+                    continue
+                kernel_ms[op_class(op_type)] += event.duration_ps / 1e9 / updates
+    return {"wall_ms": 1e3 * wall / updates, "kernel_ms": dict(kernel_ms)}

@@ -1,24 +1,18 @@
 """What AveragingOptimizer's train op costs against the plain optimizer's, per mini-batch.
 
-    python -m tools.bench_tf1_wrapper            # about a minute on 2 cores
-    python -m tools.bench_tf1_wrapper --quick    # a smoke test
+    python -m tools.bench_tf1_wrapper [--quick]    # this section of make bench alone
 
-The target: at the same B per mini-batch, one run of the wrapper's train op (add
-the mini-batch; every Nth run also apply the mean) costs at most 1.05x one run of the
-plain optimizer's (apply every run), on the post's ConvNet (dense gradients, Adam) and
-on a 50000 x 64 embedding table (sparse gradients, Momentum). Also timed: the wrapper
-without its lock (the cost of making runs from several threads atomic) and at N=1.
-
-Each contender is its own graph and session, fed from a few fixed random batches (the
-speed of these ops does not depend on the values). The contenders take turns as the
-speed section's do (bench_contenders.interleaved: rounds that rotate who goes first, so
-drift of a shared machine hits them alike), and the ratios are paired per round
-(bench_contenders.paired_ratio: median and quartiles over the rounds).
+At the same B, one run of the wrapper's train op (add the mini-batch; every Nth run also
+apply the mean) against one of the plain optimizer's (apply every run), on the post's
+ConvNet (dense gradients, Adam) and on an embedding table (sparse gradients, Momentum);
+also the wrapper without its lock and at N=1. Each contender is its own graph and session,
+fed a few fixed random batches (these ops' speed does not depend on the values).
 """
 
 import contextlib
 import statistics
 import sys
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -27,14 +21,13 @@ import model
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging import tf1
 from tools.bench_contenders import interleaved, paired_ratio
+from tools.bench_section import Run, Section, table, worst
 
 v1 = tf.compat.v1
 
 DENSE_N, DENSE_B = 5, 20  # the post's (5, 20)
 SPARSE_N, SPARSE_B, ROWS, WIDTH = 4, 128, 50000, 64  # docs/tf1-code.md's table
 TARGET = 1.05
-FULL = dict(rounds=15, windows=10)  # a block: `windows` windows of N runs
-QUICK = dict(rounds=2, windows=1)
 
 
 def _dense_model():
@@ -66,24 +59,13 @@ CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", F
               "wrapped N=1": (1, True)}
 
 
-@contextlib.contextmanager
-def _without_lock():
-    """AveragingOptimizer's window lock taken out while a graph is built, to time what it
-    costs: its `_Window.locked` block becomes a plain group of the same ops."""
-    original = tf1._Window.locked  # noqa: SLF001
-
-    @contextlib.contextmanager
-    def unlocked(window, after):
-        del window, after
-        held = tf1._Held()  # noqa: SLF001
-        yield held
-        held.released = tf.group(*held.ops)
-
-    tf1._Window.locked = unlocked  # noqa: SLF001
-    try:
-        yield
-    finally:
-        tf1._Window.locked = original  # noqa: SLF001
+def _unlocked(window, after):
+    """AveragingOptimizer's window lock taken out, to time what it costs: the block it
+    guards becomes a plain group of the same ops."""
+    del window, after
+    held = tf1._Held()  # noqa: SLF001
+    yield held
+    held.released = tf.group(*held.ops)
 
 
 class Contender:
@@ -98,7 +80,8 @@ class Contender:
             optimizer = make_optimizer()
             if n is not None:
                 optimizer = AveragingOptimizer(optimizer, n)
-            with contextlib.nullcontext() if locked else _without_lock():
+            with contextlib.nullcontext() if locked else mock.patch.object(
+                    tf1._Window, "locked", contextlib.contextmanager(_unlocked)):  # noqa: SLF001
                 self.train_op = optimizer.minimize(loss)
             init = v1.global_variables_initializer()
         self.graph.finalize()
@@ -115,73 +98,60 @@ class Contender:
         self.sess.close()
 
 
-def measure(settings, log=print):
-    """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain": {label: paired}}}."""
-    out = {}
-    for name, (build, n) in MODELS.items():
-        contenders = [Contender(label, build, n if size == "N" else size, locked)
-                      for label, (size, locked) in CONTENDERS.items()]
-        # Seconds per run; a block of `windows` whole windows, after one untimed block.
-        times = interleaved(contenders, settings["windows"] * n, settings["rounds"])
-        for c in contenders:
-            c.close()
-        out[name] = {"n": n, "b": DENSE_B if name == "dense" else SPARSE_B,
-                     "ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
-                     "vs_plain": {k: paired_ratio(times, k, "plain") for k in times
-                                  if k != "plain"},
-                     "lock": paired_ratio(times, "wrapped", "unlocked")}
-        log(f"AveragingOptimizer, {name} at N={n} x B={out[name]['b']}: " + ", ".join(
-            f"{k}: {ms:.3f} ms" for k, ms in out[name]["ms"].items()) + "; vs plain " + ", ".join(
-            f"{k} {r['ratio']:.3f}x" for k, r in out[name]["vs_plain"].items()))
-    return out
+class Wrapper(Section):
+    name, title = "wrapper", "AveragingOptimizer's train op against the plain optimizer's"
+    FULL, QUICK = dict(rounds=15, windows=10), dict(rounds=2, windows=1)  # block: windows*N
 
+    def measure(self, run):
+        """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain": {label: paired
+        ratio}, "lock": wrapped / unlocked}}."""
+        out = {}
+        for name, (build, n) in MODELS.items():
+            contenders = [Contender(label, build, n if size == "N" else size, locked)
+                          for label, (size, locked) in CONTENDERS.items()]
+            # Seconds per run; a block of `windows` whole windows, after one untimed block.
+            times = interleaved(contenders, self.settings["windows"] * n, self.settings["rounds"])
+            for c in contenders:
+                c.close()
+            out[name] = {"n": n, "b": DENSE_B if name == "dense" else SPARSE_B,
+                         "ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
+                         "vs_plain": {k: paired_ratio(times, k, "plain") for k in times
+                                      if k != "plain"},
+                         "lock": paired_ratio(times, "wrapped", "unlocked")}
+            run.log(f"AveragingOptimizer, {name} at N={n} x B={out[name]['b']}: " + ", ".join(
+                f"{k}: {r['ratio']:.3f}x plain" for k, r in out[name]["vs_plain"].items()))
+        return out
 
-def targets(result):
-    """The target per model, as bench_targets' rows (target, measured, status, why)."""
-    rows = []
-    for name, row in result.items():
-        r, unlocked, lock = row["vs_plain"]["wrapped"], row["vs_plain"]["unlocked"], row["lock"]
-        met = r["ratio"] <= TARGET
-        why = (f"without the lock {unlocked['ratio']:.2f}x plain, the lock {lock['ratio']:.2f}x "
-               f"on top: per run the window adds the mini-batch's gradient "
-               f"({'a scatter-add of its rows into the table-sized accumulator, ' if name == 'sparse' else ''}"
-               f"the count, the weight sum, the cond) against a plain step of "
-               f"{row['ms']['plain']:.2f} ms")
-        rows.append(dict(target=f"AveragingOptimizer's train op <= {TARGET}x the plain "
-                                f"optimizer's, {name} (N={row['n']}, B={row['b']})",
-                         measured=f"{r['ratio']:.2f}x (quartiles {r['q1']:.2f}-{r['q3']:.2f})",
-                         status="met" if met else "missed", why=None if met else why))
-    return rows
+    def targets(self, result):
+        return [worst(f"AveragingOptimizer's train op <= {TARGET}x the plain optimizer's, "
+                      f"{name} (N={row['n']}, B={row['b']})",
+                      {name: row["vs_plain"]["wrapped"]}, TARGET)
+                for name, row in result.items()]
 
-
-def markdown(result, command="python -m tools.bench"):
-    """The section of BENCHMARKS.md (its targets are in the targets table)."""
-    fmt = lambda r: f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"  # noqa: E731
-    lines = ["## AveragingOptimizer's train op against the plain optimizer's", "",
-             f"Per mini-batch run at the same B (`{command}`; "
-             "`python -m tools.bench_tf1_wrapper` measures this alone): the ConvNet with Adam "
-             "(dense gradients) and a 50000 x 64 table with Momentum (sparse gradients). "
-             "Median ms per run; ratios paired per round (median, quartiles). `unlocked` is "
-             "the wrapper without the lock that makes concurrent runs atomic, so "
-             "wrapped / unlocked is what the threads fix costs.", "",
-             "| model | N x B | plain ms | wrapped ms | wrapped / plain | unlocked / plain "
-             "| N=1 / plain | the lock: wrapped / unlocked |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for name, row in result.items():
-        vs = row["vs_plain"]
-        lines.append(f"| {name} | {row['n']} x {row['b']} | {row['ms']['plain']:.2f} | "
-                     f"{row['ms']['wrapped']:.2f} | {fmt(vs['wrapped'])} | "
-                     f"{fmt(vs['unlocked'])} | {fmt(vs['wrapped N=1'])} | {fmt(row['lock'])} |")
-    return "\n".join(lines) + "\n"
+    def markdown(self, result):
+        fmt = lambda r: f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"  # noqa: E731
+        return [f"## {self.title}", "",
+                "Per mini-batch run at the same B (`python -m tools.bench_tf1_wrapper` "
+                "measures this alone): the ConvNet with Adam (dense gradients) and a "
+                f"{ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per run; "
+                "ratios paired per round (median, quartiles). Per run the wrapper adds the "
+                "mini-batch's gradient (sparse: a scatter-add of its rows into the "
+                "table-sized accumulator), the count, the weight sum and the cond; "
+                "`unlocked`: without the lock that makes concurrent runs atomic.", ""] + table(
+            ("model", "N x B", "plain ms", "wrapped ms", "wrapped / plain", "unlocked / plain",
+             "N=1 / plain", "the lock: wrapped / unlocked"),
+            [(name, f"{row['n']} x {row['b']}", f"{row['ms']['plain']:.2f}",
+              f"{row['ms']['wrapped']:.2f}", *(fmt(row["vs_plain"][k]) for k in (
+                  "wrapped", "unlocked", "wrapped N=1")), fmt(row["lock"]))
+             for name, row in result.items()])
 
 
 if __name__ == "__main__":
     quick = "--quick" in sys.argv[1:]
     if any(a != "--quick" for a in sys.argv[1:]):
         sys.exit(f"usage: python -m tools.bench_tf1_wrapper [--quick]; got {sys.argv[1:]}")
-    result = measure(QUICK if quick else FULL)
-    for t in targets(result):
-        print(f"{t['status']}: {t['target']} -- {t['measured']}" + (
-            f" ({t['why']})" if t["why"] else ""))
-    print()
-    print(markdown(result, "python -m tools.bench_tf1_wrapper" + (" --quick" if quick else "")))
+    section = Wrapper(quick)
+    result = section.measure(Run())
+    for t in section.targets(result):
+        print(f"{t.status}: {t.target} -- {t.measured}")
+    print("\n" + "\n".join(section.markdown(result)))

@@ -29,10 +29,8 @@ CURVE_HEIGHTS = (3, 1)  # the part above a break against the part below it
 MARKED_POINTS = 30  # curves with this few evaluations get a marker at each (one is a dot)
 JITTER = 0.08  # half-width of the strip of per-run points, in category widths
 SEED = 0       # the strip's jitter is drawn the same every time
-# The bench figure as it reads at README width (~900 px): speed across the top, the two
-# memory panels under it; 8 x 8.6 inches at DPI, not a strip.
-BENCH_INCHES = (8.0, 8.6)
-# What each bench contender is, named on the figure (bench_contenders.py makes them).
+BENCH_INCHES = (8.0, 4.6)  # the bench figure as it reads at README width (~900 px)
+# What each bench contender is, named on the figure (bench_speed.py races them).
 CONTENDERS = {
     "direct": "direct: one batch of N*B",
     "stack": "stack: the post's, numpy",
@@ -43,11 +41,8 @@ CONTENDERS = {
     "keras": "keras: Keras, steps_per_execution=N",
     "keras_long": "keras_long: Keras, steps_per_execution=N*U",
     "tf2": "tf2: --engine=tf2",
+    "keras_fit": "keras_fit: accumulate(model, N) + fit",
 }
-# Lines of the host-memory panel: a marker and a dash per averager, so that lines lying on
-# one another can still be told apart (colour alone cannot).
-MARKERS = "osD^vP*X"
-DASHES = ("-", "--", "-.", ":")
 
 
 def runs_to_inputs(pairs):
@@ -245,209 +240,48 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
     return _save(fig, path)
 
 
-def bench_figure(speed, memory, host=None):
-    """The bench's ratios, not saved: time per update against the direct batch, peak
-    memory against the direct batch and B alone, and (given `host`) host memory as N grows.
-
-    Laid out to be read at README width: speed across the top, the memory panels under it,
-    every legend outside the data, each contender named in words, and the host-memory lines
-    told apart by marker and dash and named at their ends (a marked break in the y-axis
-    when one averager's memory grows far above the others').
+def bench_figure(speed):
+    """The bench's speed ratios, not saved: time per update against the direct batch,
+    a bar per contender (named in words in a legend outside the data) per (N, B).
 
     Args:
-      speed: bench's speed_section rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
+      speed: bench_speed.Speed's rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
         "q3"}}, ...}], "direct" among the labels; bars are the medians of the paired
         per-round ratios, whiskers their quartiles.
-      memory: bench's memory_section dict, or None: {"samples", "n", "b", "direct": probe,
-        "small": probe, "accumulated": {averager: probe}}, a probe {"peak_mb", ...} or
-        {"error"}; averagers whose probe failed are left out.
-      host: bench's host_memory_section dict, or None: {"ns", "averagers", "table":
-        {(averager, N): probe}, ...}.
 
     Returns:
-      (Figure, {"speed", "memory", "host": the panel's axes, upper first; only the panels
-      drawn}).
+      (Figure, its axes).
 
     Raises:
-      ValueError: nothing to draw.
+      ValueError: no rows.
     """
-    usable = _usable_memory(memory)
-    drawn = bench_panels(speed, memory, host)
-    lower = []
-    if "memory" in drawn:
-        lower.append(("memory", lambda sub: _memory_panel(sub, memory, usable)))
-    if "host" in drawn:
-        lower.append(("host", lambda sub: _host_panel(sub, host)))
-    if not drawn:
-        raise ValueError("bench ratios: no speed rows and no successful memory probe to draw")
-    width, height = BENCH_INCHES
-    fig = Figure(figsize=(width, height if speed and lower else height / 2),
-                 layout="constrained")
+    if not speed:
+        raise ValueError("bench ratios: no speed rows to draw")
+    fig = Figure(figsize=BENCH_INCHES, layout="constrained")
     FigureCanvasAgg(fig)
-    subfigs = fig.subfigures(2, 1, height_ratios=(1.1, 1)) if speed and lower else [fig]
-    panels = {}
-    if speed:
-        panels["speed"] = [_speed_panel(subfigs[0], speed)]
-    if lower:
-        row = subfigs[-1].subfigures(1, len(lower), squeeze=False)[0]
-        for sub, (name, draw) in zip(row, lower):
-            panels[name] = draw(sub)
-    fig.suptitle("Gradient accumulation: speed and memory (make bench)")
-    return fig, panels
-
-
-def bench_panels(speed, memory, host=None):
-    """The panels `bench_figure` draws from these inputs: "speed", "memory", "host"."""
-    return ([name for name, drawn in (
-        ("speed", bool(speed)), ("memory", bool(_usable_memory(memory))),
-        ("host", bool(host) and any("peak_mb" in p for p in host["table"].values())))
-        if drawn])
-
-
-# What each panel of the bench figure shows, by name, for the text under it.
-BENCH_CAPTIONS = {
-    "speed": "Speed: time per update against the direct batch of N*B (the median of the "
-             "per-round ratios, whiskers their quartiles; below the dashed line is faster).",
-    "memory": "Peak memory: each averager's peak against that of B alone and that of the "
-              "direct batch.",
-    "host": "Host memory: peak RSS as N grows (the axis broken at // when one averager "
-            "climbs far above the others).",
-}
-
-
-def bench_caption(speed, memory, host=None):
-    """The text under the bench figure: what each panel drawn from these inputs shows."""
-    return " ".join(BENCH_CAPTIONS[name] for name in bench_panels(speed, memory, host))
-
-
-def _speed_panel(sub, speed):
-    ax = sub.subplots()
+    ax = fig.subplots()
     labels = [k for k in speed[0]["vs_direct"] if k != "direct"]
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
-        x = np.arange(len(speed)) - 0.4 + (i + 0.5) * width
         r = [row["vs_direct"][label] for row in speed]
         ratio = np.array([v["ratio"] for v in r])
         quartiles = np.array([[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]])
-        ax.bar(x, ratio, width, yerr=np.maximum(quartiles, 0), capsize=2,
-               label=CONTENDERS.get(label, label), color=_colour(i),
-               error_kw={"linewidth": 0.8})
+        ax.bar(np.arange(len(speed)) - 0.4 + (i + 0.5) * width, ratio, width,
+               yerr=np.maximum(quartiles, 0), capsize=2, label=CONTENDERS.get(label, label),
+               color=f"C{i % 10}", error_kw={"linewidth": 0.8})
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--",
                label=CONTENDERS["direct"] + " (= 1)")
-    top = max(max(v["q3"], v["ratio"]) for row in speed for k, v in row["vs_direct"].items())
-    ax.set_ylim(0, 1.08 * top)
+    ax.set_ylim(0, 1.08 * max(max(v["q3"], v["ratio"]) for row in speed
+                              for v in row["vs_direct"].values()))
     ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])
     ax.set_xlabel("N x B: N mini-batches of B samples per update")
     ax.set_ylabel("time per update / direct's")
     ax.set_title("Speed: median ratio to direct, whiskers the quartiles (lower is faster)",
                  fontsize="medium")
     ax.grid(axis="y", alpha=0.3)
-    sub.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=3,
-               fontsize="x-small")
-    return ax
-
-
-def _usable_memory(memory):
-    """The accumulated probes that can be divided by both references, or {}."""
-    if not memory or "peak_mb" not in memory["direct"] or "peak_mb" not in memory["small"]:
-        return {}
-    return {s: p for s, p in memory["accumulated"].items() if "peak_mb" in p}
-
-
-def _memory_panel(sub, memory, usable):
-    ax = sub.subplots()
-    averagers = list(usable)
-    x = np.arange(len(averagers))
-    references = ((f"B={memory['b']} alone", memory["small"]["peak_mb"]),
-                  (f"direct (1 x {memory['samples']})", memory["direct"]["peak_mb"]))
-    top = 1.0
-    for i, (label, reference) in enumerate(references):
-        ratio = [usable[s]["peak_mb"] / reference for s in averagers]
-        ax.bar(x - 0.2 + 0.4 * i, ratio, 0.4, label="peak / peak of " + label,
-               color=_colour(i))
-        top = max(top, *ratio)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_ylim(0, 1.1 * top)
-    ax.set_xticks(x, averagers, rotation=30, ha="right", rotation_mode="anchor")
-    ax.set_ylabel("peak RSS ratio")
-    ax.set_title(f"Peak memory, {memory['samples']} samples per update", fontsize="medium")
-    ax.set_xlabel(f"averager, {memory['n']} x {memory['b']} accumulated")
-    ax.grid(axis="y", alpha=0.3)
-    sub.legend(*ax.get_legend_handles_labels(), loc="outside lower center",
-               fontsize="x-small")
-    return [ax]
-
-
-def _host_panel(sub, host):
-    lines = {}
-    for averager in host["averagers"]:
-        points = [(n, host["table"][(averager, n)]["peak_mb"]) for n in host["ns"]
-                  if "peak_mb" in host["table"].get((averager, n), {})]
-        if points:
-            lines[averager] = points
-    values = sorted(mb for points in lines.values() for _, mb in points)
-    # The lines that stay within 1.5x of the lowest value are "flat"; when another line
-    # climbs more than 3 of their spans above them, the axis is broken: the flat lines get
-    # the lower part, every point above it is in the upper part.
-    flat_top = max((max(mb for _, mb in points) for points in lines.values()
-                    if max(mb for _, mb in points) <= 1.5 * values[0]), default=values[-1])
-    flat_span = max(flat_top - values[0], 1.0)
-    lower_top = flat_top + 0.1 * flat_span
-    above = [mb for mb in values if mb > lower_top]
-    if above and values[-1] > flat_top + 3 * flat_span:
-        parts = sub.subplots(2, 1, sharex=True, height_ratios=(1, 2))
-        parts[1].set_ylim(values[0] - 0.1 * flat_span, lower_top)
-        high_span = max(values[-1] - above[0], flat_span)
-        parts[0].set_ylim(max(lower_top, above[0] - 0.08 * high_span),
-                          values[-1] + 0.08 * high_span)
-    else:
-        parts = [sub.subplots()]
-        span = max(values[-1] - values[0], 1.0)
-        parts[0].set_ylim(values[0] - 0.08 * span, values[-1] + 0.08 * span)
-    for ax in parts:
-        for i, (averager, points) in enumerate(lines.items()):
-            ns, mb = zip(*points)
-            if ax is not parts[-1] and max(mb) <= lower_top:
-                continue  # a flat line: in the lower part only
-            low, high = ax.get_ylim()
-            inside = [k for k, value in enumerate(mb) if low <= value <= high]
-            ax.plot(ns, mb, color=_colour(i), marker=MARKERS[i % len(MARKERS)], markersize=4,
-                    markevery=inside,  # no half markers where the line leaves through a break
-                    linestyle=DASHES[i % len(DASHES)], linewidth=1.2, label=averager)
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-    ns = [n for points in lines.values() for n, _ in points]
-    parts[-1].set_xlim(min(ns) / 1.25, max(ns) * 3.2)  # room for the names, right of the ends
-    _name_line_ends(parts, lines)
-    if len(parts) == 2:
-        _mark_break(*parts)
-    parts[-1].set_xticks(host["ns"], [str(n) for n in host["ns"]])
-    parts[-1].set_xlabel("N (mini-batches per update)")
-    sub.supylabel("peak RSS (MB)", fontsize="medium")
-    parts[0].set_title("Host memory as N grows", fontsize="medium")
-    return list(parts)
-
-
-def _name_line_ends(parts, lines):
-    """Each line's name just right of its last point, in the part of the axis that holds
-    it; names that would overlap are moved apart vertically."""
-    for ax in parts:
-        low, high = ax.get_ylim()
-        gap = 0.09 * (high - low)  # about one line of small text at this panel's height
-        ends = sorted((points[-1][1], i, averager) for i, (averager, points)
-                      in enumerate(lines.items()) if low <= points[-1][1] <= high)
-        placed = []
-        for mb, _, _ in ends:
-            placed.append(max(mb, placed[-1] + gap) if placed else mb)
-        shift = max(0.0, placed[-1] - high) if placed else 0.0  # the top name stays inside
-        for (mb, i, averager), y in zip(ends, placed):
-            ax.annotate(averager, (lines[averager][-1][0], mb), xytext=(8, y - shift),
-                        textcoords=("offset points", "data"), color=_colour(i),
-                        fontsize="x-small", va="center", annotation_clip=False)
-
-
-def _colour(i):
-    return f"C{i % 10}"
+    fig.legend(loc="outside lower center", ncol=3, fontsize="x-small")
+    fig.suptitle("Gradient accumulation: speed (make bench)")
+    return fig, ax
 
 
 def _figure(rows, columns, width=PANEL_INCHES[0]):

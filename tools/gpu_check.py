@@ -1,15 +1,15 @@
-"""make gpu-check: the GPU tests and the device sections of the bench, into GPU.md.
+"""make gpu-check: the GPU tests and the device section of the bench, into GPU.md.
 
     python -m tools.gpu_check                 # writes GPU.md
-    python -m tools.gpu_check --quick         # the device sections scaled down
+    python -m tools.gpu_check --quick         # the device section scaled down
 
 On a GPU it runs, with the GPU visible (GPU_TESTS=1; the rest of the suite hides it), the
 tests that are about a GPU: tests/experiment/test_gpu.py (both engines, --jit-compile and
 --distribute=mirrored through main.py, determinism run to run, Keras fit under the XLA
 Keras turns on there) and tests/library/test_keras_fit.py (accumulate against the direct
-batch, under that XLA). Then bench_device's peak device memory and speed, judged against
-bench_targets' device targets. GPU.md records the device, its driver, TensorFlow's build,
-each test's outcome, every number and each target met or missed.
+batch, under that XLA). Then the bench's device section (bench_device.Device: peak
+device memory and speed, and its targets). GPU.md records the device, its driver,
+TensorFlow's build, each test's outcome, every number and each target met or missed.
 
 Without a GPU it measures nothing, in seconds, and GPU.md says so.
 """
@@ -26,13 +26,14 @@ from experiment import cli
 
 cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
 
+import tensorflow as tf  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 
 from experiment import results  # noqa: E402
 from tools import bench_device  # noqa: E402
-from tools import bench_targets  # noqa: E402
 from tools import common  # noqa: E402
+from tools.bench_section import Run, table, targets_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")
@@ -72,35 +73,32 @@ def _outcomes(root):
     return out
 
 
-def render(build, tests, device, targets, command, elapsed):
-    """GPU.md's text."""
+def render(tests, section, device, targets, command, elapsed):
+    """GPU.md's text; `device`: the device section's result (None: no GPU)."""
+    build = tf.sysconfig.get_build_info()
     lines = ["# GPU check", "",
              f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
              f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
              "TensorFlow's build (`tf.sysconfig.get_build_info()`): "
              + ", ".join(f"{k}={v}" for k, v in build.items()) + ".", ""]
-    gpus = device["gpu"]
-    if not gpus:
+    if device is None:
         return "\n".join(lines + [
             "**No GPU was found**: TensorFlow sees no GPU on this machine, so nothing here is "
             "measured on a GPU. The GPU paths (both engines, `--jit-compile`, "
             "`--distribute=mirrored` on GPUs, op determinism on a GPU, peak device memory "
             "and speed on a device) are not yet measured on a GPU. `make gpu-check` on a "
-            "machine with one runs the GPU tests and the bench's device sections and "
-            "rewrites this file with what it measured.", ""]
-            + bench_targets.table_lines(targets)) + "\n"
-    lines += ["## Device", "", "| device | name | compute capability | driver | memory |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {g['name']} | {g['device_name']} | {g['compute_capability']} | "
-              f"{g['driver']} | {g['memory']} |" for g in gpus]
+            "machine with one runs the GPU tests and the bench's device section and "
+            "rewrites this file with what it measured.", ""] + targets_table(targets)) + "\n"
+    lines += ["## Device", ""] + table(
+        ("device", "name", "compute capability", "driver", "memory"),
+        [[g[k] for k in ("name", "device_name", "compute_capability", "driver", "memory")]
+         for g in device["gpu"]])
     passed = sum(outcome == "passed" for _, outcome, _ in tests)
     lines += ["", "## Tests with the GPU visible", "",
               f"`GPU_TESTS=1 pytest {' '.join(GPU_TESTS)}`: {passed} of {len(tests)} passed.",
-              "", "| test | outcome | message |", "|---|---|---|"]
-    lines += [f"| {name} | {outcome} | {line.replace('|', '/')} |"
-              for name, outcome, line in tests]
-    lines += [""] + bench_targets.table_lines(targets) + bench_targets.missed_lines(targets)
-    lines += [""] + bench_device.markdown(device)
+              ""] + table(("test", "outcome", "message"), [
+                  (name, outcome, line.replace("|", "/")) for name, outcome, line in tests])
+    lines += ["", *targets_table(targets), "", *section.markdown(device)]
     return "\n".join(lines) + "\n"
 
 
@@ -108,19 +106,15 @@ def check(output, quick=False, command="python -m tools.gpu_check", log=print):
     """Measures what there is to measure here and writes GPU.md at `output`; returns its
     text. Without a GPU: nothing run, a GPU.md that says so."""
     start = time.perf_counter()
-    gpus = bench_device.gpus()
-    tests, device = [], {"gpu": None}
-    if gpus:
+    tests = []
+    if bench_device.gpus():
         log(f"GPU tests ({', '.join(GPU_TESTS)}) with the GPU visible")
         tests = run_gpu_tests()
         for name, outcome, line in tests:
             log(f"  {outcome}: {name}" + (f" -- {line}" if line else ""))
-        device = bench_device.measure(bench_device.QUICK if quick else bench_device.FULL, log,
-                                      found=gpus)
-    else:
-        log("No GPU: nothing to measure here")
-    targets = bench_targets.device_targets(device)
-    text = render(bench_device.build_info(), tests, device, targets, command,
+    section, run = bench_device.Device(quick), Run(log=log)
+    targets = run.measure([section])
+    text = render(tests, section, run.results[section.name], targets, command,
                   time.perf_counter() - start)
     results.atomic_write_text(output, text)
     return text
@@ -148,5 +142,5 @@ if __name__ == "__main__":
     # Defined here, not at import: tools.bench defines the same names, and a test process
     # may import both.
     cli.define("string", "output", "GPU.md", "Markdown file to write.")
-    cli.define("bool", "quick", False, "The device sections scaled down (a smoke test).")
+    cli.define("bool", "quick", False, "The device section scaled down (a smoke test).")
     app.run(main_check, flags_parser=cli.parse_flags)

@@ -1,4 +1,5 @@
-"""tools/bench*.py: the quick benchmark runs end to end; targets are judged and explained."""
+"""tools/bench*.py: the section contract and the probe protocol, targets judged from the
+measured ratios, and the quick benchmark end to end."""
 
 import os
 import statistics
@@ -10,124 +11,138 @@ from experiment import cli
 from experiment import faults
 from experiment import results
 from tests.helpers import ROOT, run_cli
-from experiment import averagers
 from tools import bench_contenders
-from tools import bench_report
-from tools import bench_targets
+from tools import bench_memory
+from tools import bench_probe
+from tools import bench_speed
+from tools.bench_section import Run, Section, Target
 
 STATUSES = {"met", "missed", "within noise", "not measured"}
 
 
-def _profile(wall_ms, conv_ms, conv_calls):
-    return {"wall_ms": wall_ms, "kernel_ms": {"conv": conv_ms, "other": 1.0},
-            "calls": {"conv": conv_calls, "other": 50}, "top": []}
+def echo_probe(spec):
+    """A probe for the protocol's test: its spec back with its process id, or a failure."""
+    if spec.get("fail"):
+        raise ValueError("boom")
+    return dict(spec, pid=os.getpid())
 
 
-def _row(n, b, fused_ratio, stack_ratios, stack=2.0):
-    """A speed row as speed_section makes it, from chosen per-round ratios (stack's and
-    fused's to direct, the others' to stack)."""
-    ratios = {"direct": [1.0, 1.0, 1.0], "fused": [fused_ratio] * 3, "keras": [3.0] * 3}
-    times = {k: [r * 0.01 for r in v] for k, v in ratios.items()}
-    times["stack"] = [0.01 * stack] * 3
-    for s, rs in stack_ratios.items():
-        times[s] = [0.01 * stack * r for r in rs]
-    for s in averagers.AVERAGERS:  # averagers a test does not name: as fast as stack
-        times.setdefault(s, list(times["stack"]))
-    times["keras_long"] = [0.04] * 3
-    return {"n": n, "b": b, "times": times, "keras_best": "keras",
-            "profiles": {"direct": _profile(10.0, 6.0, 6), "fused": _profile(12.0, 9.0, 30),
-                         "stack": _profile(20.0, 9.0, 30), "running": _profile(20.0, 9.0, 30),
-                         "graph": _profile(20.0, 9.0, 30), "keras": _profile(30.0, 9.0, 30)},
-            "median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
-            "vs_direct": {k: bench_contenders.paired_ratio(times, k, "direct") for k in times},
-            "vs_stack": {k: bench_contenders.paired_ratio(times, k, "stack") for k in times},
-            "keras_vs_fused": bench_contenders.keras_vs_fused(times)[1]}
+def _row(n, b, **ratios):
+    """A speed row as Speed.measure makes it: `ratios` gives a label's per-round times
+    as ratios to direct's; every label it does not name is as fast as direct."""
+    times = {k: [0.01 * r for r in ratios.get(k, [1.0] * 3)] for k in bench_speed.LABELS}
+    return dict(n=n, b=b, times=times, profiles={},
+                median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                vs_direct={k: bench_contenders.paired_ratio(times, k, "direct") for k in times})
 
 
-def test_targets_are_judged_from_the_ratios_and_missed_ones_explained():
-    speed = [_row(5, 20, 1.10, {"running": [0.9, 0.95, 0.99], "graph": [0.9] * 3}),
-             _row(20, 5, 1.80, {"running": [0.98, 1.02, 1.05], "graph": [1.1, 1.2, 1.3]})]
-    eigen = {"kernels": [{"n": 20, "b": 5, "direct_ms": 11.0, "fused_ms": 12.1, "ratio": 1.1,
-                          "onednn_ops": False}]}
-    targets = {t["target"]: t for t in bench_targets.evaluate_targets(speed, None, None, eigen)}
-    assert targets["fused <= 1.15x direct at N=5/B=20"]["status"] == "met"
-    missed = targets["fused <= 1.5x direct at N=20/B=5"]
-    assert missed["status"] == "missed" and missed["measured"] == "1.80x"
-    assert missed["why"].startswith("Missed by 20%.")
-    # the profile's account: 30 conv calls of 0.3 ms against 6 of 1 ms
-    assert "conv 9.00 ms in 30 calls (300 us a call) for fused" in missed["why"]
-    assert "run 5x as often" in missed["why"]
-    assert "with oneDNN off (TF_ENABLE_ONEDNN_OPTS=0, TensorFlow's Eigen kernels, a separate " \
-        "process), fused took 1.10x direct here" in missed["why"]
-    assert targets["running never slower than stack (N > 1)"]["status"] == "within noise"
-    assert targets["graph never slower than stack (N > 1)"]["status"] == "missed"
-    keras = targets["fused >= 2x faster than Keras's accumulation, every (N, B)"]
-    assert keras["status"] == "missed" and keras["measured"].startswith("worst 1.67x")
-    assert all(t["status"] in STATUSES for t in targets.values())
+def test_ratios_are_paired_per_round_not_taken_of_medians():
+    r = bench_contenders.paired_ratio({"a": [1.0, 2.0, 3.0], "b": [1.0, 1.0, 30.0]}, "a", "b")
+    assert r == {"ratio": 1.0, "q1": 0.55, "q3": 1.5}  # the medians' ratio would be 2.0
 
 
-def test_tf2_targets_pair_each_round_with_fused_and_keras():
-    fast, slow = _row(5, 20, 1.10, {}), _row(20, 5, 1.30, {})
-    fast["times"]["tf2"] = [t * r for t, r in zip(fast["times"]["fused"], (1.2, 1.0, 1.1))]
-    slow["times"]["tf2"] = [t * r for t, r in zip(slow["times"]["fused"], (1.1, 1.3, 1.25))]
-    slow["times"]["keras"] = [t * 1.2 for t in slow["times"]["tf2"][:2]] + [0.001]
-    for row in (fast, slow):
-        row["profiles"]["tf2"] = _profile(15.0, 9.0, 30)
-        row["median_ms"]["tf2"] = 1e3 * statistics.median(row["times"]["tf2"])
-    targets = {t["target"]: t for t in bench_targets.tf2_targets([fast, slow])}
-    assert targets["tf2 <= 1.15x fused at N=5/B=20"]["measured"] == "1.10x"
-    assert targets["tf2 <= 1.15x fused at N=5/B=20"]["status"] == "met"
-    missed = targets["tf2 <= 1.15x fused at N=20/B=5"]
-    assert missed["status"] == "missed" and missed["measured"] == "1.25x"
-    assert missed["why"].startswith("Missed by 9% (paired rounds, quartiles 1.18-1.27).")
-    keras = targets["tf2 faster than Keras's accumulation with steps_per_execution=N (N > 1)"]
-    # the median of the paired rounds, not the ratio of medians: one fast Keras round
-    # does not decide it
-    assert keras["status"] == "met" and keras["measured"] == "worst 0.83x Keras at N=20/B=5"
-    slow["times"]["keras"] = [t * 0.9 for t in slow["times"]["tf2"]]
-    targets = {t["target"]: t for t in bench_targets.tf2_targets([fast, slow])}
-    assert targets[keras["target"]]["status"] == "missed"
-    without = {t["target"]: t["status"] for t in bench_targets.tf2_targets([_row(5, 20, 1, {})])}
-    assert set(without.values()) == {"not measured"}
+def test_speed_targets_are_judged_from_paired_ratios_and_keras_only_where_it_accumulates():
+    speed = [_row(1, 100, running=[1.1, 1.12, 1.2], keras=[1.06] * 3, keras_long=[1.2] * 3),
+             _row(5, 20, fused=[1.1] * 3, stack=[2.0] * 3, running=[1.9, 2.1, 2.2],
+                  graph=[2.4] * 3, keras=[3.0] * 3, keras_long=[3.3] * 3, tf2=[1.2, 1.1, 1.0],
+                  keras_fit=[2.7] * 3),
+             _row(20, 5, fused=[1.8] * 3, stack=[4.0] * 3, keras=[4.0] * 3,
+                  keras_long=[5.0] * 3, tf2=[2.0, 2.4, 2.3])]
+    targets = {t.target: t for t in bench_speed.Speed().targets(speed)}
+    assert len(targets) == 10 and {t.status for t in targets.values()} <= STATUSES
+    assert targets["fused <= 1.15x direct at N=5/B=20"] == Target(
+        "fused <= 1.15x direct at N=5/B=20", "1.10x (1.10-1.10)", "met")
+    assert targets["fused <= 1.5x direct at N=20/B=5"].status == "missed"
+    # running at 1.05x stack (quartiles 1.00-1.08); identical graphs differed by 12% at N=1
+    running = targets["running never slower than stack (N > 1)"]
+    assert running.status == "within noise"
+    assert running.measured == "worst 1.05x (1.00-1.08) at N=5/B=20"
+    assert targets["graph never slower than stack (N > 1)"].status == "missed"
+    assert targets["fused never slower than stack (N > 1)"].status == "met"
+    # Keras at N=1 (1.06x fused's time) does not accumulate: the worst is N=20's 2.22x.
+    keras = targets["fused >= 2x faster than Keras's accumulation (N > 1)"]
+    assert keras.status == "met" and keras.measured.startswith("worst 2.22x")
+    assert keras.measured.endswith("at N=20/B=5")
+    assert targets["tf2 <= 1.15x fused at N=5/B=20"].status == "met"
+    assert targets["tf2 <= 1.15x fused at N=20/B=5"] == Target(
+        "tf2 <= 1.15x fused at N=20/B=5", "1.28x (1.19-1.31)", "missed")
+    tf2_keras = targets["tf2 faster than Keras's accumulation with steps_per_execution=N (N > 1)"]
+    assert tf2_keras.status == "met" and tf2_keras.measured.startswith("worst 0.57x")
+    fit = [t for name, t in targets.items() if name.startswith("fit with accumulate")]
+    assert fit[0].measured == "0.90x (0.90-0.90)" and fit[0].status == "met"
+    assert bench_speed.noise_floor(speed) == pytest.approx(0.12)  # running's 1.12x at N=1
+    quick = bench_speed.Speed(quick=True).targets([speed[1]])
+    assert {t.status for t in quick if "N=20/B=5" in t.target} == {"not measured"}
 
 
-def test_noise_floor_comes_from_the_identical_graphs_at_n_1():
-    same = _row(1, 100, 1.0, {"running": [1.1, 1.12, 1.2], "graph": [1.0] * 3}, stack=1.0)
-    slower = _row(20, 5, 1.8, {"running": [1.02, 1.05, 1.08], "graph": [1.15, 1.2, 1.3]})
-    assert abs(bench_targets.noise_floor([same, slower]) - 0.12) < 1e-9  # running's 1.12x at N=1
-    targets = {t["target"]: t for t in bench_targets.evaluate_targets([same, slower], None, None)}
-    assert targets["running never slower than stack (N > 1)"]["status"] == "within noise"
-    assert "identical graphs differed by up to 12%" in \
-        targets["running never slower than stack (N > 1)"]["why"]
-    assert targets["graph never slower than stack (N > 1)"]["status"] == "missed"
-
-
-def _probe(peak, before, imported=540):
-    return {"peak_mb": peak, "baseline_mb": before, "increment_mb": peak - before,
-            "import_mb": imported}
-
-
-def test_memory_targets_use_peak_rss_and_host_memory_its_growth_per_mini_batch():
-    mem = {"samples": 16384, "n": 128, "b": 128, "direct": _probe(1464, 680),
-           "small": _probe(706, 680), "accumulated": {"running": _probe(706, 679),
-                                                      "fused": _probe(810, 668)}}
+def test_host_memory_is_judged_by_its_growth_per_mini_batch():
     grad = 76.4
-    host = {"grad_mb": grad, "params": 20037642, "ns": (1, 2, 4, 8), "skipped": {},
+    host = {"grad_mb": grad, "ns": (1, 2, 4, 8), "skipped": {},
             "averagers": ("stack", "running"),
             "table": {("stack", 2): {"peak_mb": 1100}, ("stack", 4): {"peak_mb": 1100 + 4 * grad},
                       ("stack", 8): {"peak_mb": 1100 + 12 * grad},
                       ("running", 2): {"peak_mb": 1226}, ("running", 4): {"peak_mb": 1229},
                       ("running", 8): {"peak_mb": 1220}}}
-    targets = {t["target"]: t for t in bench_targets.evaluate_targets([], mem, host)}
-    small = targets["accumulated peak <= 1.25x that of B=128 alone"]
-    assert small["status"] == "met" and small["measured"] == "worst 1.15x (fused)"
-    direct = targets["accumulated peak <= 0.25 of the direct batch's"]
-    assert direct["status"] == "missed" and "540 MB of it right after importing" in direct["why"]
-    running = targets["host memory of running flat in N"]
-    assert running["status"] == "met" and running["measured"].startswith("-1.2 MB per added")
-    assert abs(bench_targets.host_slope(host, "stack") / grad - 2.0) < 1e-6
-    text = "\n".join(bench_report.host_markdown(host))
-    assert "stack +152.8 MB (+2.000 gradients)" in text
+    (running,) = bench_memory.HostGrowth().targets(host)
+    assert running.status == "met" and running.measured.startswith("-1.2 MB per added")
+    assert bench_memory.host_slope(host, "stack") / grad == pytest.approx(2.0)
+    assert "stack +152.8 MB (+2.000 gradients)" in "\n".join(
+        bench_memory.HostGrowth().markdown(host))
+
+
+class _First(Section):
+    name, title = "first", "The first"
+    QUICK = None
+
+    def measure(self, run):
+        return 1
+
+
+class _Second(Section):
+    """It reads the section before it, and reports one of its three steps itself."""
+    name, title = "second", "The second"
+
+    def steps(self):
+        return 3
+
+    def measure(self, run):
+        run.step()
+        return run.results["first"] + 1
+
+    def targets(self, result):
+        return [Target("second is 2", str(result), "met" if result == 2 else "missed")]
+
+
+def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps():
+    advanced, lines = [], []
+    run = Run(log=lines.append, advance=advanced.append)
+    assert run.measure([_First(), _Second()]) == [Target("second is 2", "2", "met")]
+    assert run.results == {"first": 1, "second": 2}
+    assert advanced == [1, 1, 2] and lines[0].startswith("(The first: ")
+    assert _First(quick=True).settings is None and _Second(quick=True).settings == {}
+
+
+def test_a_probe_runs_in_a_fresh_process_and_a_failure_is_one_line():
+    ok, failed = bench_probe.probe_all(echo_probe, [{"x": 1}, {"fail": True}], jobs=2)
+    assert ok["x"] == 1 and ok["deterministic"] is True and ok["pid"] != os.getpid()
+    assert failed["error"] == "probe failed (1): ValueError: boom"
+
+
+def test_a_probe_refused_under_determinism_is_measured_again_without_it(monkeypatch):
+    line = "op determinism is on and TensorFlow has no deterministic kernel here: X"
+    calls = []
+
+    def spawn(function, spec, env, timeout):
+        calls.append(spec["deterministic"])
+        if spec["deterministic"]:
+            return dict(spec, error=line, determinism=True)
+        return dict(spec, peak_mb=300.0)
+
+    monkeypatch.setattr(bench_probe, "_spawn", spawn)
+    result = bench_probe.probe(echo_probe, {"x": 1})
+    assert calls == [True, False]
+    assert result == {"x": 1, "deterministic": False, "peak_mb": 300.0,
+                      "determinism_error": line}
 
 
 def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
@@ -138,20 +153,18 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for heading in ("## Targets", "## Speed", "## Profile", "## The same on Eigen kernels",
-                    "## Peak memory at 512 samples", "## Method"):
+                    "## Host memory as N grows", "## AveragingOptimizer's train op",
+                    "## Device memory and speed"):
         assert heading in text, heading
+    assert "## Keras used plainly" not in text  # left out of --quick
     assert f"`python -m tools.bench --quick --output={out}`" in text and "TensorFlow 2." in text
-    rows = [line.split(" | ") for line in text.splitlines()
-            if line.startswith("| ") and line.rstrip().endswith(tuple(STATUSES) + ("|",))]
-    statuses = [r[-1].strip(" |") for r in rows if r[-1].strip(" |") in STATUSES]
-    assert len(statuses) >= 8 and "met" in statuses
-    for line in text.splitlines():  # every missed target is explained
-        if line.startswith("| ") and line.endswith("| missed |"):
-            assert f"- **{line.split(' | ')[0][2:]}** (missed)" in text
+    statuses = [line.split(" | ")[-1].strip(" |") for line in text.splitlines()
+                if line.startswith("| ") and line.split(" | ")[-1].strip(" |") in STATUSES]
+    assert len(statuses) >= 17 and "met" in statuses
     assert "Targets:" in proc.stdout
     with open(tmp_path / "quick.png", "rb") as f:  # the ratios, next to the markdown
         assert f.read(8) == b"\x89PNG\r\n\x1a\n" and len(f.read()) > 10_000
-    assert "![Speed and memory ratios](quick.png)" in text
+    assert "![Speed ratios](quick.png)" in text
     assert "\r" not in proc.stdout + proc.stderr  # no bar when stderr is not a terminal
     after = open(committed).read() if os.path.exists(committed) else None
     assert after == before  # --output went elsewhere
@@ -161,13 +174,15 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path, capsys):
     """In this process (tools.bench's flags beside main.py's); the quick bench above
     runs it as a process."""
     from tools import bench
-    for args, message in [
-            ([f"--output={tmp_path}/missing/b.md", "--quick"],
-             f"--output {tmp_path}/missing/b.md: directory"),
-            (["--probe=not json"], "--probe: not JSON"),
-            (["--quick=maybe"], "--quick")]:
+    runs = [(lambda args: bench.main_bench(cli.parse_flags(["bench", *args])), args, message)
+            for args, message in [([f"--output={tmp_path}/missing/b.md", "--quick"],
+                                   f"--output {tmp_path}/missing/b.md: directory"),
+                                  (["--quick=maybe"], "--quick")]]
+    runs += [(bench_probe.main, ["probe", "tools.bench_memory:rss_probe", "not json"],
+              "probe spec: not JSON"), (bench_probe.main, ["probe"], "usage: ")]
+    for main, args, message in runs:
         with flagsaver.flagsaver(), pytest.raises(SystemExit) as exit_info:
-            bench.main_bench(cli.parse_flags(["bench", *args]))
+            main(args)
         assert exit_info.value.code not in (0, None), args
         captured = capsys.readouterr()
         lines = captured.err.strip().splitlines()
@@ -179,15 +194,16 @@ def test_bad_input_gets_one_line_and_a_nonzero_exit(tmp_path, capsys):
 @pytest.mark.parametrize("victim", ["BENCHMARKS.png", "BENCHMARKS.md"])
 def test_a_full_disk_keeps_the_previous_benchmarks_pair(tmp_path, victim):
     """Either file of the pair cannot be written: one line, and the old pair stays whole."""
+    from tools import bench
     md, png = tmp_path / "BENCHMARKS.md", tmp_path / "BENCHMARKS.png"
-    bench_report.write(str(md), "old report\n", str(png), b"old figure")
+    bench.write(str(md), "old report\n", str(png), b"old figure")
     with faults.injected("ENOSPC", str(tmp_path / victim)):
         with pytest.raises(results.WriteError) as raised:
-            bench_report.write(str(md), "new report\n", str(png), b"new figure")
+            bench.write(str(md), "new report\n", str(png), b"new figure")
     assert str(raised.value) == (f"cannot write {png} and {md} (No space left on device); "
                                  "what was there before is kept")
     assert (md.read_text(), png.read_bytes()) == ("old report\n", b"old figure")
     assert sorted(os.listdir(tmp_path)) == ["BENCHMARKS.md", "BENCHMARKS.png"]
     # A run that draws no figure: its markdown alone, not beside the older figure.
-    bench_report.write(str(md), "no figure\n", str(png), None)
+    bench.write(str(md), "no figure\n", str(png), None)
     assert sorted(os.listdir(tmp_path)) == ["BENCHMARKS.md"]

@@ -150,94 +150,35 @@ def test_best_accuracy_spread_shows_runs_and_the_posts_error_bars(tmp_path):
 
 
 def speed_rows():
-    """bench's speed_section rows, with the keys the figure does not use left in."""
-    labels = ("direct", "stack", "running", "graph", "fused", "keras", "keras_long", "tf2")
+    """bench_speed.Speed's rows, with the keys the figure does not use left in."""
+    labels = ("direct", "stack", "running", "graph", "fused", "keras", "keras_long", "tf2",
+              "keras_fit")
     rows = []
     for n, b in ((1, 100), (5, 20), (20, 5)):
         ratios = {k: 1.0 + 0.1 * i * (n > 1) for i, k in enumerate(labels)}
-        rows.append({"n": n, "b": b, "times": {}, "profiles": {}, "keras_best": "keras",
+        rows.append({"n": n, "b": b, "times": {}, "profiles": {},
                      "median_ms": {k: 50.0 * r for k, r in ratios.items()},
                      "vs_direct": {k: {"ratio": r, "q1": 0.95 * r, "q3": 1.05 * r}
-                                   for k, r in ratios.items()},
-                     "keras_vs_fused": {"ratio": 2.0, "q1": 1.9, "q3": 2.1}})
+                                   for k, r in ratios.items()}})
     return rows
 
 
-def probe(peak_mb):
-    return {"peak_mb": peak_mb, "baseline_mb": 500.0, "increment_mb": peak_mb - 500.0,
-            "import_mb": 400.0}
-
-
-def memory_section():
-    """bench's memory_section dict; one averager's probe failed."""
-    return {"samples": 16384, "n": 128, "b": 128, "direct": probe(2900.0),
-            "small": probe(620.0), "accumulated": {"stack": probe(700.0),
-                                                   "fused": {"error": "probe failed (1)"}}}
-
-
-def host_section():
-    """bench's host_memory_section dict; large N of stack skipped for lack of memory."""
-    table = {(s, n): probe(600.0 + (130.0 * n if s == "stack" else 130.0))
-             for s in ("stack", "fused") for n in (1, 2, 4) if (s, n) != ("stack", 4)}
-    return {"grad_mb": 65.0, "params": 16_000_000, "ns": (1, 2, 4),
-            "averagers": ("stack", "fused"), "table": table,
-            "skipped": {("stack", 4): "skipped: needs ~5 GB"}}
-
-
-@pytest.mark.parametrize("memory, host", [(True, True), (False, False)])
-def test_bench_figure_draws_speed_and_the_memory_that_was_measured(tmp_path, memory, host):
-    fig, _ = figures.bench_figure(speed_rows(), memory_section() if memory else None,
-                                  host=host_section() if host else None)
+def test_bench_figure_reads_at_readme_width_shows_every_bar_and_names_every_contender(
+        tmp_path):
+    fig, ax = figures.bench_figure(speed_rows())
     path = tmp_path / "bench.png"
     path.write_bytes(figures.png_bytes(fig))
     assert_png(path)
-    height, width = image.imread(path).shape[:2]
-    assert width <= 1000  # README width, not a strip
-    assert height >= (width if memory else width / 3)
-
-
-def test_bench_figure_shows_every_bar_and_point_names_every_contender_legends_off_data():
-    fig, panels = figures.bench_figure(speed_rows(), memory_section(), host_section())
-    (speed,) = panels["speed"]
+    assert image.imread(path).shape[1] <= 1000  # README width, not a strip
     for row in speed_rows():
         for v in row["vs_direct"].values():
-            assert inside(v["q3"], speed.get_ylim()) and inside(v["q1"], speed.get_ylim())
-    names = [t.get_text() for sub in fig.subfigs for leg in sub.legends for t in leg.texts]
+            assert inside(v["q3"], ax.get_ylim()) and inside(v["q1"], ax.get_ylim())
+    names = [t.get_text() for leg in fig.legends for t in leg.texts]
     for label in speed_rows()[0]["vs_direct"]:
         assert any(name.startswith(label + ":") for name in names), (label, names)
-    (memory,) = panels["memory"]
-    assert inside(700.0 / 620.0, memory.get_ylim())  # stack's peak against B alone
-    host = host_section()
-    (ax,) = panels["host"]  # stack at most 1.2x the lowest: one axis
-    assert all(inside(p["peak_mb"], ax.get_ylim()) for p in host["table"].values())
-    assert {t.get_text() for t in ax.texts} == {"stack", "fused"}
-    assert_legends_off_the_axes(fig, [speed, memory, ax])
-
-    # stack climbs far above two lines that lie almost on one another: a broken axis.
-    ns, flat = (1, 2, 4, 8, 16), ("running", "fused")
-    table = {("stack", n): probe(600.0 + 130.0 * n) for n in ns}
-    table.update({(s, n): probe(700.0 + n + 3 * i) for i, s in enumerate(flat) for n in ns})
-    host = dict(host, ns=ns, averagers=("stack", *flat), table=table, skipped={})
-    fig, panels = figures.bench_figure(speed_rows(), memory_section(), host)
-    upper, lower = panels["host"]
-    for (averager, n), probe_ in host["table"].items():
-        assert inside(n, lower.get_xlim())
-        assert any(inside(probe_["peak_mb"], ax.get_ylim()) for ax in (upper, lower))
-    # Lines lying on one another are told apart by marker and dash, and named at their ends.
-    styles = [(line.get_marker(), line.get_linestyle()) for line in lower.get_lines()
-              if line.get_label() in host["averagers"]]
-    assert len(styles) == 3 and len(set(styles)) == 3
-    assert {t.get_text() for t in upper.texts} == {"stack"}
-    assert {t.get_text() for t in lower.texts} == {"running", "fused"}
-    assert_legends_off_the_axes(fig, [*panels["speed"], *panels["memory"], upper, lower])
-
-
-def test_bench_figure_refuses_nothing_measured():
-    failed = dict(memory_section(), direct={"error": "probe failed (137)"})
-    with pytest.raises(ValueError, match="nothing|no speed rows"):
-        figures.bench_figure([], failed)
+    assert_legends_off_the_axes(fig, [ax])
     with pytest.raises(ValueError, match="no speed rows"):
-        figures.bench_figure([], None)
+        figures.bench_figure([])
 
 
 @pytest.mark.parametrize("scale", [1, 10])
@@ -249,19 +190,3 @@ def test_table_captions_name_the_posts_marks_only_where_they_are_drawn(scale):
     assert ("post's mean best accuracy (dashed)" in text) == (scale == 1)
     assert ("post's mean ± std" in text) == (scale == 1)
     assert ("the post's numbers are not drawn" in text) == (scale > 1)
-
-
-def test_bench_caption_describes_only_the_panels_drawn():
-    assert figures.bench_caption(speed_rows(), memory_section(), host_section()) == " ".join(
-        figures.BENCH_CAPTIONS[name] for name in ("speed", "memory", "host"))
-    assert figures.bench_caption(speed_rows(), None, None) == figures.BENCH_CAPTIONS["speed"]
-    failed = dict(memory_section(), direct={"error": "probe failed (137)"})
-    assert figures.bench_caption([], failed, host_section()) == figures.BENCH_CAPTIONS["host"]
-
-
-def test_host_panel_with_no_flat_line_has_one_axis_holding_every_point():
-    table = {("stack", n): probe(600.0 * n) for n in (1, 2, 4, 8)}
-    host = dict(host_section(), ns=(1, 2, 4, 8), averagers=("stack",), table=table)
-    _, panels = figures.bench_figure(speed_rows(), None, host)
-    (ax,) = panels["host"]
-    assert all(inside(p["peak_mb"], ax.get_ylim()) for p in table.values())

@@ -1,4 +1,4 @@
-"""make gpu-check (tools/gpu_check.py) and the bench's device sections (bench_device.py):
+"""make gpu-check (tools/gpu_check.py) and the bench's device section (bench_device.py):
 the no-GPU path as it runs here, and the GPU path's judging and GPU.md from made-up
 measurements (this machine has no GPU to measure)."""
 
@@ -10,8 +10,8 @@ import tensorflow as tf
 
 from experiment import averagers
 from tests.helpers import ROOT
+from tools import bench_contenders
 from tools import bench_device
-from tools import bench_targets
 from tools import gpu_check
 
 FAKE_GPU = [dict(name="/physical_device:GPU:0", device_name="NVIDIA H100 80GB HBM3",
@@ -19,26 +19,25 @@ FAKE_GPU = [dict(name="/physical_device:GPU:0", device_name="NVIDIA H100 80GB HB
 
 
 def fake_device(accumulated_peak, speed_ratio, error=None):
-    """A measure() result: every probe of FULL with made-up peaks (direct 1000 MB, B alone
-    200 MB, each accumulated run `accumulated_peak`), one speed row whose fused and tf2
-    ratios are `speed_ratio`."""
+    """A Device.measure() result: every probe of FULL with made-up peaks (direct 1000 MB,
+    B alone 200 MB, each accumulated run `accumulated_peak`), one speed row whose fused
+    and tf2 ratios are `speed_ratio`."""
     memory = []
-    for spec in bench_device.memory_specs(bench_device.FULL):
+    for spec in bench_device.memory_specs(bench_device.Device.FULL):
         peak = {"direct": 1000.0, "alone": 200.0}.get(spec["role"], accumulated_peak)
-        memory.append(dict(spec, peak_mb=peak, before_mb=50.0, increment_mb=peak - 50.0,
-                           seconds_per_update=0.01))
+        memory.append(dict(spec, peak_mb=peak, before_mb=50.0, increment_mb=peak - 50.0))
     if error:
         memory[-1] = dict(memory[-1], error=error)
         del memory[-1]["peak_mb"]
-    labels = ["direct", *bench_device.CONTENDERS, "tf2_direct"]
-    ratio = lambda r: {"ratio": r, "q1": r - 0.01, "q3": r + 0.01}  # noqa: E731
-    speed = [dict(kind="speed", n=8, b=b, updates=20, repeats=7,
-                  median_ms={k: 10.0 for k in labels},
-                  vs_direct={k: ratio(speed_ratio if k == "fused" else 1.0) for k in labels},
-                  tf2_vs_tf2_direct=ratio(speed_ratio))
-             for b in (16, 256)]  # B=16 is under the speed targets' floor: never judged
-    speed[0]["vs_direct"]["fused"] = speed[0]["tf2_vs_tf2_direct"] = ratio(9.0)
-    return {"gpu": FAKE_GPU, "settings": bench_device.FULL, "memory": memory, "speed": speed}
+    speed = []
+    for b, r in ((16, 9.0), (256, speed_ratio)):  # B=16: under the speed targets' floor
+        times = {k: [0.01 * (r if k in ("fused", "tf2") else 1.0)] * 3
+                 for k in bench_device.LABELS}
+        speed.append(dict(n=8, b=b, times=times,
+                          median_ms={k: 1e3 * t[0] for k, t in times.items()},
+                          vs_direct={k: bench_contenders.paired_ratio(times, k, "direct")
+                                     for k in times}))
+    return {"gpu": FAKE_GPU, "memory": memory, "speed": speed}
 
 
 def test_without_a_gpu_gpu_check_runs_nothing_and_gpu_md_says_so(tmp_path, monkeypatch):
@@ -47,6 +46,7 @@ def test_without_a_gpu_gpu_check_runs_nothing_and_gpu_md_says_so(tmp_path, monke
 
     monkeypatch.setattr(gpu_check, "run_gpu_tests", must_not_run)
     monkeypatch.setattr(bench_device, "probe", must_not_run)
+    monkeypatch.setattr(bench_device, "gpus", lambda: [])
     output = tmp_path / "GPU.md"
     text = gpu_check.check(str(output), log=lambda line: None)
     assert output.read_text() == text
@@ -56,14 +56,14 @@ def test_without_a_gpu_gpu_check_runs_nothing_and_gpu_md_says_so(tmp_path, monke
     assert f"is_cuda_build={build.get('is_cuda_build')}" in text
     rows = [line for line in text.splitlines() if line.endswith("| no GPU | not measured |")]
     assert len(rows) == 4
-    assert "no GPU" in "\n".join(bench_device.markdown({"gpu": None}))
+    assert "no GPU" in "\n".join(bench_device.Device().markdown(None))
     with open(os.path.join(ROOT, "Makefile")) as f:  # make gpu-check is this function's tool
         assert "gpu-check: install\n\t$(PY) -m tools.gpu_check" in f.read()
 
 
 def test_memory_probes_cover_every_averager_and_the_tf2_window_against_their_own_engine():
-    specs = bench_device.memory_specs(bench_device.FULL)
-    n, b = bench_device.FULL["n"], bench_device.FULL["b"]
+    specs = bench_device.memory_specs(bench_device.Device.FULL)
+    n, b = bench_device.Device.FULL["n"], bench_device.Device.FULL["b"]
     assert n == 8 and b >= 256  # a size where activations dominate
     accumulated = {(s["engine"], s["averager"]) for s in specs if s["role"] == "accumulated"}
     assert accumulated == {("tf1", s) for s in averagers.AVERAGERS} | {("tf2", "tf2")}
@@ -78,17 +78,18 @@ def test_memory_probes_cover_every_averager_and_the_tf2_window_against_their_own
     (200.0, 1.2, ["met", "met", "missed", "missed"]),  # 1.2x the direct batch's time
 ])
 def test_device_targets_judge_peak_memory_and_time_against_their_limits(peak, speed, statuses):
-    targets = bench_targets.device_targets(fake_device(peak, speed))
-    assert [t["status"] for t in targets] == statuses
-    assert targets[2]["measured"] == f"worst {speed:.2f}x at N=8/B=256"  # B=16 not judged
-    for t in targets:
-        assert (t["why"] is None) == (t["status"] == "met")
+    targets = bench_device.Device().targets(fake_device(peak, speed))
+    assert [t.status for t in targets] == statuses
+    assert targets[2].measured == f"{speed:.2f}x ({speed:.2f}-{speed:.2f})"  # B=16's 9x: not judged
 
 
 def test_a_failed_probe_is_named_and_the_target_not_met():
-    targets = bench_targets.device_targets(fake_device(210.0, 1.0, error="probe failed (1): OOM"))
-    assert [t["status"] for t in targets[:2]] == ["missed", "missed"]
-    assert "tf2 tf2: probe failed (1): OOM" in targets[0]["why"]
+    device = fake_device(210.0, 1.0, error="probe failed (1): OOM")
+    targets = bench_device.Device().targets(device)
+    assert [t.status for t in targets] == ["missed", "missed", "met", "met"]
+    assert targets[0].measured.endswith("; a probe failed")
+    assert "| tf2 | tf2 | 8 x 256 | probe failed (1): OOM |" in "\n".join(
+        bench_device.Device().markdown(device))
 
 
 def test_on_a_gpu_gpu_md_records_the_device_the_tests_every_number_and_the_targets(
@@ -98,8 +99,7 @@ def test_on_a_gpu_gpu_md_records_the_device_the_tests_every_number_and_the_targe
               "error: op determinism is on and TensorFlow has no deterministic kernel here")]
     monkeypatch.setattr(bench_device, "gpus", lambda: FAKE_GPU)
     monkeypatch.setattr(gpu_check, "run_gpu_tests", lambda: tests)
-    monkeypatch.setattr(bench_device, "measure",
-                        lambda settings, log, found: fake_device(230.0, 1.0))
+    monkeypatch.setattr(bench_device.Device, "measure", lambda self, run: fake_device(230.0, 1.0))
     text = gpu_check.check(str(tmp_path / "GPU.md"), log=lambda line: None)
     assert "No GPU" not in text
     assert "| /physical_device:GPU:0 | NVIDIA H100 80GB HBM3 | 9.0 | 550.54.15 | 81559 MiB |" \
@@ -107,7 +107,6 @@ def test_on_a_gpu_gpu_md_records_the_device_the_tests_every_number_and_the_targe
     assert "1 of 2 passed" in text and "| failed | error: op determinism is on" in text
     assert "| accumulated device peak <= 1.1x that of B alone | worst 1.15x (tf1 stack) | " \
            "missed |" in text
-    assert "- **accumulated device peak <= 1.1x that of B alone** (missed)" in text
     assert "| tf1 | fused | 8 x 256 | 230.0 | 50.0 | 180.0 | 1.15 | 0.23 |" in text
     assert "| 8 x 256 | 10.0 ms, 1.00x |" in text
 
@@ -123,22 +122,9 @@ def test_junit_outcomes_are_read_per_test():
                                          ("test_keras_fit::c", "skipped", "no GPU")]
 
 
-def test_a_probe_refused_under_determinism_is_measured_again_without_it(monkeypatch):
+def test_a_probe_measured_without_determinism_is_named():
     line = "op determinism is on and TensorFlow has no deterministic kernel here: X"
-    calls = []
-
-    def spawn(spec):
-        calls.append(spec["deterministic"])
-        if spec["deterministic"]:
-            return dict(spec, error=line, determinism=True)
-        return dict(spec, peak_mb=300.0, before_mb=50.0, increment_mb=250.0)
-
-    monkeypatch.setattr(bench_device, "_spawn", spawn)
-    spec = bench_device.memory_specs(bench_device.FULL)[0]
-    result = bench_device.probe(spec, log=lambda line: None)
-    assert calls == [True, False]
-    assert result["deterministic"] is False and result["determinism_error"] == line
-    assert "determinism" not in result and "error" not in result
-    device = dict(fake_device(210.0, 1.0), memory=[result])
+    device = fake_device(210.0, 1.0)
+    device["memory"][0]["determinism_error"] = line
     assert f"Measured without op determinism (TensorFlow refused it): tf1 direct N=1 " \
-           f"B=2048 ({line})." in "\n".join(bench_device.markdown(device))
+           f"B=2048 ({line})." in "\n".join(bench_device.Device().markdown(device))

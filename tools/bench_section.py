@@ -1,0 +1,103 @@
+"""The bench's one contract: a section measures, judges its targets and writes its part.
+
+Adding a section to BENCHMARKS.md is a subclass and a line in bench.SECTIONS:
+
+    class Mine(bench_section.Section):
+        name, title = "mine", "What it measures"
+        FULL, QUICK = dict(...), dict(...)  # its settings; QUICK None: --quick leaves it out
+
+        def measure(self, run): ...         # -> its result, what the two below read
+        def targets(self, result): ...      # -> [Target] (default: none)
+        def markdown(self, result): ...     # -> its lines of BENCHMARKS.md
+
+A measurement that needs a fresh process is a probe (bench_probe.py).
+"""
+
+import collections
+import time
+
+Target = collections.namedtuple("Target", "target measured status")
+
+
+class Section:
+    name = title = ""
+    FULL = QUICK = {}
+
+    def __init__(self, quick=False):
+        self.settings = self.QUICK if quick else self.FULL
+
+    def steps(self):
+        """The progress bar's steps in measure(), each reported by run.step()."""
+        return 1
+
+    def measure(self, run):
+        raise NotImplementedError
+
+    def targets(self, result):
+        return []
+
+    def markdown(self, result):
+        raise NotImplementedError
+
+
+class Run:
+    """What measure() is given: MNIST (`datasets`), the results of the sections measured
+    before by name (`results`), a `log` for one line, and `step()` for the bar."""
+
+    def __init__(self, datasets=None, log=print, advance=lambda n: None):
+        self.datasets, self.log, self._advance = datasets, log, advance
+        self.results, self._stepped = {}, 0
+
+    def step(self):
+        self._stepped += 1
+        self._advance(1)
+
+    def measure(self, sections):
+        """Each section in turn; returns their targets, in order."""
+        targets = []
+        for section in sections:
+            start, self._stepped = time.perf_counter(), 0
+            result = self.results[section.name] = section.measure(self)
+            self._advance(section.steps() - self._stepped)
+            self.log(f"({section.title}: {time.perf_counter() - start:.0f} s)")
+            targets += section.targets(result)
+        return targets
+
+
+def status(ok, noisy=False):
+    return "met" if ok else ("within noise" if noisy else "missed")
+
+
+def worst(target, ratios, limit, at_least=False, noise=None, failed=False):
+    """A target judged on the worst of `ratios` against `limit`.
+
+    Args:
+      ratios: {where: ratio}, a float or a paired ratio {"ratio", "q1", "q3"}
+        (bench_contenders.paired_ratio); `where` names it in the measured text.
+      at_least: the ratio must reach `limit`; else stay at or under it.
+      noise: this run's noise floor: a miss by less, or met in a quarter of the rounds,
+        is "within noise".
+      failed: a probe it needs failed: missed, whatever the others measured.
+    """
+    if not ratios:
+        return Target(target, *(("probe failed", "missed") if failed else ("not measured",) * 2))
+    paired = {k: v if isinstance(v, dict) else {"ratio": v} for k, v in ratios.items()}
+    where = (min if at_least else max)(paired, key=lambda k: paired[k]["ratio"])
+    r = paired[where]
+    ok = (r["ratio"] >= limit if at_least else r["ratio"] <= limit) and not failed
+    noisy = noise is not None and "q1" in r and (r["q1"] <= limit or r["ratio"] - limit <= noise)
+    measured = f"{r['ratio']:.2f}x" + (f" ({r['q1']:.2f}-{r['q3']:.2f})" if "q1" in r else "")
+    if len(ratios) > 1:
+        measured = f"worst {measured} {where}"
+    return Target(target, measured + ("; a probe failed" if failed else ""),
+                  status(ok, noisy and not failed))
+
+
+def table(header, rows):
+    """A markdown table: the header's cells, then each row's."""
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
+        "| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def targets_table(targets):
+    return ["## Targets", ""] + table(Target._fields, targets)

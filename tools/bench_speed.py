@@ -1,0 +1,186 @@
+"""The speed sections: time per update of every contender at the post's (N, B) and where it
+goes, Keras used plainly, and fused against direct again on Eigen kernels (oneDNN off)."""
+
+import statistics
+
+from experiment import averagers
+from tools import bench_contenders as bc
+from tools import bench_probe
+from tools.bench_section import Section, table, worst
+
+# The targets.
+FUSED_LIMITS = {(5, 20): 1.15, (20, 5): 1.5}  # fused against the direct batch
+KERAS_SPEEDUP = 2.0  # fused against Keras's accumulation, where it accumulates (N > 1)
+TF2_VS_FUSED = 1.15  # the tf2 window against tf1's fused, at the FUSED_LIMITS configs
+KERAS_FIT_CONFIG = (5, 20)  # fit with accumulate no slower than Keras's own here
+KERAS = ("keras", "keras_long")  # Keras's accumulation, one call per update or per block
+LABELS = ("direct", *averagers.AVERAGERS, *KERAS, "tf2", "keras_fit")
+
+ABOUT = """\
+Each update trains N*B samples of real MNIST (the post's ConvNet, dropout on, Adam 1e-3). \
+Every contender is built once, trained one untimed block, then timed in {repeats} rounds in \
+which each trains a block of {updates} updates, the order rotating every round; the ratio \
+is the median of the per-round ratios to `direct`. Data: the post's sample stream through \
+the engines' `step`, as `main.py`'s loop trains, or tf.data (Keras); no evaluation.
+
+- `direct`: one batch of N*B, the post's `minimize`; `{averagers}`: the tf1 averagers \
+(`--accumulate`, docs/averagers.md). At N=1 each is that same `minimize`: their spread \
+there is this run's noise.
+- `keras`, `keras_long`: the ConvNet as a Keras 3 model, \
+`Adam(1e-3, gradient_accumulation_steps=N)`, `model.fit` on B-sized batches with \
+`steps_per_execution` N (one call per update, as `fused`) or N*U (one per block): Keras's \
+fastest (the plain ways are below). At N=1 Keras does not accumulate.
+- `tf2`: `--engine=tf2`: the engine buffers N mini-batches and trains the window in one \
+compiled call.
+- `keras_fit`: `accumulate(model, N)` compiled with plain `Adam(1e-3)`, fitted on the same \
+batches, one compiled call per window.
+- Everything runs under op determinism, as `main.py` does: Keras compiles no XLA, and \
+`--jit-compile` is not timed (TensorFlow has no deterministic XLA gradient of max \
+pooling; docs/tf2-engine.md has its speed)."""
+
+
+def keras_best(row):
+    """The faster of Keras's two contenders in this row."""
+    return min(KERAS, key=lambda k: row["median_ms"][k])
+
+
+def noise_floor(rows):
+    """How far from 1 the averagers' ratios to `direct` came at N=1, where all are the
+    same graph: this run's noise; None without an N=1 row."""
+    return next((max(abs(r["vs_direct"][s]["ratio"] - 1) for s in averagers.AVERAGERS)
+                 for r in rows if r["n"] == 1), None)
+
+
+def _ratios(rows, label, base):
+    """{"at N=../B=..": paired ratio label / base} over rows; label may be a function."""
+    return {f"at N={r['n']}/B={r['b']}": bc.paired_ratio(
+        r["times"], label(r) if callable(label) else label, base) for r in rows}
+
+
+class Speed(Section):
+    name, title = "speed", "Speed: training time per update"
+    FULL = dict(configs=((1, 100), (5, 20), (10, 10), (20, 5)), updates=20, repeats=7)
+    QUICK = dict(configs=((5, 20),), updates=1, repeats=2)
+
+    def steps(self):
+        return len(self.settings["configs"])
+
+    def measure(self, run):
+        s, rows = self.settings, []
+        for n, b in s["configs"]:
+            run.log(f"Speed at N={n} x B={b} (direct: B={n * b})")
+            row = bc.race(LABELS, n, b, run.datasets, s["updates"], s["repeats"], profiled=True)
+            run.log("  " + ", ".join(f"{k}: {row['median_ms'][k]:.1f} ms "
+                                     f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in LABELS))
+            rows.append(row)
+            run.step()
+        return rows
+
+    def targets(self, rows):
+        at = lambda n, b: [r for r in rows if (r["n"], r["b"]) == (n, b)]  # noqa: E731
+        accumulating = [r for r in rows if r["n"] > 1]
+        out = [worst(f"fused <= {limit}x direct at N={n}/B={b}",
+                     _ratios(at(n, b), "fused", "direct"), limit)
+               for (n, b), limit in FUSED_LIMITS.items()]
+        out += [worst(f"{s} never slower than stack (N > 1)", _ratios(accumulating, s, "stack"),
+                      1.0, noise=noise_floor(rows)) for s in ("running", "graph", "fused")]
+        out.append(worst(f"fused >= {KERAS_SPEEDUP:g}x faster than Keras's accumulation (N > 1)",
+                         _ratios(accumulating, keras_best, "fused"), KERAS_SPEEDUP,
+                         at_least=True))
+        out += [worst(f"tf2 <= {TF2_VS_FUSED}x fused at N={n}/B={b}",
+                      _ratios(at(n, b), "tf2", "fused"), TF2_VS_FUSED) for n, b in FUSED_LIMITS]
+        out.append(worst("tf2 faster than Keras's accumulation with steps_per_execution=N "
+                         "(N > 1)", _ratios(accumulating, "tf2", "keras"), 1.0))
+        n, b = KERAS_FIT_CONFIG
+        out.append(worst(f"fit with accumulate <= Keras's gradient_accumulation_steps with "
+                         f"steps_per_execution=N at N={n}/B={b}",
+                         _ratios(at(n, b), "keras_fit", "keras"), 1.0))
+        return out
+
+    def markdown(self, rows):
+        def cell(r, k):
+            return f"{r['median_ms'][k]:.1f} ms, {r['vs_direct'][k]['ratio']:.2f}x"
+
+        lines = [f"## {self.title}", "",
+                 ABOUT.format(averagers="`, `".join(averagers.AVERAGERS), **self.settings), ""]
+        lines += table(("N x B", *LABELS, "faster Keras / fused"), [
+            (f"{r['n']} x {r['b']}", *(cell(r, k) for k in LABELS),
+             f"{bc.paired_ratio(r['times'], keras_best(r), 'fused')['ratio']:.2f}x") for r in rows])
+        noise = noise_floor(rows)
+        if noise is not None:
+            lines += ["", f"This run's noise: at N=1 the averagers' ratios to `direct`, the same "
+                      f"graph, came out up to {noise:.0%} away from 1. A target \"never slower "
+                      f"than stack\" missed by less, or met in a quarter of the rounds, is "
+                      f"\"within noise\"."]
+        lines += ["", "## Profile: where one update's time goes", "",
+                  "tf.profiler over one block of updates per contender, after the timed "
+                  "rounds; kernel milliseconds per update, summed over threads (so they can "
+                  "exceed the wall time), by op class. Tracing slows the small ops most."]
+        for r in rows:
+            p = r["profiles"]
+            classes = sorted({c for profile in p.values() for c in profile["kernel_ms"]})
+            lines += ["", f"N={r['n']} x B={r['b']}:", ""] + table(("", *LABELS), [
+                ("wall ms, timed rounds", *(f"{r['median_ms'][k]:.1f}" for k in LABELS)),
+                ("wall ms, traced", *(f"{p[k]['wall_ms']:.1f}" for k in LABELS))] + [
+                (c, *(f"{p[k]['kernel_ms'].get(c, 0):.2f}" for k in LABELS)) for c in classes])
+        return lines
+
+
+class KerasPlain(Section):
+    name, title = "keras_plain", "Keras used plainly"
+    FULL, QUICK = dict(n=5, b=20, updates=20, repeats=3), None
+
+    def measure(self, run):
+        s = self.settings
+        contenders = [bc.KerasContender(label, s["n"], s["b"], run.datasets, per_call)
+                      for label, per_call in (("train_on_batch", None),
+                                              ("fit, steps_per_execution=1", 1),
+                                              ("fit, steps_per_execution=N", s["n"]))]
+        times = bc.interleaved(contenders, s["updates"], s["repeats"])
+        ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        run.log("  " + ", ".join(f"{label}: {v:.1f} ms" for label, v in ms.items()))
+        return ms
+
+    def markdown(self, ms):
+        return [f"## {self.title} (N={self.settings['n']} x B={self.settings['b']})", "",
+                "Keras's accumulation, a call per mini-batch against one compiled call per "
+                "update.", ""] + table(("how", "ms per update"),
+                                       [(label, f"{v:.1f}") for label, v in ms.items()])
+
+
+class Kernels(Section):
+    name, title = "kernels", "The same on Eigen kernels (oneDNN off)"
+    FULL, QUICK = Speed.FULL, Speed.QUICK
+
+    def measure(self, run):
+        """[{"onednn": the speed section's row, "eigen": the same race in a probe}]."""
+        rows = []
+        for row in run.results.get("speed") or []:
+            if (row["n"], row["b"]) not in FUSED_LIMITS:
+                continue
+            eigen = bench_probe.probe(bc.race_probe, dict(
+                labels=("direct", "fused"), n=row["n"], b=row["b"],
+                updates=self.settings["updates"], repeats=self.settings["repeats"]),
+                env={"TF_ENABLE_ONEDNN_OPTS": "0"})
+            run.log(f"Fused against direct with oneDNN off, N={row['n']} x B={row['b']}: "
+                    + (eigen.get("error") or f"{eigen['vs_direct']['fused']['ratio']:.2f}x"))
+            rows.append(dict(onednn=row, eigen=eigen))
+        return rows
+
+    def markdown(self, rows):
+        if not rows:
+            return []
+        body = []
+        for r in rows:
+            one, eigen = r["onednn"], r["eigen"]
+            body.append((f"{one['n']} x {one['b']}", *([eigen["error"]] if "error" in eigen else [
+                f"{x['median_ms'][k]:.1f} ms" for k in ("direct", "fused") for x in (one, eigen)]
+                + [f"{x['vs_direct']['fused']['ratio']:.2f}x" for x in (one, eigen)])))
+        return [f"## {self.title}", "",
+                "`direct` and `fused` again, interleaved as above, in a probe process started "
+                "with `TF_ENABLE_ONEDNN_OPTS=0`: TensorFlow's Eigen kernels instead of "
+                "oneDNN's (`main.py` keeps oneDNN on). Where fused / direct is near 1 here "
+                "and above it with oneDNN, fused's gap is oneDNN's cost per kernel call, which "
+                "does not shrink with the mini-batch.", ""] + table(
+            ("N x B", "direct, oneDNN", "direct, Eigen", "fused, oneDNN", "fused, Eigen",
+             "fused / direct, oneDNN", "fused / direct, Eigen"), body)
