@@ -29,6 +29,7 @@ from experiment import results  # noqa: E402
 from tools import bench_device  # noqa: E402
 from tools import bench_memory  # noqa: E402
 from tools import bench_speed  # noqa: E402
+from tools import bench_tensor_memory  # noqa: E402
 from tools import bench_tf1_wrapper  # noqa: E402
 from tools import common  # noqa: E402
 from tools import figures  # noqa: E402
@@ -36,8 +37,8 @@ from tools.bench_section import Run, targets_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 
-SECTIONS = (bench_speed.Speed, bench_speed.KerasPlain, bench_speed.Kernels,
-            bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper, bench_device.Device)
+SECTIONS = (bench_tensor_memory.TensorMemory, bench_speed.Speed, bench_speed.KerasPlain,
+            bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper, bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")

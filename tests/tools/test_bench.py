@@ -113,6 +113,27 @@ class _Second(Section):
         return [Target("second is 2", str(result), "met" if result == 2 else "missed")]
 
 
+def test_tensor_memory_targets_take_the_worst_path_against_bound_keras_and_growth():
+    from tools import bench_tensor_memory, memory
+
+    def row(path, peak):
+        return dict(model="mlp", path=path, n=8, b=32, limit_mb=None, gpu=False, probes=1,
+                    peaks=[peak], ooms=0, errors=[], seconds=1.0, peak_mb=peak,
+                    current_mb=0.0, weights_mb=80.0, largest_mb=64.0, accumulators_mb=80.0)
+
+    rows = memory.with_ratios([row("alone", 360.0), row("direct", 375.0), row("keras", 525.0),
+                               row("accumulate", 510.0), row("window", 530.0)])
+    growth = [{"path": "window", "peaks": {2: 50.0, 32: 50.5}, "growth": 1.01},
+              {"path": "accumulate", "peaks": {2: 50.0, 32: 52.0}, "growth": 1.04}]
+    section = bench_tensor_memory.TensorMemory()
+    bound, keras, flat = section.targets({"tables": {"mlp": rows}, "growth": growth})
+    # The bound: 360 + 80 + 64 = 504, +5%: 529.2; window's 530 is over it.
+    assert bound.status == "missed" and "(window)" in bound.measured
+    # Keras's 525 + 5%: both under.
+    assert keras.status == "met" and "(window)" in keras.measured
+    assert flat.status == "missed" and "1.040 (accumulate)" in flat.measured
+
+
 def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps():
     advanced, lines = [], []
     run = Run(log=lines.append, advance=advanced.append)
@@ -157,6 +178,7 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
                     "## Device memory and speed"):
         assert heading in text, heading
     assert "## Keras used plainly" not in text  # left out of --quick
+    assert "## Tensor memory" in text and "| accumulate |" in text
     assert f"`python -m tools.bench --quick --output={out}`" in text and "TensorFlow 2." in text
     statuses = [line.split(" | ")[-1].strip(" |") for line in text.splitlines()
                 if line.startswith("| ") and line.split(" | ")[-1].strip(" |") in STATUSES]

@@ -1,0 +1,94 @@
+"""Tensor memory, the bench's memory headline: each path's peak as a device's allocator
+counts it (tools.memory's probes), against B alone, the direct batch and Keras's own
+accumulation, on a model whose activations dominate and one whose weights do, and how the
+peak grows with N.
+"""
+
+from tools import memory
+from tools.bench_section import Section, Target, status
+
+ACCUMULATING = ("accumulate", "window", "mini_batch", "tf1")
+FLAT_IN_N = 0.02  # N=32 within 2% of N=2 at the same B
+
+
+class TensorMemory(Section):
+    name, title = "tensor_memory", "Tensor memory: peak of each path (BFC allocator)"
+    FULL = dict(models=memory.MODELS, paths=memory.PATHS, n=8, b=32, repeats=3,
+                growth_model="convnet",
+                growth_ns=(2, 32), growth_paths=("accumulate", "window", "mini_batch"),
+                jobs=2)
+    QUICK = dict(models=("convnet",), paths=("alone", "direct", "accumulate"), n=4, b=16,
+                 repeats=1, growth_model=None, growth_ns=(), growth_paths=(), jobs=2)
+
+    def steps(self):
+        return len(self.settings["models"]) + bool(self.settings["growth_model"])
+
+    def measure(self, run):
+        s = self.settings
+        tables = {}
+        for model in s["models"]:
+            run.log(f"Tensor memory: {model}, N={s['n']} x B={s['b']}")
+            paths = [p for p in s["paths"] if p != "tf1" or model in memory.TF1_MODELS]
+            tables[model] = memory.table(model, s["n"], s["b"], paths, repeats=s["repeats"],
+                                         jobs=s["jobs"], log=run.log)
+            run.step()
+        growth = None
+        if s["growth_model"]:
+            run.log(f"Tensor memory as N grows: {s['growth_model']}, B={s['b']}")
+            growth = memory.growth({n: memory.table(
+                s["growth_model"], n, s["b"], paths=s["growth_paths"], repeats=s["repeats"],
+                jobs=s["jobs"], log=run.log) for n in s["growth_ns"]})
+            run.step()
+        return dict(tables=tables, growth=growth)
+
+    def targets(self, result):
+        out = []
+        for model, rows in result["tables"].items():
+            rows = {row["path"]: row for row in rows}
+            paths = [p for p in ACCUMULATING if p in rows]
+            bound = {p: rows[p]["to_bound"] for p in paths if rows[p]["to_bound"] is not None}
+            out.append(_worst(f"{model}: every path within B alone + accumulators + "
+                              "largest variable + 5%", bound, 1.0, len(bound) < len(paths)))
+            keras = rows.get("keras", {}).get("peak_mb")
+            if keras is not None:
+                slack = max(memory.MARGIN * keras, memory.MARGIN_MIN_MB)
+                over = {p: rows[p]["peak_mb"] / keras for p in paths
+                        if rows[p]["peak_mb"] is not None}
+                out.append(_worst(f"{model}: every path at or under Keras's accumulation "
+                                  f"(+{memory.MARGIN:.0%}, {memory.MARGIN_MIN_MB:.0f} MiB at "
+                                  "least)", over, 1 + slack / keras, len(over) < len(paths)))
+        if result["growth"]:
+            grow = {row["path"]: row["growth"] for row in result["growth"]
+                    if row["growth"] is not None}
+            ns = self.settings["growth_ns"]
+            out.append(_worst(f"peak flat in N: N={ns[-1]} within {FLAT_IN_N:.0%} of "
+                              f"N={ns[0]}", grow, 1 + FLAT_IN_N,
+                              len(grow) < len(result["growth"])))
+        return out
+
+    def markdown(self, result):
+        s = self.settings
+        lines = [f"## {self.title}", "",
+                 "Peak bytes of live tensors during one update (after a warm-up update), "
+                 "read from TensorFlow's BFC allocator, which the CPU runs as a GPU does with "
+                 "`TF_CPU_ALLOCATOR_USE_BFC=true`; one inter-op thread, oneDNN off, each "
+                 "figure the median of fresh processes (tools/memory.py). Host RSS would hide "
+                 "it under TensorFlow's own floor. `alone` is one mini-batch of B, `direct` "
+                 "the direct batch of N*B, `keras` Keras 3's `gradient_accumulation_steps`, "
+                 "`accumulate` Keras fit, `window` and `mini_batch` the TF2 accumulators, "
+                 "`tf1` AveragingOptimizer.", ""]
+        for model, rows in result["tables"].items():
+            lines += [f"### {model}", "", *memory.markdown(rows).splitlines(), ""]
+        if result["growth"]:
+            lines += [f"### As N grows ({s['growth_model']}, B={s['b']})", "",
+                      *memory.growth_markdown(result["growth"]).splitlines()]
+        return lines
+
+
+def _worst(target, ratios, limit, failed):
+    if not ratios:
+        return Target(target, "not measured", "missed" if failed else "not measured")
+    where = max(ratios, key=ratios.get)
+    measured = f"worst {ratios[where]:.3f} ({where})"
+    return Target(target, measured + ("; a probe failed" if failed else ""),
+                  status(ratios[where] <= limit and not failed))
