@@ -35,14 +35,27 @@ def _values(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
+def _zeros(shape, dtype):
+    """Zeros made when the op runs. Grappler folds a zeros_like or tf.zeros of a known
+    shape into a constant, which every executor that runs it then keeps: a weight-sized
+    buffer per accumulator, per branch and per op that resets the window."""
+    return tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype,
+                            init=True)
+
+
 def _zero(acc):
-    return [acc.assign(tf.zeros_like(acc), read_value=False)]
+    """Gives `acc` a zeroed buffer; its old one is freed (a scatter would zero it in place,
+    but it would leave the variable copying on every later read and add)."""
+    return acc.assign(_zeros(acc.shape, acc.dtype), read_value=False)
 
 
 def _zero_rows(acc, touched, rows, summed):
-    """Zeroes only the window's rows: O(rows x width), not O(table)."""
-    return [acc.scatter_update(tf.IndexedSlices(tf.zeros_like(summed), rows)),
-            touched.assign(tf.zeros_like(touched), read_value=False)]
+    """Zeroes only the window's rows: O(rows x width), not O(table). (A scalar update
+    would need no zeros, but scatters it row by row, several times slower.)"""
+    return tf.group(
+        acc.scatter_update(tf.IndexedSlices(tf.zeros_like(summed), rows)),
+        tf.raw_ops.ResourceScatterUpdate(  # a scalar update: no zeros the table's size
+            resource=touched.handle, indices=rows, updates=tf.constant(False)))
 
 
 def _outermost_graph():
@@ -111,7 +124,7 @@ class _Window:
             for var in variables:
                 with tf.device(var.device):
                     self.accumulators[var] = _window_variable(
-                        tf.zeros(var.shape, accumulator_dtype(var)),
+                        _zeros(var.shape, accumulator_dtype(var)),
                         var.op.name + "/accumulator")
                     if sparse[var]:
                         self.touched[var] = _window_variable(
@@ -443,9 +456,8 @@ class AveragingOptimizer(v1.train.Optimizer):
             pairs.append((grad, var))
 
         def reset():
-            return [op for r in resets for op in r()] + [
-                window.count.assign(0, read_value=False),
-                window.weight_sum.assign(0, read_value=False)]
+            return [r() for r in resets] + [window.count.assign(0, read_value=False),
+                                            window.weight_sum.assign(0, read_value=False)]
 
         return self._apply_or_skip(pairs, window, global_step, reset, caller_scope,
                                    positive=weight_sum > 0)
