@@ -35,14 +35,27 @@ def _values(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
+def _zeros(shape, dtype):
+    """Zeros made when the op runs. Grappler folds a zeros_like or tf.zeros of a known
+    shape into a constant, which every executor that runs it then keeps: a weight-sized
+    buffer per accumulator, per branch and per op that resets the window."""
+    return tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype,
+                            init=True)
+
+
 def _zero(acc):
-    return [acc.assign(tf.zeros_like(acc), read_value=False)]
+    """Gives `acc` a zeroed buffer; its old one is freed (a scatter would zero it in place,
+    but it would leave the variable copying on every later read and add)."""
+    return acc.assign(_zeros(acc.shape, acc.dtype), read_value=False)
 
 
 def _zero_rows(acc, touched, rows, summed):
-    """Zeroes only the window's rows: O(rows x width), not O(table)."""
-    return [acc.scatter_update(tf.IndexedSlices(tf.zeros_like(summed), rows)),
-            touched.assign(tf.zeros_like(touched), read_value=False)]
+    """Zeroes only the window's rows: O(rows x width), not O(table). (A scalar update
+    would need no zeros, but scatters it row by row, several times slower.)"""
+    return tf.group(
+        acc.scatter_update(tf.IndexedSlices(tf.zeros_like(summed), rows)),
+        tf.raw_ops.ResourceScatterUpdate(  # a scalar update: no zeros the table's size
+            resource=touched.handle, indices=rows, updates=tf.constant(False)))
 
 
 def _outermost_graph():
@@ -111,7 +124,7 @@ class _Window:
             for var in variables:
                 with tf.device(var.device):
                     self.accumulators[var] = _window_variable(
-                        tf.zeros(var.shape, accumulator_dtype(var)),
+                        _zeros(var.shape, accumulator_dtype(var)),
                         var.op.name + "/accumulator")
                     if sparse[var]:
                         self.touched[var] = _window_variable(
@@ -370,7 +383,13 @@ class AveragingOptimizer(v1.train.Optimizer):
         """Under the lock: adds the mini-batch, counts it, applies a full window."""
         inputs = [_values(g) for g, _ in pairs] + ([] if weight is None else [weight])
         with window.locked(inputs) as held:
-            added = [self._accumulate(window, g, v, weight) for g, v in pairs]
+            added = []
+            for g, v in pairs:
+                # A gradient summed in a wider type is cast after the last add: one
+                # widened copy at a time.
+                widened = _values(g).dtype.base_dtype != window.accumulators[v].dtype
+                with tf.control_dependencies(added[-1:] if widened else []):
+                    added.append(self._accumulate(window, g, v, weight))
             added.append(window.weight_sum.assign_add(
                 tf.constant(1, tf.float64) if weight is None else tf.cast(weight, tf.float64),
                 read_value=False))
@@ -422,12 +441,15 @@ class AveragingOptimizer(v1.train.Optimizer):
     def _apply_window(self, window, global_step, caller_scope):
         """The mean of the window, applied by the wrapped optimizer; then a reset.
 
-        Sparse accumulators are applied as IndexedSlices of the touched rows only, so a
-        sparse-aware optimizer (Momentum, Adagrad...) leaves the other rows' slots
-        alone, as it would for the whole batch at once; only those rows are reset.
+        Each dense accumulator is divided in place, one after another, and the wrapped
+        optimizer reads the mean from it: one quotient the size of a variable alive at a
+        time, and no copy of the window. Sparse accumulators are applied as IndexedSlices
+        of the touched rows only, so a sparse-aware optimizer (Momentum, Adagrad...)
+        leaves the other rows' slots alone, as it would for the whole batch at once; only
+        those rows are reset.
         """
         weight_sum = window.weight_sum.read_value()
-        pairs, resets = [], []
+        pairs, resets, divided = [], [], []
         for var, acc in window.accumulators.items():
             total = tf.cast(weight_sum, acc.dtype)
             if var in window.touched:
@@ -438,14 +460,20 @@ class AveragingOptimizer(v1.train.Optimizer):
                                         rows, tf.shape(var, out_type=tf.int64))
                 resets.append(functools.partial(_zero_rows, acc, touched, rows, summed))
             else:
-                grad = tf.cast(acc / total, var.dtype.base_dtype)
+                with tf.control_dependencies(divided[-1:]):
+                    divided.append(acc.assign(acc.read_value() / total, read_value=False))
+                with tf.control_dependencies(divided[-1:]):
+                    grad = tf.cast(acc.read_value(), var.dtype.base_dtype)
                 resets.append(functools.partial(_zero, acc))
             pairs.append((grad, var))
 
         def reset():
-            return [op for r in resets for op in r()] + [
-                window.count.assign(0, read_value=False),
-                window.weight_sum.assign(0, read_value=False)]
+            ops = []
+            for r in resets:  # one after another: one fresh buffer at a time
+                with tf.control_dependencies(ops[-1:]):
+                    ops.append(r())
+            return ops + [window.count.assign(0, read_value=False),
+                          window.weight_sum.assign(0, read_value=False)]
 
         return self._apply_or_skip(pairs, window, global_step, reset, caller_scope,
                                    positive=weight_sum > 0)
@@ -473,6 +501,7 @@ class AveragingOptimizer(v1.train.Optimizer):
 
         good = positive
         if self._check_finite:
-            finite = all_finite([_values(g) for g, _ in averaged + pairs if g is not None])
+            checked = {id(g): _values(g) for g, _ in averaged + pairs if g is not None}
+            finite = all_finite(checked.values())
             good = finite if good is None else tf.logical_and(good, finite)
         return apply() if good is None else tf.cond(good, apply, skip)

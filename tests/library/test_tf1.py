@@ -343,6 +343,31 @@ def test_check_finite_skips_the_window_and_counts_it(bad, n):
     np.testing.assert_allclose(w, -0.5 * grads[n:].mean(axis=0), rtol=1e-6)
 
 
+# ---------------------------------------------------------------- memory
+
+def test_no_executor_keeps_a_variable_sized_constant_of_the_window():
+    """Grappler folds a zeros_like of a known shape into a constant, which the executor
+    that runs it keeps for good: one per accumulator, per branch and per op. The window's
+    initializers, train op and flush op (each run, the apply included) hold none."""
+    with tf.Graph().as_default():
+        x = v1.placeholder(tf.float32, [None, 64])
+        w = tf.Variable(tf.ones([64, 32]), name="w")
+        opt = AveragingOptimizer(v1.train.AdamOptimizer(0.1), 2)
+        train_op = opt.minimize(tf.reduce_sum(tf.matmul(x, w)))
+        feed = {x: np.ones([3, 64], np.float32)}
+        consts = []
+        with v1.Session() as sess:
+            for fetch in (v1.global_variables_initializer(), train_op, train_op, train_op,
+                          opt.flush_op()):
+                metadata = v1.RunMetadata()
+                sess.run(fetch, feed, options=v1.RunOptions(output_partition_graphs=True),
+                         run_metadata=metadata)
+                consts += [(node.name, node.attr["value"].tensor.tensor_shape)
+                           for graph in metadata.partition_graphs for node in graph.node
+                           if node.op == "Const" and node.name.startswith("AveragingAdam/")]
+    assert consts and not [c for c in consts if tf.TensorShape(c[1]) == w.shape], consts
+
+
 # ---------------------------------------------------------------- sparse gradients
 
 @pytest.mark.parametrize("name", sorted(SPARSE_OPTIMIZERS))
