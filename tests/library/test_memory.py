@@ -7,6 +7,8 @@ an OOM in a convolution raises). The convnet's activations dominate its memory, 
 direct batch needs far more than a mini-batch does.
 """
 
+import concurrent.futures
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,10 @@ MODEL, N, B = "convnet", 8, 16
 # batch's (well above 100 MiB): the direct batch must not fit, every path must.
 LIMIT_MB = 80
 PATHS = ("accumulate", "window", "mini_batch", "tf1")
+# Keras fit's peak moves from process to process by a BFC chunk (the allocator hands out
+# a free chunk of up to twice a request whole, and tf.data's threads change which chunks
+# are free): its figure is the median of three probes, as the bench takes them.
+REPEATS = {"accumulate": 3}
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +31,20 @@ def probed(tmp_path_factory):
     a limit (their weights, B alone's peak), the direct batch and every path under it."""
     base = tmp_path_factory.mktemp("memory")
     specs = [("direct", None), ("tf1_direct", None), ("alone", None), ("direct", LIMIT_MB)]
-    specs += [(path, LIMIT_MB) for path in PATHS]
+    specs += [(path, LIMIT_MB, k) for path in PATHS for k in range(REPEATS.get(path, 1))]
 
     def run(spec):
-        path, limit = spec
-        save = base / f"{path}-{limit}.npz"
+        path, limit, repeat = (*spec, 0)[:3]
+        save = base / f"{path}-{limit}-{repeat}.npz"
         return memory.probe(MODEL, path, N, B, limit_mb=limit, save=save), save
 
-    import concurrent.futures
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return dict(zip(specs, pool.map(run, specs)))
+        done = dict(zip(specs, pool.map(run, specs)))
+    for path in PATHS:  # the median probe of a path's repeats stands for it
+        repeats = sorted((done.pop((path, LIMIT_MB, k)) for k in range(REPEATS.get(path, 1))),
+                         key=lambda r: r[0].get("peak_mb", float("inf")))
+        done[(path, LIMIT_MB)] = repeats[len(repeats) // 2]
+    return done
 
 
 def weights(saved):
