@@ -54,6 +54,7 @@ def main(argv):
     from experiment import checkpoint
     from experiment import data
     from experiment import loop
+    from experiment import memory
     from experiment import results
     from experiment import runlock
     import tensorflow as tf
@@ -79,7 +80,12 @@ def main(argv):
                 cli.fail(str(e), code=1)
             except loop.Stopped as e:
                 cli.fail(str(e), code=128 + stop.received if stop.received else 3)
-            except tf.errors.OpError as e:  # an op with no deterministic kernel here
+            except tf.errors.OpError as e:  # the device's memory ran out (the checkpoint
+                # in force stays), or an op has no deterministic kernel here
+                line = memory.out_of_memory(e, config.average_gradients, config.batch_size,
+                                            runs.checkpoint_dir)
+                if line is not None:
+                    cli.fail(line, code=1)
                 line = cli.missing_deterministic_kernel(e) if config.deterministic else None
                 if line is None:
                     raise

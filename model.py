@@ -140,6 +140,28 @@ def build(model_name, images, labels, training, dropout_seed, dropout):
                     accuracy=tf.reduce_mean(tf.cast(correct, tf.float32)))
 
 
+def activation_sizes(model_name):
+    """Elements per image of the input and of each layer's output, input to logits.
+
+    What a forward pass holds, to size evaluation chunks without running the network
+    (dropout and flatten keep the size, and are listed as layers too).
+    """
+    height, width, channels = IMAGE_SHAPE
+    sizes = [height * width * channels]
+    for layer in LAYERS[model_name]:
+        if layer.kind == "conv":  # VALID padding
+            height, width = height - KERNEL_SIZE + 1, width - KERNEL_SIZE + 1
+            channels = layer.size
+        elif layer.kind == "pool":
+            height, width = height // layer.size, width // layer.size
+        elif layer.kind == "flatten":
+            height, width, channels = 1, 1, height * width * channels
+        elif layer.kind == "dense":
+            height, width, channels = 1, 1, layer.size
+        sizes.append(height * width * channels)
+    return sizes
+
+
 def count_parameters(var_list=None):
     """Number of trainable scalars in the default graph (or in `var_list`)."""
     variables = v1.trainable_variables() if var_list is None else var_list

@@ -217,6 +217,12 @@ class RunCheckpoint:
                 pass
 
 
+def holds_checkpoints(directory):
+    """Whether `directory` (a --checkpoint-dir) holds a checkpoint of any of its runs."""
+    names = os.listdir(directory) if os.path.isdir(directory) else ()
+    return any(os.path.isfile(os.path.join(directory, name, STATE_FILE)) for name in names)
+
+
 def digest_arrays(values):
     """sha256 of the arrays' bytes, in order: equal digests, equal weights (both engines).
 

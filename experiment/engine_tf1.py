@@ -68,11 +68,11 @@ class RunGraph:
                                         inter_op_parallelism_threads=threads)
         return v1.Session(graph=self.graph, config=session_config)
 
-    def evaluate(self, sess, split):
-        """Accuracy on the whole split, in percent."""
+    def evaluate(self, sess, split, chunk):
+        """Accuracy on the whole split, in percent, `chunk` images per call."""
         correct = 0
-        for start in range(0, len(split.labels), data.EVAL_BATCH):
-            stop = start + data.EVAL_BATCH
+        for start in range(0, len(split.labels), chunk):
+            stop = start + chunk
             correct += sess.run(self.ops.num_correct,
                                 {self.images: split.images[start:stop],
                                  self.labels: split.labels[start:stop]})
@@ -123,8 +123,8 @@ class Engine:
     def loss_totals(self):
         return self._loss_sum, self._samples
 
-    def evaluate(self, split):
-        return self.run_graph.evaluate(self.sess, split)
+    def evaluate(self, split, chunk):
+        return self.run_graph.evaluate(self.sess, split, chunk)
 
     def weights_sha256(self):
         return checkpoint.digest_arrays(self.sess.run(

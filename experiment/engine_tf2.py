@@ -178,7 +178,9 @@ class Engine:
                                              optimizer=list(self.optimizer.variables),
                                              loss_totals=totals)
 
-        @tf.function
+        @tf.function(input_signature=(  # one trace for every chunk size
+            tf.TensorSpec((None,) + data.IMAGE_SHAPE, data.IMAGE_DTYPE),
+            tf.TensorSpec((None,), data.LABEL_DTYPE)))
         def num_correct(images, labels):
             predicted = tf.argmax(self.net(images, training=False), axis=1)
             return tf.reduce_sum(tf.cast(tf.equal(predicted, labels), tf.int64))
@@ -227,11 +229,10 @@ class Engine:
         """(sum of finite per-sample training losses, samples) of the windows trained."""
         return self.accumulator.loss_totals()
 
-    def evaluate(self, split):
-        """Accuracy on the whole split, in percent."""
-        correct = sum(int(self._num_correct(split.images[i:i + data.EVAL_BATCH],
-                                            split.labels[i:i + data.EVAL_BATCH]))
-                      for i in range(0, len(split.labels), data.EVAL_BATCH))
+    def evaluate(self, split, chunk):
+        """Accuracy on the whole split, in percent, `chunk` images per call."""
+        correct = sum(int(self._num_correct(split.images[i:i + chunk], split.labels[i:i + chunk]))
+                      for i in range(0, len(split.labels), chunk))
         return 100.0 * correct / len(split.labels)
 
     def weights_sha256(self):

@@ -36,8 +36,9 @@ class Engine(typing.Protocol):
     def loss_totals(self) -> typing.Tuple[float, int]:
         """(sum of the finite per-sample training losses, their samples), running."""
 
-    def evaluate(self, split) -> float:
-        """Accuracy on the whole split (data.Split), in percent."""
+    def evaluate(self, split, chunk) -> float:
+        """Accuracy on the whole split (data.Split), in percent, `chunk` images per call
+        (memory.evaluation_chunk)."""
 
     def weights_sha256(self) -> str:
         """checkpoint.digest_arrays of the trainable weights, in a fixed order."""

@@ -23,6 +23,7 @@ from experiment import checkpoint
 from experiment import config as config_lib
 from experiment import data
 from experiment import faults
+from experiment import memory
 from experiment import progress
 from experiment import results
 from experiment.config import IDENTITY_FIELDS, Config, Runs, evaluation_due  # noqa: F401 (loop.Config)
@@ -228,6 +229,7 @@ class _Run:
         self.counts = WindowCounts()  # the run's updates and skipped windows
         self.best_accuracy, self.best_iteration = -1.0, 0
         self.evaluations = []
+        self.eval_chunk = None  # test images per evaluation call, set by the first one
         self.train_seconds = self.eval_seconds = 0.0
         self.consecutive_bad = 0
         self.last_bad = None
@@ -387,7 +389,10 @@ class _Run:
 
     def evaluate(self):
         start = time.perf_counter()
-        accuracy = self.engine.evaluate(self.datasets.test)
+        if self.eval_chunk is None:  # once, after training: see memory.evaluation_chunk
+            self.eval_chunk = memory.evaluation_chunk(self.config.batch_size,
+                                                      self.config.model)
+        accuracy = self.engine.evaluate(self.datasets.test, self.eval_chunk)
         self.eval_seconds += time.perf_counter() - start
         updates = self.counts.updates
         self.evaluations.append({"iteration": self.iteration, "updates": updates,
