@@ -260,7 +260,7 @@ class FusedAverager(Averager):
             sizes = None  # each mini-batch's samples: its first batched input's
             for p, w, batched in zip(self.inputs, self.window_inputs, self._batched):
                 del feed[p]
-                feed[w], samples = window_lib.stack_window(
+                feed[w], samples = window_lib.stack_padded(
                     [f[p] for f in self._window], alignment=window_lib.FEED_ALIGNMENT)
                 if batched and sizes is None:
                     sizes = samples

@@ -6,7 +6,7 @@ A run's directory holds
     beta powers, the global step, and the `graph`/`optimizer` averagers' accumulators),
     or the tf2 engine's tf.train.Checkpoint (weights, dropout's seed states, Adam's
     slots and iterations, the running loss totals);
-  * `window-<iteration>.npz`: the open accumulation window (Engine.window_arrays), in
+  * `window-<iteration>.npz`: the open accumulation window (Engine.window_state), in
     the form it is kept: gradients, running sums, or buffered inputs (the `fused`
     averager's feeds, the tf2 engine's mini-batches);
   * `state.json`: counters, the data position, the best accuracy so far, and the
@@ -138,7 +138,7 @@ class RunCheckpoint:
             faults.check(path)
             engine.write_variables(path)
             buffer = io.BytesIO()
-            np.savez(buffer, **engine.window_arrays())
+            np.savez(buffer, **engine.window_state())
             results.atomic_write_bytes(os.path.join(self.directory, window_name),
                                        buffer.getvalue())
             full = dict(state, identity=self.identity, finished=False,

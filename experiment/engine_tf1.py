@@ -143,7 +143,7 @@ class Engine:
         with self.run_graph.graph.as_default():
             self.run_graph.saver.restore(self.sess, path)
 
-    def window_arrays(self):
+    def window_state(self):
         """The averager's open window (gradients, sums or fed inputs)."""
         return self.averager.window_state()
 

@@ -254,7 +254,7 @@ class Engine:
             raise checkpoint.CheckpointError(f"{path}: unusable checkpoint ({message})") \
                 from None
 
-    def window_arrays(self):
+    def window_state(self):
         """The buffered mini-batches of the open window."""
         open_ = self._open
         return {"images": self._images[:open_], "labels": self._labels[:open_],

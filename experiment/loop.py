@@ -26,7 +26,7 @@ from experiment import faults
 from experiment import memory
 from experiment import progress
 from experiment import results
-from experiment.config import IDENTITY_FIELDS, Config, Runs, evaluation_due  # noqa: F401 (loop.Config)
+from experiment.config import IDENTITY_FIELDS, Runs, evaluation_due
 from trainer import Outcome, WindowCounts
 
 CHECKPOINT_EVERY = Runs().checkpoint_every  # updates

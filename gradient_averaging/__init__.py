@@ -4,7 +4,7 @@ mini-batches of B samples once, and the update is that of one batch of N*B.
 One module per kind of user, each importable alone:
   * gradient_averaging.tf1: `AveragingOptimizer`, a drop-in tf.compat.v1 optimizer
     wrapper for graph-mode code (imports no Keras);
-  * gradient_averaging.tf2: `WindowAccumulator`, `GradientAccumulator` and
+  * gradient_averaging.tf2: `WindowAccumulator`, `MiniBatchAccumulator` and
     `fit_accumulated`, for your own TF2 training loop and tf.distribute;
   * gradient_averaging.keras_fit: `accumulate(model, N)`, for Keras's compile/fit;
   * gradient_averaging.window_step: the one window step the TF2 paths share (sums added
@@ -21,7 +21,8 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "AveragingOptimizer": "tf1", "FLUSH_OPS": "tf1",
-    "WindowAccumulator": "tf2", "GradientAccumulator": "tf2", "fit_accumulated": "tf2",
+    "WindowAccumulator": "tf2", "MiniBatchAccumulator": "tf2", "fit_accumulated": "tf2",
+    "GradientAccumulator": "tf2",  # deprecated: MiniBatchAccumulator
     "FitSummary": "tf2",
     "accumulate": "keras_fit", "AccumulatingModel": "keras_fit",
 }

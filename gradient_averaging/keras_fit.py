@@ -56,7 +56,7 @@ def accumulate(model, average_gradients, check_finite=True, bn_statistics="updat
         raise TypeError(
             f"{type(model).__name__} overrides {', '.join(own)}, which accumulate() would "
             "replace without running it; accumulate inside your own training loop instead, "
-            "with gradient_averaging.GradientAccumulator (accumulate(x, y) per mini-batch, "
+            "with gradient_averaging.MiniBatchAccumulator (accumulate(x, y) per mini-batch, "
             "apply() every N)")
     return AccumulatingModel(model, average_gradients, check_finite=check_finite,
                              bn_statistics=bn_statistics)

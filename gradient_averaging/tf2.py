@@ -14,7 +14,7 @@ the one window step (window_step.WindowStep: sums in place, the vote, the apply)
   * `WindowAccumulator`, one compiled call per window (`fit_accumulated`'s default): a
     loop inside the call hands the window's mini-batches to the step one at a time,
     taken from a tf.data iterator (`fit`) or from a stacked window (`apply_stacked`).
-  * `GradientAccumulator`, one call per mini-batch, for loops that need Python between
+  * `MiniBatchAccumulator`, one call per mini-batch, for loops that need Python between
     mini-batches (or your own `train_step`): `accumulate` adds a mini-batch, `apply`
     applies the window.
 Each mini-batch adds the gradient of the SUM of its per-sample losses; the window's sum
@@ -33,6 +33,7 @@ the mean.
 import collections
 import itertools
 import logging
+import warnings
 
 import tensorflow as tf
 
@@ -57,7 +58,7 @@ def stack_window(mini_batches):
       largest mini-batch; shorter mini-batches are padded with zeros, which the window
       step leaves out by `sizes` (int32 [N], each mini-batch's samples).
     """
-    (xs, ys), sizes = window_lib.stack_window([tuple(batch) for batch in mini_batches])
+    (xs, ys), sizes = window_lib.stack_padded([tuple(batch) for batch in mini_batches])
     return xs, ys, sizes
 
 
@@ -101,7 +102,7 @@ class _Accumulator:
     """
 
     def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True,
-                 bn_statistics="update", jit_compile=False):
+                 bn_statistics="update", jit_compile=False, *, average_gradients=None):
         """Builds the optimizer beside the model's variables.
 
         Args:
@@ -116,7 +117,11 @@ class _Accumulator:
             per update, on the window's statistics (see batch_statistics);
             "mini_batch": a step per mini-batch, as Keras takes them.
           jit_compile: compile each mini-batch's pass (forward and backward) with XLA.
+          average_gradients: N, mini-batches per update, for `fit` (as `accumulate` and
+            AveragingOptimizer take it where they are made).
         """
+        self.average_gradients = (None if average_gradients is None
+                                  else window_lib.check_average_gradients(average_gradients))
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -210,13 +215,29 @@ class _Accumulator:
         return float(self.loss_total.read_value()), float(self.samples_total.read_value())
 
 
+def _window_size(accumulator, average_gradients):
+    """N for a fit: the accumulator's, or (the old spelling, deprecated) fit's own."""
+    if average_gradients is None:
+        if accumulator.average_gradients is None:
+            raise ValueError(f"{type(accumulator).__name__} has no average_gradients: make "
+                             "it with average_gradients=N")
+        return accumulator.average_gradients
+    warnings.warn("fit(dataset, average_gradients) is deprecated: make the accumulator with "
+                  "average_gradients=N and call fit(dataset)", DeprecationWarning, stacklevel=3)
+    average_gradients = window_lib.check_average_gradients(average_gradients)
+    if accumulator.average_gradients not in (None, average_gradients):
+        raise ValueError(f"fit's average_gradients={average_gradients} contradicts the "
+                         f"accumulator's average_gradients={accumulator.average_gradients}")
+    return average_gradients
+
+
 class _FitCounts:
     """A fit's mini-batches and log lines, the same for both accumulators; its updates and
     skipped windows are the accumulator's counts (_Accumulator._counted) since it began."""
 
     def __init__(self, accumulator, average_gradients):
         self.accumulator = accumulator
-        self.average_gradients = window_lib.check_average_gradients(average_gradients)
+        self.average_gradients = _window_size(accumulator, average_gradients)
         self.mini_batches = self.partial = 0
         self._before = (accumulator.updates, accumulator.skipped_windows)
 
@@ -347,7 +368,7 @@ class WindowAccumulator(_Accumulator):
             self._iterator_steps[average_gradients] = window_from
         return self._iterator_steps[average_gradients]
 
-    def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
+    def fit(self, dataset, average_gradients=None, callback=None, warn_partial=True):
         """One pass over `dataset`, one compiled call per N mini-batches.
 
         The call takes the window's mini-batches from the dataset's iterator one at a
@@ -359,7 +380,7 @@ class WindowAccumulator(_Accumulator):
           dataset: a tf.data.Dataset of (x, y) global mini-batches, or any iterable of
             them (made a dataset here). Under a multi-worker strategy every worker must
             yield the same batches.
-          average_gradients: N, mini-batches per update.
+          average_gradients: deprecated: N, where the accumulator was made without it.
           callback: called as callback(mini_batch) for each mini-batch (1-based),
             after its window's update.
           warn_partial: log a warning when a partial window is applied.
@@ -412,7 +433,7 @@ def _as_dataset(dataset):
 # ---------------------------------------------------------------- one call per mini-batch
 
 
-class GradientAccumulator(_Accumulator):
+class MiniBatchAccumulator(_Accumulator):
     """Sums mini-batch gradients in variables, one call per mini-batch; applies their
     sample-weighted mean once per window.
 
@@ -470,7 +491,7 @@ class GradientAccumulator(_Accumulator):
         self.window = 0
         return self._counted(*(v.numpy() for v in self.apply_step()))
 
-    def fit(self, dataset, average_gradients, callback=None, warn_partial=True):
+    def fit(self, dataset, average_gradients=None, callback=None, warn_partial=True):
         """One pass over `dataset`, one call per mini-batch, an update every N.
 
         As WindowAccumulator.fit; callback(mini_batch) runs after each mini-batch,
@@ -489,6 +510,16 @@ class GradientAccumulator(_Accumulator):
         return counts.summary(warn_partial, applied)
 
 
+class GradientAccumulator(MiniBatchAccumulator):
+    """Deprecated: the old name of MiniBatchAccumulator (its name was too near the post's
+    GradientAverager, an unrelated TF1 class)."""
+
+    def __init__(self, *args, **kwargs):
+        warnings.warn("gradient_averaging.GradientAccumulator is now MiniBatchAccumulator",
+                      DeprecationWarning, stacklevel=2)
+        super().__init__(*args, **kwargs)
+
+
 def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strategy=None,
                     callback=None, one_call=True, check_finite=True, bn_statistics="update",
                     jit_compile=False):
@@ -500,11 +531,12 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strat
 
     Args:
       one_call: train each window in one compiled call (WindowAccumulator); False: one
-        call per mini-batch (GradientAccumulator).
+        call per mini-batch (MiniBatchAccumulator).
 
     Returns:
       FitSummary(mini_batches, updates, partial_window, skipped_windows).
     """
-    accumulator = WindowAccumulator if one_call else GradientAccumulator
+    accumulator = WindowAccumulator if one_call else MiniBatchAccumulator
     return accumulator(model, optimizer, loss_fn, strategy, check_finite, bn_statistics,
-                       jit_compile).fit(dataset, average_gradients, callback=callback)
+                       jit_compile, average_gradients=average_gradients).fit(
+                           dataset, callback=callback)

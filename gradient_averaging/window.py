@@ -7,6 +7,7 @@ lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes be
 """
 
 import numbers
+import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -60,8 +61,9 @@ def all_finite(tensors):
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
-def stack_window(mini_batches, alignment=None):
-    """The window's mini-batches stacked on a new leading axis, shorter ones zero-padded.
+def stack_padded(mini_batches, alignment=None):
+    """The window's mini-batches stacked on a new leading axis, shorter ones zero-padded
+    (any structure; tf2.stack_window is the TF2 accumulators' (x, y) form of it).
 
     Args:
       mini_batches: a sequence of array-likes, or of equal structures (tuples, dicts)
@@ -92,6 +94,13 @@ def stack_window(mini_batches, alignment=None):
         return out
 
     return tf.nest.map_structure(stack, *mini_batches), sizes
+
+
+def stack_window(mini_batches, alignment=None):
+    """Deprecated: the old name of stack_padded (tf2.stack_window is the other)."""
+    warnings.warn("gradient_averaging.window.stack_window is now stack_padded",
+                  DeprecationWarning, stacklevel=2)
+    return stack_padded(mini_batches, alignment)
 
 
 def _arrays(batch):
@@ -177,7 +186,7 @@ def divide_in_place(sums, count):
       (values, finite): each variable's value after the division (a read that shares
       its buffer), and a bool scalar tensor: no NaN or Inf in any sum.
     """
-    finite, done, values = [], [], []
+    finite, done = [], []
     for total in sums:
         with tf.control_dependencies(done):
             finite.append(tf.reduce_all(tf.math.is_finite(total)))

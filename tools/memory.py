@@ -345,16 +345,17 @@ def _path_window(model, n, b, x, y):
     import keras
     from gradient_averaging.tf2 import WindowAccumulator
     net = _keras_model(model)
-    accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None))
+    accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None),
+                                    average_gradients=n)
     dataset = _dataset(x, y, b)
-    return (lambda: accumulator.fit(dataset, n)), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (lambda: accumulator.fit(dataset)), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _path_mini_batch(model, n, b, x, y):
     import keras
-    from gradient_averaging.tf2 import GradientAccumulator
+    from gradient_averaging.tf2 import MiniBatchAccumulator
     net = _keras_model(model)
-    accumulator = GradientAccumulator(net, keras.optimizers.Adam(), _loss(None))
+    accumulator = MiniBatchAccumulator(net, keras.optimizers.Adam(), _loss(None))
     dataset = _dataset(x, y, b)
 
     def update():

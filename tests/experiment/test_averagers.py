@@ -128,7 +128,7 @@ def test_fused_window_is_stacked_into_a_buffer_a_session_feeds_without_a_copy():
     images = [np.random.default_rng(k).random((7, 28, 28, 1), np.float32) for k in range(3)]
     seeds = [np.array([SEED, k], np.int64) for k in range(3)]
     for arrays in (images, seeds):
-        stacked, _ = window_lib.stack_window(arrays, alignment=window_lib.FEED_ALIGNMENT)
+        stacked, _ = window_lib.stack_padded(arrays, alignment=window_lib.FEED_ALIGNMENT)
         np.testing.assert_array_equal(stacked, np.stack(arrays))
         assert stacked.dtype == arrays[0].dtype and stacked.flags.c_contiguous
         assert stacked.ctypes.data % window_lib.FEED_ALIGNMENT == 0

@@ -15,6 +15,7 @@ from absl.testing import flagsaver
 from tensorflow.python.framework import config as tf_config
 
 from experiment import cli
+from experiment import config as config_lib
 from experiment import engine_tf1
 from experiment import engine_tf2
 from experiment import loop
@@ -83,7 +84,7 @@ def test_jit_compile_reaches_the_window_and_a_checkpoint_records_it(
 def test_under_determinism_xla_refuses_the_convnets_gradient_and_the_line_says_so():
     """Why the rule above exists, on this CPU: the real error, and the line main.py makes
     of it. If TensorFlow ever compiles it, this fails and the rule can go."""
-    config = loop.Config(engine="tf2", average_gradients=2, batch_size=4, jit_compile=True)
+    config = config_lib.Config(engine="tf2", average_gradients=2, batch_size=4, jit_compile=True)
     tf.config.experimental.enable_op_determinism()
     try:
         engine = engine_tf2.Engine(config, seed=0)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from experiment import config as config_lib
 from experiment import engine_tf1
 from experiment import loop
 from experiment import memory
@@ -33,12 +34,12 @@ SHORT = dict(average_gradients=2, batch_size=5, iterations=2, eval_every=0)
 TRAINING_PEAKS = """
 import json, sys
 import tensorflow as tf
-from experiment import data, loop
+from experiment import config as config_lib, data, loop
 tf.config.experimental.enable_op_determinism()
 datasets = data.load_mnist(sys.argv[2])
 peaks = {}
 for engine_name in json.loads(sys.argv[1]):
-    config = loop.Config(engine=engine_name, **json.loads(sys.argv[3]))
+    config = config_lib.Config(engine=engine_name, **json.loads(sys.argv[3]))
     tf.config.experimental.reset_memory_stats("CPU:0")
     engine = loop.engine_module(engine_name).Engine(config, seed=0)
     batches = data.batches(datasets.train, 0, config.batch_size, 0, config.iterations)
@@ -72,7 +73,7 @@ def test_evaluation_fits_under_a_limit_training_fits_under(tmp_path, mnist, mnis
                                                            training_peaks, engine):
     """The whole test set in one call needs many times a training step at B=5 of the
     convnet; under a limit just above that step's peak, the run evaluates all of it."""
-    config = loop.Config(engine=engine, **SHORT)
+    config = config_lib.Config(engine=engine, **SHORT)
     # 2 MiB over the peak: the allocator's rounding, and the peak's spread over processes
     limit = math.ceil(training_peaks[engine] / memory.MIB) + 2
     whole_test_set = len(mnist.test.labels) * memory.forward_bytes(config.model)
@@ -88,7 +89,7 @@ def test_evaluation_fits_under_a_limit_training_fits_under(tmp_path, mnist, mnis
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_batch_that_does_not_fit_gives_one_line_and_keeps_the_checkpoint(
         tmp_path, mnist_quick, mnist_quick_dir, engine):
-    config = loop.Config(engine=engine, average_gradients=2, batch_size=500, iterations=4,
+    config = config_lib.Config(engine=engine, average_gradients=2, batch_size=500, iterations=4,
                          eval_every=0)
     limit = 8  # MiB: less than the activations a training step at B keeps for its gradients
     assert config.batch_size * sum(model.activation_sizes(config.model)) * 4 > limit * memory.MIB
@@ -157,7 +158,7 @@ def test_activation_sizes_are_the_keras_models_layer_outputs(name):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_accuracy_is_the_same_in_any_chunk(mnist_quick, engine):
-    config = loop.Config(engine=engine, average_gradients=1, batch_size=7)
+    config = config_lib.Config(engine=engine, average_gradients=1, batch_size=7)
     trained = loop.engine_module(engine).Engine(config, seed=0)
     images, labels = mnist_quick.train.images[:7], mnist_quick.train.labels[:7]
     trained.step(images, labels, 1)

@@ -18,6 +18,7 @@ from tensorflow.core.util import event_pb2
 
 from experiment import checkpoint
 from experiment import cli
+from experiment import config as config_lib
 from experiment import data
 from experiment import engine_tf1
 from experiment import engine_tf2
@@ -98,7 +99,7 @@ def test_unequal_mini_batches_apply_the_gradient_of_the_concatenated_batch():
         loss = tf.reduce_mean(squared_error(y, model(x, training=True))) + tf.add_n(model.losses)
     reference = [np.array(g) for g in tape.gradient(loss, model.trainable_variables)]
 
-    accumulator = tf2.GradientAccumulator(
+    accumulator = tf2.MiniBatchAccumulator(
         model, keras.optimizers.SGD(learning_rate=1.0), squared_error)
     for a, b in slices:
         accumulator.accumulate(x[a:b], y[a:b])
@@ -146,7 +147,7 @@ def test_fit_accumulated_equals_big_batches_including_a_short_last_window():
 def test_a_mean_loss_is_refused():
     model = regression_mlp()
     x, y = synthetic_data(4)
-    accumulator = tf2.GradientAccumulator(
+    accumulator = tf2.MiniBatchAccumulator(
         model, keras.optimizers.SGD(0.1), lambda t, p: tf.reduce_mean(squared_error(t, p)))
     with pytest.raises(ValueError, match="one loss per sample"):
         accumulator.accumulate(x, y)
@@ -167,7 +168,7 @@ def test_a_nonfinite_window_is_skipped_and_the_optimizer_does_not_step(poison):
     else:
         bad_y[5] = 1000.0
     model, optimizer = regression_mlp(), keras.optimizers.Adam(0.1)
-    accumulator = tf2.GradientAccumulator(model, optimizer,
+    accumulator = tf2.MiniBatchAccumulator(model, optimizer,
                                                   infinite_loss_of_large_targets)
     start = weights(model)
     accumulator.accumulate(x[:4], y[:4])
@@ -182,7 +183,7 @@ def test_a_nonfinite_window_is_skipped_and_the_optimizer_does_not_step(poison):
     accumulator.accumulate(x[8:], y[8:])
     assert accumulator.apply() is True
     fresh = regression_mlp()
-    fresh_accumulator = tf2.GradientAccumulator(fresh, keras.optimizers.Adam(0.1),
+    fresh_accumulator = tf2.MiniBatchAccumulator(fresh, keras.optimizers.Adam(0.1),
                                                         squared_error)
     fresh_accumulator.accumulate(x[8:], y[8:])
     fresh_accumulator.apply()
@@ -199,7 +200,7 @@ def test_tf2_lr_schedule_counts_updates_not_mini_batches():
     for n in (1, 8):
         model = regression_mlp()
         optimizer = keras.optimizers.Adam(engine_tf2.learning_rate(0.1, "exponential", 2, 0.5))
-        accumulator = tf2.GradientAccumulator(model, optimizer, squared_error)
+        accumulator = tf2.MiniBatchAccumulator(model, optimizer, squared_error)
         for i in range(3 * n):  # three updates
             accumulator.accumulate(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
             if accumulator.window == n:
@@ -212,7 +213,7 @@ def test_tf2_lr_schedule_counts_updates_not_mini_batches():
 def test_tf1_lr_schedule_counts_updates_not_mini_batches(mnist):
     rates = {}
     for n in (1, 8):
-        config = loop.Config(average_gradients=n, batch_size=2, dropout=0.0,
+        config = config_lib.Config(average_gradients=n, batch_size=2, dropout=0.0,
                                    lr_schedule="exponential", learning_rate=0.1,
                                    lr_decay_steps=2, lr_decay_rate=0.5)
         run = engine_tf1.RunGraph(config, seed=0)
@@ -231,7 +232,7 @@ def test_tf1_lr_schedule_counts_updates_not_mini_batches(mnist):
 
 def tf2_config(**overrides):
     """A short tf2 run, dropout on: 12 windows of 5 mini-batches of 10."""
-    return loop.Config(**dict(dict(engine="tf2", average_gradients=5, batch_size=10,
+    return config_lib.Config(**dict(dict(engine="tf2", average_gradients=5, batch_size=10,
                                          iterations=60, eval_every=20), **overrides))
 
 
@@ -410,10 +411,10 @@ def test_the_engine_trains_each_window_in_one_call_as_the_per_mini_batch_path(
         mnist, tmp_path):
     """engine_tf2.Engine buffers N mini-batches and trains them in one call, a partial
     window by its samples, with the ConvNet's dropout on; a saved open window resumes."""
-    config = loop.Config(engine="tf2", average_gradients=3, batch_size=4)
+    config = config_lib.Config(engine="tf2", average_gradients=3, batch_size=4)
     engine = engine_tf2.Engine(config, seed=1)
     batches = list(data.batches(mnist.train, 1, 4, 0, 8))  # windows of 3, 3 and a partial 2
-    reference = tf2.GradientAccumulator(  # one call per mini-batch
+    reference = tf2.MiniBatchAccumulator(  # one call per mini-batch
         models.keras_model("convnet", config.dropout, seed=1), keras.optimizers.Adam(1e-3),
         engine_tf2.sparse_cross_entropy)
     closed = []

@@ -90,7 +90,7 @@ class FakeEngine:
     def read_variables(self, path):
         del path
 
-    def window_arrays(self):
+    def window_state(self):
         return {"images": np.zeros((1, 2))}
 
     def restore_window(self, arrays, state):
@@ -156,7 +156,7 @@ def test_a_stop_at_a_checkpoint_iteration_does_not_write_over_that_checkpoint(tm
     directory = tmp_path / "ckpt"
     with faults.injected("ENOSPC", f"{directory}/model.ckpt-10", first=2):
         with pytest.raises(loop.Stopped) as raised:
-            loop.train_once(loop.Config(average_gradients=5, batch_size=10, iterations=30,
+            loop.train_once(config.Config(average_gradients=5, batch_size=10, iterations=30,
                                         eval_every=0), mnist_quick, seed=0,
                             checkpoint_dir=str(directory), checkpoint_every=2,
                             should_stop=lambda: "SIGINT" if os.path.exists(
@@ -174,7 +174,7 @@ def test_an_error_while_closing_does_not_hide_why_the_run_stopped(tmp_path, monk
     monkeypatch.setattr(engine_tf1.Engine, "close", close)
     monkeypatch.setattr(loop._EventWriter, "close", close)
     with pytest.raises(loop.Stopped, match="interrupted by SIGINT"):
-        loop.train_once(loop.Config(average_gradients=2, batch_size=10, iterations=4,
+        loop.train_once(config.Config(average_gradients=2, batch_size=10, iterations=4,
                                     eval_every=0), mnist_quick, seed=0,
                         logdir=str(tmp_path / "tb"), should_stop=lambda: "SIGINT")
 

@@ -222,7 +222,7 @@ class OwnLoss(keras.Sequential):
 @pytest.mark.parametrize("cls, step", [(OwnStep, "train_step"), (OwnLoss, "compute_loss")])
 def test_a_model_with_its_own_step_is_refused_in_one_clear_error(cls, step):
     model = cls([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
-    with pytest.raises(TypeError, match=f"overrides {step}.*GradientAccumulator"):
+    with pytest.raises(TypeError, match=f"overrides {step}.*MiniBatchAccumulator"):
         keras_fit.accumulate(model, N)
 
 

@@ -1,5 +1,5 @@
 """gradient_averaging.tf2: the one-call window (WindowAccumulator.apply_window,
-fit_accumulated's default) against its per-mini-batch path (GradientAccumulator.accumulate
+fit_accumulated's default) against its per-mini-batch path (MiniBatchAccumulator.accumulate
 + apply), on real MNIST, and each against the direct batch; XLA and mixed precision; two
 mirrored replicas in a process of its own.
 
@@ -32,7 +32,7 @@ def accumulator(optimizer, model=None, **kwargs):
 
 
 def per_mini_batch(optimizer, model=None, **kwargs):
-    return tf2.GradientAccumulator(model or small_conv_net(), optimizer,
+    return tf2.MiniBatchAccumulator(model or small_conv_net(), optimizer,
                                                cross_entropy, **kwargs)
 
 
@@ -185,7 +185,7 @@ def test_an_activity_regularizer_counts_as_in_the_direct_batch(one_call):
 
 @pytest.mark.skipif(KERAS >= (3, 14), reason="Keras 3.14 on adds an activity regularizer's "
                     "loss per sample, which every path weighs")
-@pytest.mark.parametrize("accumulator", [tf2.WindowAccumulator, tf2.GradientAccumulator])
+@pytest.mark.parametrize("accumulator", [tf2.WindowAccumulator, tf2.MiniBatchAccumulator])
 def test_an_activity_sum_over_the_batch_is_refused_in_one_clear_error(accumulator):
     """Before Keras 3.14 the direct batch adds the activity regularizer's sum over all of
     its samples: a mini-batch's weight depends on the window's samples, which the window
@@ -196,18 +196,19 @@ def test_an_activity_sum_over_the_batch_is_refused_in_one_clear_error(accumulato
 
 
 @pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,
-                                     tf2.GradientAccumulator])
+                                     tf2.MiniBatchAccumulator])
 def test_each_fits_summary_counts_its_own_updates_and_skipped_windows(mnist, trainer):
     """Two fits on one trainer: each FitSummary counts that fit's windows only, a
     window holding a NaN as skipped; the trainer's counters hold both fits'."""
     batches = mini_batches(mnist.train, [5] * 6)  # 3 windows of 2
     nan = (batches[2][0].copy(), batches[2][1])
     nan[0][1] = np.nan
-    fitted = trainer(small_conv_net(dropout=0.0), keras.optimizers.Adam(1e-2), cross_entropy)
-    first = fitted.fit(batches[:2] + [nan] + batches[3:], average_gradients=2)
+    fitted = trainer(small_conv_net(dropout=0.0), keras.optimizers.Adam(1e-2), cross_entropy,
+                     average_gradients=2)
+    first = fitted.fit(batches[:2] + [nan] + batches[3:])
     assert first == tf2.FitSummary(mini_batches=6, updates=2, partial_window=0,
                                                skipped_windows=1)
-    second = fitted.fit(batches[:5], average_gradients=2, warn_partial=False)
+    second = fitted.fit(batches[:5], warn_partial=False)
     assert second == tf2.FitSummary(mini_batches=5, updates=3, partial_window=1,
                                                 skipped_windows=0)
     assert (fitted.updates, fitted.skipped_windows) == (5, 1)
@@ -294,7 +295,7 @@ def accumulator(trainer):
         model, optimizer = small_conv_net(), keras.optimizers.Adam(1e-2)
     return trainer(model, optimizer, cross_entropy, strategy)
 
-per_mini = accumulator(tf2.GradientAccumulator)
+per_mini = accumulator(tf2.MiniBatchAccumulator)
 one_call = accumulator(tf2.WindowAccumulator)
 split = data.load_mnist().train
 for window in windows(split):  # 8 samples: 4 a replica; 3: 1 / 2; 5: 2 / 3
@@ -344,3 +345,25 @@ def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     assert result["skipped"] and result["unchanged"] and result["updates"] == 3
     # In the same process (one TensorFlow start less): Keras fit through accumulate.
     check_mirrored_fit(result)
+
+
+def test_the_old_spellings_still_train_with_a_deprecation_warning(mnist):
+    """GradientAccumulator (now MiniBatchAccumulator) and N given to fit (now where the
+    accumulator is made) keep working for one release, each with a DeprecationWarning;
+    N nowhere, or two different N, is one clear error."""
+    batches = mini_batches(mnist.train, [5] * 4)
+    new = tf2.MiniBatchAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
+                                   cross_entropy, average_gradients=2)
+    with pytest.warns(DeprecationWarning, match="now MiniBatchAccumulator"):
+        old = tf2.GradientAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
+                                      cross_entropy)
+    old.model.set_weights(new.model.get_weights())
+    with pytest.warns(DeprecationWarning, match="make the accumulator with average_gradients"):
+        old_summary = old.fit(batches, 2)
+    assert new.fit(batches) == old_summary
+    assert_same_weights(new, old)
+    with pytest.raises(ValueError, match="has no average_gradients: make it with"):
+        accumulator(keras.optimizers.SGD(0.1)).fit(batches)
+    with pytest.raises(ValueError, match="average_gradients=3 contradicts"), \
+            pytest.warns(DeprecationWarning):
+        new.fit(batches, 3)
