@@ -213,7 +213,7 @@ class AccumulatingModel(keras.Model):
             # A non-finite mini-batch (its window is skipped) is left out of the logs.
             for variable, value in zip(metrics, metrics_values):
                 variable.assign(tf.where(finite, value, variable))
-            window.add(gradients, moments, n_local, finite)
+            return window.add(gradients, moments, n_local, finite)
 
         @tf.function
         def window_from(iterator):
@@ -221,10 +221,11 @@ class AccumulatingModel(keras.Model):
                 return tf.logical_and(i < average_gradients, optional.has_value())
 
             def body(i, optional):
-                strategy.run(replica_mini_batch, args=(optional.get_value(),))
+                added = strategy.run(replica_mini_batch, args=(optional.get_value(),))
                 # Never past the window's last: the next window's first stays queued.
-                return i + 1, tf.cond(i + 1 < average_gradients,
-                                      iterator.get_next_as_optional, lambda: optional)
+                return i + 1, step_lib.next_after(strategy, added, lambda: tf.cond(
+                    i + 1 < average_gradients, iterator.get_next_as_optional,
+                    lambda: optional))
 
             count, _ = tf.while_loop(
                 more, body, (tf.constant(0), iterator.get_next_as_optional()),

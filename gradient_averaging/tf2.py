@@ -181,17 +181,17 @@ class _Accumulator:
         for variable, value in zip(state_variables, state):
             variable.assign(value)
         finite = tf.math.is_finite(loss_sum)
-        self.step.add(gradients, moments, n_local, finite)
         # A NaN must not poison the running loss that the logs report.
         self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
         self.samples_total.assign_add(
             tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
+        return self.step.add(gradients, moments, n_local, finite)
 
     def _add(self, batch):
         """Cross-replica: adds one global mini-batch (x, y), each replica its share."""
         n_global = tf.shape(tf.nest.flatten(batch)[0])[0]
         share, n_local = replicas_lib.distribute(self.strategy, batch)
-        self.strategy.run(self._replica_mini_batch, args=(share, n_local, n_global))
+        return self.strategy.run(self._replica_mini_batch, args=(share, n_local, n_global))
 
     def _build_statistics(self, x):
         self.step.build_statistics(self.model, tf.nest.map_structure(
@@ -354,10 +354,11 @@ class WindowAccumulator(_Accumulator):
                     return tf.logical_and(i < average_gradients, optional.has_value())
 
                 def body(i, optional):
-                    self._add(optional.get_value())
+                    added = self._add(optional.get_value())
                     # Never past the window's last: the next window's first stays queued.
-                    return i + 1, tf.cond(i + 1 < average_gradients,
-                                          iterator.get_next_as_optional, lambda: optional)
+                    return i + 1, step_lib.next_after(self.strategy, added, lambda: tf.cond(
+                        i + 1 < average_gradients, iterator.get_next_as_optional,
+                        lambda: optional))
 
                 count, _ = tf.while_loop(
                     more, body, (tf.constant(0), iterator.get_next_as_optional()),
@@ -466,8 +467,11 @@ class MiniBatchAccumulator(_Accumulator):
         if self.mini_batch_step is None:
             signature = tf.nest.map_structure(lambda t: _spec(t, 1), (x, y))
             self._build_statistics(x)
-            self.mini_batch_step = tf.function(lambda x, y: self._add((x, y)),
-                                               input_signature=signature)
+
+            def mini_batch_step(x, y):
+                self._add((x, y))
+
+            self.mini_batch_step = tf.function(mini_batch_step, input_signature=signature)
             # Traced now: apply_step needs to know which variables get a gradient.
             self.mini_batch_step.get_concrete_function()
 

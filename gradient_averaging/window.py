@@ -165,15 +165,18 @@ def add_in_place(sums, gradients, first):
     """Adds each gradient into its sum variable; where `first` (a bool tensor: the
     window's first mini-batch) it assigns instead. So the sums are never zeroed: a zero
     tensor the size of a variable, built in a graph, becomes a constant that the graph
-    keeps alive for good, a weight-sized buffer held for nothing."""
+    keeps alive for good, a weight-sized buffer held for nothing. Returns the ops."""
+    ops = []
     for total, gradient in zip(sums, gradients):
         if gradient is None:
             continue
         gradient = tf.cast(gradient, total.dtype)
-        tf.cond(first,
-                lambda total=total, gradient=gradient: total.assign(gradient, read_value=False),
-                lambda total=total, gradient=gradient: total.assign_add(gradient,
-                                                                        read_value=False))
+        ops.append(tf.cond(
+            first,
+            lambda total=total, gradient=gradient: total.assign(gradient, read_value=False),
+            lambda total=total, gradient=gradient: total.assign_add(gradient,
+                                                                    read_value=False)))
+    return ops
 
 
 def divide_in_place(sums, count):

@@ -85,6 +85,15 @@ def scaled_objective(optimizer, loss_sum, n_local):
     return optimizer.scale_loss(loss_sum / mean_over), mean_over
 
 
+def next_after(strategy, added, fetch):
+    """Runs `fetch` (the window's next mini-batch from an iterator) once the tokens that
+    WindowStep.add returned exist. An iterator's op completes on tf.data's threads: left
+    free, it finishes mid-pass and reorders the pass's ops, and the peak moves with the
+    order (measured: by two activations, from process to process)."""
+    with tf.control_dependencies(strategy.experimental_local_results(added)):
+        return fetch()
+
+
 class WindowStep:
     """A window's state on each replica, and the two things done with it: add a
     mini-batch (`add`, in a replica's context), apply the window (`apply`, across).
@@ -146,15 +155,20 @@ class WindowStep:
           moments: its batch-norm sums (`pass_moments`), or None without statistics.
           n_local: the samples of this replica's share.
           finite: bool scalar, whether its loss was finite.
+
+        Returns:
+          A token (n_local) that exists once the mini-batch is added: a window loop
+          fetches the next mini-batch after it (see `next_after`).
         """
         # The window's first mini-batch assigns: the sums are never zeroed.
-        window_lib.add_in_place(self.sums, gradients,
-                                first=tf.equal(self.mini_batches, 0))
+        ops = window_lib.add_in_place(self.sums, gradients, first=tf.equal(self.mini_batches, 0))
         if self.statistics:
-            self.statistics_sums.assign_add(moments)
-        self.mini_batches.assign_add(1)
-        self.samples.assign_add(tf.cast(n_local, tf.float32))
-        self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))
+            ops.append(self.statistics_sums.assign_add(moments))
+        ops += [self.mini_batches.assign_add(1),
+                self.samples.assign_add(tf.cast(n_local, tf.float32)),
+                self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))]
+        with tf.control_dependencies(ops):
+            return tf.identity(n_local)
 
     def _shares(self):
         """Replica context: this replica's share of the mean (the optimizer sums the

@@ -312,8 +312,10 @@ def _values(variables):
     return lambda: [v.numpy() for v in variables]
 
 def _path_alone(model, n, b, x, y):
+    # Plain fit at batch B over the same N*B samples: N updates, and the input pipeline
+    # runs beside the steps as it does beside a window's mini-batches.
     net = _compiled(_keras_model(model))
-    return _fit(net, x[:b], y[:b], b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return _fit(net, x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _path_direct(model, n, b, x, y):
@@ -450,6 +452,8 @@ def _sizes(weights, trainable):
 def run_probe(spec):
     """One measurement in this process (started with probe_env's environment): the
     warm-up update, the peak's reset, the measured update; returns probe's dict."""
+    import gc
+
     import tensorflow as tf
     tf.config.threading.set_inter_op_parallelism_threads(1)
     device = "CPU:0"
@@ -468,6 +472,7 @@ def run_probe(spec):
             spec["model"], spec["n"], spec["b"], x, y)
         update()
         phase = "update"
+        gc.collect()  # the warm-up's garbage (cycles hold tensors) is not the update's
         current = tf.config.experimental.get_memory_info(device)["current"]
         tf.config.experimental.reset_memory_stats(device)
         update()
