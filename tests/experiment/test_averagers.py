@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from experiment import config as config_lib
 from experiment import data
 from experiment import engine_tf1
 from experiment import loop
@@ -23,7 +24,7 @@ MLP_PARAMETERS = 784 * 4096 + 4096 + 4096 * 4096 + 4096 + 4096 * 10 + 10
 
 def train(mnist, kind, n, b, updates, sgd_rate=None):
     """Trainable weights before and after `updates` updates (Adam 1e-3, or plain SGD)."""
-    config = loop.Config(average_gradients=n, batch_size=b, dropout=0.0, accumulate=kind)
+    config = config_lib.Config(average_gradients=n, batch_size=b, dropout=0.0, accumulate=kind)
     optimizer = v1.train.GradientDescentOptimizer(sgd_rate) if sgd_rate else None
     engine = engine_tf1.Engine(config, SEED, optimizer=optimizer)
     try:
@@ -103,7 +104,7 @@ def test_averagers_apply_bit_identical_updates(mnist, kind):
 @pytest.mark.parametrize("model_name,parameters", [("convnet", 44426),
                                                    ("mlp", MLP_PARAMETERS)])
 def test_model_choice_builds_and_trains_a_step(mnist, model_name, parameters):
-    config = loop.Config(batch_size=8, model=model_name)
+    config = config_lib.Config(batch_size=8, model=model_name)
     engine = engine_tf1.Engine(config, SEED)
     run = engine.run_graph
     with run.graph.as_default():

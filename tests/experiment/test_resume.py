@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from experiment import checkpoint
+from experiment import config as config_lib
 from experiment import loop
 import main
 from experiment import averagers
@@ -23,7 +24,7 @@ SMALL = dict(average_gradients=5, batch_size=10, iterations=60, eval_every=20)
 
 
 def config(**overrides):
-    return loop.Config(**dict(SMALL, **overrides))
+    return config_lib.Config(**dict(SMALL, **overrides))
 
 
 def stop_at(iteration_to_stop, counter):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from experiment import config as config_lib
 from experiment import data
 from experiment import engine_tf1
 from experiment import loop
@@ -25,7 +26,7 @@ def batches(mnist, count, size, seed=0):
 
 def build_run(n, optimizer="sgd", accumulate="stack", seed=3):
     """An engine_tf1.RunGraph with dropout off; `optimizer` sgd swaps Adam for plain SGD."""
-    config = loop.Config(average_gradients=n, batch_size=B, dropout=0.0,
+    config = config_lib.Config(average_gradients=n, batch_size=B, dropout=0.0,
                                accumulate=accumulate)
     if optimizer == "sgd":
         return engine_tf1.RunGraph(config, seed, optimizer=v1.train.GradientDescentOptimizer(0.1))
@@ -180,7 +181,7 @@ def test_every_averager_ends_with_the_same_bits_with_dropout_on(mnist_quick):
     """
     digests = {}
     for averager in averagers.AVERAGERS:
-        config = loop.Config(average_gradients=4, batch_size=10, iterations=42,
+        config = config_lib.Config(average_gradients=4, batch_size=10, iterations=42,
                                    eval_every=0, dropout=0.5, accumulate=averager)
         digests[averager] = loop.train_once(config, mnist_quick, seed=5)["weights_sha256"]
     assert len(set(digests.values())) == 1, digests

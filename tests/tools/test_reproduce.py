@@ -193,11 +193,10 @@ def scalars(logdir):
 def test_eval_every_updates_cadence_and_event_files(mnist_quick, tmp_path, accumulate):
     # N=3, 20 iterations: updates at iterations 3, 6, ..., 18, and the partial window of
     # 2 at the end is the 7th. Every 2 updates: iterations 6, 12, 18, then the final 20.
-    config = loop.Config(average_gradients=3, batch_size=10, iterations=20,
-                               eval_every=0, eval_every_updates=2, accumulate=accumulate,
-                               threads=1)
+    short = config.Config(average_gradients=3, batch_size=10, iterations=20, eval_every=0,
+                          eval_every_updates=2, accumulate=accumulate, threads=1)
     lines = []
-    run = loop.train_once(config, mnist_quick, seed=0, verbose=True, log=lines.append,
+    run = loop.train_once(short, mnist_quick, seed=0, verbose=True, log=lines.append,
                                 logdir=str(tmp_path))
     assert [line.split(":")[0] for line in lines] == \
         ["Iteration 6", "Iteration 12", "Iteration 18", "Iteration 20"]
