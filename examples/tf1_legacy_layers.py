@@ -30,12 +30,12 @@ import os
 # when each is first used and keeps the answer, so it goes before any import of TensorFlow.
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-import sys  # noqa: E402
+import sys
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-from gradient_averaging import AveragingOptimizer  # noqa: E402
+from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 N, B, MINIBATCHES = 4, 20, 10      # windows of 4, 4 and a flushed 2

@@ -21,7 +21,6 @@ from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
-
 # The trainer's steps a model may override; AccumulatingModel runs Keras's own instead.
 OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 

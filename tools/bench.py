@@ -33,7 +33,8 @@ from tools import bench_tensor_memory  # noqa: E402
 from tools import bench_tf1_wrapper  # noqa: E402
 from tools import common  # noqa: E402
 from tools import figures  # noqa: E402
-from tools.bench_section import Run, targets_table  # noqa: E402
+from tools.bench_section import Run  # noqa: E402
+from tools.bench_section import targets_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 

@@ -16,7 +16,10 @@ from experiment import averagers
 from experiment import data
 from tools import bench_contenders as bc
 from tools.bench_probe import probe
-from tools.bench_section import Section, Target, table, worst
+from tools.bench_section import Section
+from tools.bench_section import Target
+from tools.bench_section import table
+from tools.bench_section import worst
 
 GPU = "GPU:0"
 MB = 1 << 20

@@ -6,7 +6,9 @@ import statistics
 from experiment import averagers
 from tools import bench_contenders as bc
 from tools import bench_probe
-from tools.bench_section import Section, table, worst
+from tools.bench_section import Section
+from tools.bench_section import table
+from tools.bench_section import worst
 
 # The targets.
 FUSED_LIMITS = {(5, 20): 1.15, (20, 5): 1.5}  # fused against the direct batch

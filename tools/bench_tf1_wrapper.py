@@ -20,8 +20,12 @@ import tensorflow as tf
 import model
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging import tf1
-from tools.bench_contenders import interleaved, paired_ratio
-from tools.bench_section import Run, Section, table, worst
+from tools.bench_contenders import interleaved
+from tools.bench_contenders import paired_ratio
+from tools.bench_section import Run
+from tools.bench_section import Section
+from tools.bench_section import table
+from tools.bench_section import worst
 
 v1 = tf.compat.v1
 

@@ -33,7 +33,9 @@ from absl import flags  # noqa: E402
 from experiment import results  # noqa: E402
 from tools import bench_device  # noqa: E402
 from tools import common  # noqa: E402
-from tools.bench_section import Run, table, targets_table  # noqa: E402
+from tools.bench_section import Run  # noqa: E402
+from tools.bench_section import table  # noqa: E402
+from tools.bench_section import targets_table  # noqa: E402
 
 FLAGS = flags.FLAGS
 GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")

@@ -343,6 +343,7 @@ def _path_window(model, n, b, x, y):
     # the warm-up and the update keeps its tracing (and grappler's constant folding, which
     # allocates on the CPU) out of the measured update.
     import keras
+
     from gradient_averaging.tf2 import WindowAccumulator
     net = _keras_model(model)
     accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None))
@@ -352,6 +353,7 @@ def _path_window(model, n, b, x, y):
 
 def _path_mini_batch(model, n, b, x, y):
     import keras
+
     from gradient_averaging.tf2 import GradientAccumulator
     net = _keras_model(model)
     accumulator = GradientAccumulator(net, keras.optimizers.Adam(), _loss(None))
@@ -395,6 +397,7 @@ def _path_tf1(model, n, b, x, y, averaging=True):
     """AveragingOptimizer(Adam, N) run once per mini-batch; averaging=False: the plain
     Adam on the direct batch of N*B, the TF1 reference."""
     import tensorflow as tf
+
     from gradient_averaging.tf1 import AveragingOptimizer
     v1 = tf.compat.v1
     graph = tf.Graph()

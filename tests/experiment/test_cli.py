@@ -9,12 +9,15 @@ import shutil
 import pytest
 from absl.testing import flagsaver
 
-from experiment import cli
-from experiment import data
 import flags
 import main
+from experiment import cli
 from experiment import config
-from tests.helpers import one_line_exit, run_cli, run_main_in_process, write_idx_dir
+from experiment import data
+from tests.helpers import one_line_exit
+from tests.helpers import run_cli
+from tests.helpers import run_main_in_process
+from tests.helpers import write_idx_dir
 
 RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
                       r"Final accuracy: ([\d.]+)\.$", re.M)

@@ -16,16 +16,17 @@ import tensorflow as tf
 from absl.testing import flagsaver
 from tensorflow.core.util import event_pb2
 
+import main
+import model as models
 from experiment import checkpoint
 from experiment import cli
 from experiment import data
 from experiment import engine_tf1
 from experiment import engine_tf2
 from experiment import loop
-import main
-import model as models
 from gradient_averaging import tf2
-from tests.helpers import run_cli, run_main_in_process
+from tests.helpers import run_cli
+from tests.helpers import run_main_in_process
 from tools import launch_workers
 from trainer import Outcome
 

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import model
+import trainer
+from experiment import averagers
 from experiment import data
 from experiment import engine_tf1
 from experiment import loop
-import model
-from experiment import averagers
-import trainer
 from trainer import Outcome
 
 v1 = tf.compat.v1

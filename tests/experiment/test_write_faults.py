@@ -26,7 +26,9 @@ from experiment import faults
 from experiment import loop
 from experiment import results
 from experiment import runlock
-from tests.helpers import ROOT, one_line_exit, run_main_in_process
+from tests.helpers import ROOT
+from tests.helpers import one_line_exit
+from tests.helpers import run_main_in_process
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 

@@ -16,9 +16,23 @@ import pytest
 import tensorflow as tf
 
 from gradient_averaging import keras_fit
-from tests.library.toys import (B, CLASSES, FEATURES, KERAS, N, OPTIMIZERS, SAMPLES,
-                                activity_regularized, new_in_keras, compiled, data, fit, max_difference,
-                                mixed_float16, nan_in_second_window, sgd, tiny_model)
+from tests.library.toys import CLASSES
+from tests.library.toys import FEATURES
+from tests.library.toys import KERAS
+from tests.library.toys import OPTIMIZERS
+from tests.library.toys import SAMPLES
+from tests.library.toys import B
+from tests.library.toys import N
+from tests.library.toys import activity_regularized
+from tests.library.toys import compiled
+from tests.library.toys import data
+from tests.library.toys import fit
+from tests.library.toys import max_difference
+from tests.library.toys import mixed_float16
+from tests.library.toys import nan_in_second_window
+from tests.library.toys import new_in_keras
+from tests.library.toys import sgd
+from tests.library.toys import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,29 @@ import tensorflow as tf
 
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging.tf1 import FLUSH_OPS
-from gradient_averaging.window import all_finite, check_average_gradients
+from gradient_averaging.window import all_finite
+from gradient_averaging.window import check_average_gradients
 from tests.helpers import ROOT
-from tests.library.tf1_toys import (B1, EMBEDDING, IDS, OPTIMIZERS, RNG, ROWS, RTOL,
-                                    SPARSE_OPTIMIZERS, TARGETS, W1, W2, WIDTH, X, Model,
-                                    assert_close, concatenated, minibatches, mlp, train,
-                                    train_embedding)
+from tests.library.tf1_toys import B1
+from tests.library.tf1_toys import EMBEDDING
+from tests.library.tf1_toys import IDS
+from tests.library.tf1_toys import OPTIMIZERS
+from tests.library.tf1_toys import RNG
+from tests.library.tf1_toys import ROWS
+from tests.library.tf1_toys import RTOL
+from tests.library.tf1_toys import SPARSE_OPTIMIZERS
+from tests.library.tf1_toys import TARGETS
+from tests.library.tf1_toys import W1
+from tests.library.tf1_toys import W2
+from tests.library.tf1_toys import WIDTH
+from tests.library.tf1_toys import Model
+from tests.library.tf1_toys import X
+from tests.library.tf1_toys import assert_close
+from tests.library.tf1_toys import concatenated
+from tests.library.tf1_toys import minibatches
+from tests.library.tf1_toys import mlp
+from tests.library.tf1_toys import train
+from tests.library.tf1_toys import train_embedding
 
 v1 = tf.compat.v1
 # ---------------------------------------------------------------- exactness, every optimizer

@@ -17,13 +17,22 @@ import tensorflow as tf
 
 from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
-from tests.helpers import CPU_ONLY, run_cli
-from tests.library.toys import (KERAS, activity_regularized, check_mirrored_fit,
-                                cross_entropy, max_difference, mini_batches, mixed_float16,
-                                new_in_keras, small_conv_net, windows)
-from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
+from tests.helpers import CPU_ONLY
+from tests.helpers import run_cli
+from tests.library.toys import KERAS
+from tests.library.toys import activity_regularized
+from tests.library.toys import check_mirrored_fit
+from tests.library.toys import cross_entropy
 from tests.library.toys import data as toy_data
+from tests.library.toys import max_difference
+from tests.library.toys import mini_batches
+from tests.library.toys import mixed_float16
+from tests.library.toys import new_in_keras
+from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
+from tests.library.toys import small_conv_net
 from tests.library.toys import tiny_model as toy_model
+from tests.library.toys import windows
+
 
 def accumulator(optimizer, model=None, **kwargs):
     """The one-call window's trainer."""
