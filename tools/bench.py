@@ -39,7 +39,8 @@ from tools.bench_section import targets_table  # noqa: E402
 FLAGS = flags.FLAGS
 
 SECTIONS = (bench_tensor_memory.TensorMemory, bench_speed.Speed, bench_speed.KerasPlain,
-            bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper, bench_device.Device)
+            bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper,
+            bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")

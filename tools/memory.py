@@ -313,24 +313,28 @@ def _values(variables):
 
 def _path_alone(model, n, b, x, y):
     net = _compiled(_keras_model(model))
-    return _fit(net, x[:b], y[:b], b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(net, x[:b], y[:b], b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_direct(model, n, b, x, y):
     net = _compiled(_keras_model(model))
-    return _fit(net, x, y, n * b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(net, x, y, n * b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_keras(model, n, b, x, y):
     import keras
     net = _compiled(_keras_model(model), keras.optimizers.Adam(gradient_accumulation_steps=n))
-    return _fit(net, x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(net, x, y, b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_accumulate(model, n, b, x, y):
     from gradient_averaging.keras_fit import accumulate
     net = _keras_model(model)
-    return _fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _dataset(x, y, b):
@@ -348,7 +352,8 @@ def _path_window(model, n, b, x, y):
     net = _keras_model(model)
     accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None))
     dataset = _dataset(x, y, b)
-    return (lambda: accumulator.fit(dataset, n)), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return ((lambda: accumulator.fit(dataset, n)), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_mini_batch(model, n, b, x, y):

@@ -42,7 +42,7 @@ def test_posts_command_line_end_to_end(tmp_path):
     doc = json.loads(results.read_text())
     assert doc["config"]["average-gradients"] == 5 and doc["config"]["batch-size"] == 20
     assert [r["seed"] for r in doc["runs"]] == [0, 1]
-    for run, (best, iteration, final) in zip(doc["runs"], runs):
+    for run, (best, iteration, _final) in zip(doc["runs"], runs):
         assert run["updates"] == 30
         assert [e["iteration"] for e in run["evaluations"]] == [100, 150]  # every 100, last
         assert f"{round(run['best_accuracy'], 2):g}" == best

@@ -310,7 +310,8 @@ def test_tf2_cli_aborts_on_a_nonfinite_window_with_one_line(capsys):
         run_main_in_process("--engine=tf2", "--average-gradients=5", "--batch-size=10",
                             "--iterations=30", "--inject-nonfinite=7", "--on-nonfinite=abort")
     assert exit_info.value.code == 3
-    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("error: ")]
     assert len(errors) == 1 and "iterations 6-10 and on_nonfinite=abort" in errors[0]
 
 

@@ -96,7 +96,7 @@ def test_apply_runs_ceil_iterations_over_n_times_and_adam_counts_them(mnist, ite
     applied, closed = [], []
     with run.session() as sess:
         sess.run(run.init_op)
-        for k, (x, y) in enumerate(batches(mnist, iterations, 5)):
+        for x, y in batches(mnist, iterations, 5):
             closed.append(run.averager.step(sess, {run.images: x, run.labels: y})[1])
             applied.append(run.averager.updates)
         held = run.averager.window_size()

@@ -216,7 +216,7 @@ def test_a_nan_window_is_skipped_under_xla():
     assert max_difference(model, reference) == 0.0  # as if never seen
 
 
-# ---------------------------------------------------------------- what accumulate refuses, embeddings
+# ------------------------------------------------------------- what accumulate refuses, embeddings
 
 
 class OwnStep(keras.Sequential):

@@ -178,7 +178,8 @@ def test_fit_accumulated_under_mixed_float16_scales_its_loss(jit_compile):
 @pytest.mark.parametrize("one_call", [True, False], ids=["window", "per_mini_batch"])
 def test_an_activity_regularizer_counts_as_in_the_direct_batch(one_call):
     """An activity regularizer's loss (a per-sample mean from Keras 3.14), against plain
-    Keras's batches of 80. 270 samples in mini-batches of 20, N=4: three windows and a partial one of 20 + 10."""
+    Keras's batches of 80. 270 samples in mini-batches of 20, N=4: three windows and a
+    partial one of 20 + 10."""
     x, y = toy_data()
     direct = activity_regularized()
     direct.compile(optimizer=halving_sgd(),
