@@ -143,8 +143,11 @@ def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
                       or "accumulate(make_model()" in b) + blocks("docs/tf1-code.md", "py")
     assert len(excerpts) >= 4
     assert "examples/keras_fit.py" in [example for _, example in excerpts]
+
+    def code(line):
+        return line.split("  # ")[0].strip()  # comments aside
+
     for block, example in excerpts:
-        code = lambda line: line.split("  # ")[0].strip()  # noqa: E731  (comments aside)
         with open(os.path.join(ROOT, example)) as f:
             lines = [code(line) for line in f]
         position = 0

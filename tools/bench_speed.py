@@ -79,7 +79,9 @@ class Speed(Section):
         return rows
 
     def targets(self, rows):
-        at = lambda n, b: [r for r in rows if (r["n"], r["b"]) == (n, b)]  # noqa: E731
+        def at(n, b):
+            return [r for r in rows if (r["n"], r["b"]) == (n, b)]
+
         accumulating = [r for r in rows if r["n"] > 1]
         out = [worst(f"fused <= {limit}x direct at N={n}/B={b}",
                      _ratios(at(n, b), "fused", "direct"), limit)

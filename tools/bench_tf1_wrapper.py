@@ -133,7 +133,9 @@ class Wrapper(Section):
                 for name, row in result.items()]
 
     def markdown(self, result):
-        fmt = lambda r: f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"  # noqa: E731
+        def fmt(r):
+            return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
+
         return [f"## {self.title}", "",
                 "Per mini-batch run at the same B (`python -m tools.bench_tf1_wrapper` "
                 "measures this alone): the ConvNet with Adam (dense gradients) and a "

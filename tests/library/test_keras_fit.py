@@ -72,7 +72,10 @@ def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_mini_batc
     """240 samples, whole windows only: Keras's own accumulation is exact with a constant
     rate, not with a schedule (it steps at mini-batch N-1, 2N-1...); accumulate is."""
     x, y = data(240)
-    constant = lambda **kw: keras.optimizers.SGD(0.1, **kw)  # noqa: E731
+
+    def constant(**kw):
+        return keras.optimizers.SGD(0.1, **kw)
+
     for make, keras_exact in ((constant, True), (sgd, False)):
         reference = compiled(tiny_model(), make())
         fit(reference, x, y, N * B)

@@ -747,15 +747,19 @@ def test_any_graph_context_trains_like_the_direct_batch(context):
     target, device = "", contextlib.nullcontext
     if context == "replica_device_setter":
         cluster, target = _in_process_cluster()
-        device = lambda: v1.device(  # noqa: E731
-            v1.train.replica_device_setter(ps_tasks=1, cluster=cluster))
+
+        def device():
+            return v1.device(v1.train.replica_device_setter(ps_tasks=1, cluster=cluster))
 
     def run(direct):
         with tf.Graph().as_default(), device():
             c = v1.placeholder(dtype, [None, 3], name="c")
             w = tf.Variable(tf.ones([3], dtype), name="w")
             global_step = v1.train.get_or_create_global_step()
-            loss_of = lambda row: tf.reduce_sum(tf.square(w) * row)  # noqa: E731
+
+            def loss_of(row):
+                return tf.reduce_sum(tf.square(w) * row)
+
             adam = v1.train.AdamOptimizer(0.1)
             if direct:
                 opt = wrapper = adam
