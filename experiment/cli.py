@@ -51,8 +51,8 @@ def missing_deterministic_kernel(error):
             f"determinism (runs may then differ in their last bits)")
 
 
-def define(kind, name, default, help, lower_bound=None, upper_bound=None,  # noqa: A002
-           enum_values=None):
+def define(kind, name, default, help,  # noqa: A002 (absl's name)
+           lower_bound=None, upper_bound=None, enum_values=None):
     """One flag of a tool's own (absl's DEFINE_<kind> arguments), as define_all defines
     a config.Setting."""
     define_all([config.Setting(name, kind, default, help, lower=lower_bound,

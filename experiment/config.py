@@ -76,8 +76,9 @@ def _positive(value):
     return math.isfinite(value) and value > 0
 
 
-def setting(default, help, *, lower=None, upper=None, choices=None, check=None,  # noqa: A002
-            flag=None, identity=False, post=None):
+def setting(default, help, *,  # noqa: A002 (absl's name)
+            lower=None, upper=None, choices=None, check=None, flag=None, identity=False,
+            post=None):
     """A field that is a setting: its default and its flag's definition.
 
     Args:

@@ -27,7 +27,7 @@ from experiment import memory
 from experiment import progress
 from experiment import results
 from experiment.config import IDENTITY_FIELDS
-from experiment.config import Config  # noqa: F401 (loop.Config)
+from experiment.config import Config  # noqa: F401 (re-exported: callers build loop.Config)
 from experiment.config import Runs
 from experiment.config import evaluation_due
 from trainer import Outcome

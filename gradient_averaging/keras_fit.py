@@ -303,9 +303,10 @@ class _SingleValueWarning(keras.callbacks.Callback):
         self._check()
 
     def _check(self):
-        statistics = self.accumulating._window.statistics  # noqa: SLF001
+        statistics = self.accumulating._window.statistics  # noqa: SLF001 (this module's model)
         if statistics:
-            statistics.warn_single_values(self.accumulating._single_values.numpy())  # noqa: SLF001
+            values = self.accumulating._single_values.numpy()  # noqa: SLF001 (this module's model)
+            statistics.warn_single_values(values)
 
 
 class _WindowAdapter(_keras_src.DataAdapter):

@@ -67,7 +67,7 @@ def _unlocked(window, after):
     """AveragingOptimizer's window lock taken out, to time what it costs: the block it
     guards becomes a plain group of the same ops."""
     del window, after
-    held = tf1._Held()  # noqa: SLF001
+    held = tf1._Held()  # noqa: SLF001 (the lock, timed alone)
     yield held
     held.released = tf.group(*held.ops)
 
@@ -84,8 +84,9 @@ class Contender:
             optimizer = make_optimizer()
             if n is not None:
                 optimizer = AveragingOptimizer(optimizer, n)
-            with contextlib.nullcontext() if locked else mock.patch.object(
-                    tf1._Window, "locked", contextlib.contextmanager(_unlocked)):  # noqa: SLF001
+            unlocked = mock.patch.object(tf1._Window, "locked",  # noqa: SLF001 (as _unlocked)
+                                         contextlib.contextmanager(_unlocked))
+            with contextlib.nullcontext() if locked else unlocked:
                 self.train_op = optimizer.minimize(loss)
             init = v1.global_variables_initializer()
         self.graph.finalize()

@@ -65,7 +65,7 @@ def test_adam_slots_and_beta_powers_advance_once_per_update():
         adam = v1.train.AdamOptimizer(0.05, beta1=0.9, beta2=0.99)
         opt = AveragingOptimizer(adam, 3)
         train_op = opt.minimize(model.loss)
-        beta1_power, beta2_power = adam._get_beta_accumulators()
+        beta1_power, beta2_power = adam._get_beta_accumulators()  # noqa: SLF001 (no public getter)
         saved = set(v1.global_variables())
         assert {beta1_power, beta2_power} | {adam.get_slot(v, "m") for v in model.variables} \
             <= saved  # outside the cond, saved by a Saver
@@ -153,7 +153,7 @@ def test_bad_use_gets_one_clear_error():
         with pytest.raises(RuntimeError, match="minimize or apply_gradients"):
             opt.flush_op()
         with pytest.raises(RuntimeError, match="minimize or apply_gradients"):
-            opt.skipped_windows  # noqa: B018
+            opt.skipped_windows  # noqa: B018 (reading it raises)
         with pytest.raises(ValueError, match="no variable receives a gradient"):
             opt.minimize(model.loss, var_list=[unused])
         with pytest.raises(ValueError, match="scalar"):
