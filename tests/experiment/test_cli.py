@@ -117,14 +117,6 @@ BAD_FLAGS = [
     ("--no-such-flag=1", "no-such-flag"),
 ]
 
-BAD_COMBINATIONS = [
-    (["--seed=2147483647", "--reps=2"], "--seed + --reps - 1"),
-    (["--eval-every=10", "--eval-every-updates=5"], "pass --eval-every=0"),
-    (["--distribute=mirrored"], "--distribute needs --engine=tf2"),
-    (["--engine=tf2", "--replicas=2"], "--replicas needs --distribute=mirrored"),
-]
-
-
 @pytest.mark.parametrize("arg,named", BAD_FLAGS)
 def test_bad_flag_values_give_one_line(capsys, arg, named):
     with flagsaver.flagsaver():
