@@ -104,5 +104,5 @@ gpu-check: install
 	$(PY) -m tools.gpu_check $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LOW_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -not -path "./.venv/*" -not -path "./.venv-low/*" -prune -exec rm -rf {} +
