@@ -8,7 +8,7 @@ UV        := uv==0.13.9
 # Extra flags for `make run`, e.g. make run ARGS="--reps=1 --verbose"
 ARGS ?=
 
-.PHONY: install run test clean
+.PHONY: install run test lint clean
 
 install: $(STAMP)
 
@@ -35,6 +35,21 @@ run: install
 # remaining tests.
 test: install
 	$(PY) -m pytest -q -n 2 --dist worksteal tests
+
+# The linter: ruff (its rules, and why each, in pyproject.toml), pinned in
+# requirements-dev.txt and installed into .venv beside the pins. A noqa also gives its
+# reason after its rule, `# noqa: SLF001 (why)`: a bare one is refused below.
+DEV_STAMP := $(VENV)/.installed-dev
+$(DEV_STAMP): requirements-dev.txt $(STAMP)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) -r requirements-dev.txt
+	touch $@
+
+NOQA_WITHOUT_REASON := \#[[:space:]]*(ruff: )?noqa(:[[:space:]]*[A-Z]+[0-9]+([,[:space:]]+[A-Z]+[0-9]+)*)?[[:space:]]*$$
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .
+	@! grep -rnE --include='*.py' --exclude-dir='.venv*' --exclude-dir=results \
+	  '$(NOQA_WITHOUT_REASON)' . \
+	  || { echo "lint: the noqa above gives no reason: add it after the rule, # noqa: E731 (why)"; exit 1; }
 
 # The library's tests at the low end of the supported ranges (requirements-low.txt: the
 # oldest Keras and TensorFlow pyproject.toml allows), in a venv of their own.
@@ -89,5 +104,5 @@ gpu-check: install
 	$(PY) -m tools.gpu_check $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LOW_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -not -path "./.venv/*" -not -path "./.venv-low/*" -prune -exec rm -rf {} +

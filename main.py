@@ -51,13 +51,14 @@ def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     # The training modules import TensorFlow: only now, with every flag good.
+    import tensorflow as tf
+
     from experiment import checkpoint
     from experiment import data
     from experiment import loop
     from experiment import memory
     from experiment import results
     from experiment import runlock
-    import tensorflow as tf
 
     config, runs = flags.train_config(), flags.runs()
     try:

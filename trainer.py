@@ -30,7 +30,9 @@ import enum
 import numpy as np
 import tensorflow as tf
 
-from gradient_averaging.window import accumulator_dtype, all_finite, check_average_gradients
+from gradient_averaging.window import accumulator_dtype
+from gradient_averaging.window import all_finite
+from gradient_averaging.window import check_average_gradients
 
 v1 = tf.compat.v1
 

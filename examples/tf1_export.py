@@ -10,7 +10,8 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
-from gradient_averaging import FLUSH_OPS, AveragingOptimizer
+from gradient_averaging import FLUSH_OPS
+from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 rng = np.random.RandomState(0)

@@ -30,12 +30,12 @@ import os
 # when each is first used and keeps the answer, so it goes before any import of TensorFlow.
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-import sys  # noqa: E402
+import sys
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-from gradient_averaging import AveragingOptimizer  # noqa: E402
+from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 N, B, MINIBATCHES = 4, 20, 10      # windows of 4, 4 and a flushed 2
@@ -107,7 +107,9 @@ def inference(images, training, momentum, batch_normalization):
     """A TF1 convnet: BN on the inputs, conv - BN - ReLU twice, dropout, dense. Seeded
     initializers: the same initial weights in every graph (the layers' defaults ignore
     the graph's seed)."""
-    init = lambda seed: v1.glorot_uniform_initializer(seed=seed)  # noqa: E731
+    def init(seed):
+        return v1.glorot_uniform_initializer(seed=seed)
+
     net = batch_normalization(images, training=training, momentum=momentum, name="bn_input")
     net = v1.layers.conv2d(net, 8, 5, strides=2, padding="same", use_bias=False,
                            kernel_initializer=init(1), name="conv1")
@@ -191,8 +193,12 @@ def main():
     direct = [tuple(np.concatenate(part) for part in zip(*minibatches[k:k + N]))
               for k in range(0, MINIBATCHES, N)]                       # 80, 80, 40 samples
     nan_window = [(np.full_like(xb, np.nan), yb) for xb, yb in minibatches[:N]]
-    weights = lambda name: "/moving_" not in name  # noqa: E731
-    statistics = lambda layer: lambda name: name.startswith(layer + "/moving_")  # noqa: E731
+    def weights(name):
+        return "/moving_" not in name
+
+    def statistics(layer):
+        return lambda name: name.startswith(layer + "/moving_")
+
     layers = ("bn_input", "bn_conv1", "bn_conv2")
     failures = []
 

@@ -16,7 +16,8 @@ import trainer
 from experiment import config
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging import window as window_lib
-from trainer import Averager, Outcome
+from trainer import Averager
+from trainer import Outcome
 
 v1 = tf.compat.v1
 

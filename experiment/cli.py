@@ -9,6 +9,7 @@ with a warning: parse_flags rewrites those spellings before absl parses, so absl
 each flag once and `--help` lists it once.
 """
 
+import inspect
 import os
 import re
 import sys
@@ -50,20 +51,20 @@ def missing_deterministic_kernel(error):
             f"determinism (runs may then differ in their last bits)")
 
 
-def define(kind, name, default, help, lower_bound=None, upper_bound=None,  # noqa: A002
-           enum_values=None):
+def define(kind, name, default, help,  # noqa: A002 (absl's name)
+           lower_bound=None, upper_bound=None, enum_values=None):
     """One flag of a tool's own (absl's DEFINE_<kind> arguments), as define_all defines
     a config.Setting."""
     define_all([config.Setting(name, kind, default, help, lower=lower_bound,
                                  upper=upper_bound, choices=enum_values)],
-               module=sys._getframe(1).f_globals["__name__"])
+               module=inspect.currentframe().f_back.f_globals["__name__"])
 
 
 def define_all(definitions, flag_values=flags.FLAGS, module=None):
     """Defines config.Setting (with its bounds, choices and check) and config.Rule
     objects as absl flags and validators, filed under `module` (default: the caller's)
     for --help."""
-    module = module or sys._getframe(1).f_globals["__name__"]
+    module = module or inspect.currentframe().f_back.f_globals["__name__"]
     if module == "__main__":  # absl files a script's flags under its path
         module = sys.argv[0]
     if module not in _HELP_MODULES:

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import importlib
 import math
-import typing
 
 MAX_SEED = 2**31 - 1  # run r uses seed + r; TensorFlow's graph seed must fit
 # Old flag name -> its new name; the old one still works, with a warning (cli.py).
@@ -77,8 +76,9 @@ def _positive(value):
     return math.isfinite(value) and value > 0
 
 
-def setting(default, help, *, lower=None, upper=None, choices=None, check=None,  # noqa: A002
-            flag=None, identity=False, post=None):
+def setting(default, help, *,  # noqa: A002 (absl's name)
+            lower=None, upper=None, choices=None, check=None, flag=None, identity=False,
+            post=None):
     """A field that is a setting: its default and its flag's definition.
 
     Args:
@@ -167,7 +167,7 @@ class Config:
         "on; abort: stop (with a checkpoint).", choices=("skip", "abort"))
     max_bad_windows: int = setting(10, "Stop after this many consecutive skipped windows.",
                                    lower=1)
-    inject_nonfinite: typing.Tuple[int, ...] = setting(
+    inject_nonfinite: tuple[int, ...] = setting(
         (), "Testing aid: make the mini-batch of these iterations NaN.", lower=1)
 
 
@@ -255,7 +255,7 @@ class Setting:
 
 
 _KINDS = {int: "integer", float: "float", str: "string", bool: "bool",
-          typing.Tuple[int, ...]: "multi_integer"}
+          tuple[int, ...]: "multi_integer"}
 
 
 def _settings(cls):
@@ -302,7 +302,7 @@ def evaluation_due(config, iteration, updates, applied):
                 and updates % config.eval_every_updates == 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def evaluations(config):
     """How many test-set evaluations a run of `config` makes where every window is
     applied: evaluation_due's, counted, and the final one."""

@@ -71,9 +71,10 @@ def prepare(config):
     setup = (config.distribute, config.replicas, config.threads)
     if _SETUP:
         if _SETUP["setup"] != setup:
-            raise ConfigError("this process is already set up as distribute=%s replicas=%d "
-                              "threads=%d; TensorFlow allows one set-up per process"
-                              % _SETUP["setup"])
+            distribute, replicas, threads = _SETUP["setup"]
+            raise ConfigError(f"this process is already set up as distribute={distribute} "
+                              f"replicas={replicas:d} threads={threads:d}; TensorFlow allows "
+                              "one set-up per process")
         return _SETUP["strategy"]
     if setup == DEFAULT_SETUP:
         return tf.distribute.get_strategy()

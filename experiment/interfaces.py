@@ -33,7 +33,7 @@ class Engine(typing.Protocol):
     def window_size(self) -> int:
         """Mini-batches in the open window."""
 
-    def loss_totals(self) -> typing.Tuple[float, int]:
+    def loss_totals(self) -> tuple[float, int]:
         """(sum of the finite per-sample training losses, their samples), running."""
 
     def evaluate(self, split, chunk) -> float:
@@ -49,7 +49,7 @@ class Engine(typing.Protocol):
     def read_variables(self, path) -> None:
         """Restores what write_variables wrote (CheckpointError, or TensorFlow's)."""
 
-    def window_arrays(self) -> typing.Dict[str, typing.Any]:
+    def window_state(self) -> dict[str, typing.Any]:
         """The open window as named numpy arrays (beside the variables)."""
 
     def restore_window(self, arrays, state) -> None:

@@ -26,8 +26,11 @@ from experiment import faults
 from experiment import memory
 from experiment import progress
 from experiment import results
-from experiment.config import IDENTITY_FIELDS, Runs, evaluation_due
-from trainer import Outcome, WindowCounts
+from experiment.config import IDENTITY_FIELDS
+from experiment.config import Runs
+from experiment.config import evaluation_due
+from trainer import Outcome
+from trainer import WindowCounts
 
 CHECKPOINT_EVERY = Runs().checkpoint_every  # updates
 # The warning for a skipped window: (where, windows skipped so far).

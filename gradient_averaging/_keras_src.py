@@ -8,6 +8,8 @@ that touches them, and it refuses, in one line, a Keras it was not tested on.
 requirements.txt pins the newest, requirements-low.txt the oldest; pyproject.toml bounds them.
 """
 
+# ruff: noqa: SLF001 (Keras's internals are this module's purpose, behind check_version)
+
 import contextlib
 import functools
 
@@ -35,10 +37,11 @@ def check_version(version):
 check_version(keras.__version__)
 
 # Imported only after the check: another release may not have them.
-from keras.src.losses.loss import unscale_loss_for_distribution  # noqa: E402
-from keras.src.trainers import data_adapters  # noqa: E402
-from keras.src.trainers.data_adapters.array_slicing import train_validation_split  # noqa: E402
-from keras.src.trainers.data_adapters.data_adapter import DataAdapter  # noqa: E402
+# ruff: noqa: E402 (these imports follow check_version on purpose)
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.trainers import data_adapters
+from keras.src.trainers.data_adapters.array_slicing import train_validation_split
+from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
 __all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_activity_losses",
            "check_version", "data_adapters", "losses_from_the_pass", "loss_tracker",
@@ -49,12 +52,12 @@ def symbolic_build(model, data_batch):
     """Builds a model's metrics and optimizer variables from one batch's spec, as fit
     does from its first batch (Model._symbolic_build), in the model's strategy scope."""
     with model.distribute_strategy.scope():
-        model._symbolic_build(data_batch=data_batch)  # noqa: SLF001
+        model._symbolic_build(data_batch=data_batch)
 
 
 def loss_tracker(model):
     """The Mean metric that fit's logs call `loss` (Trainer._loss_tracker)."""
-    return model._loss_tracker  # noqa: SLF001
+    return model._loss_tracker
 
 
 # ---------------------------------------------------------------- batch normalization
@@ -73,7 +76,7 @@ def batch_norm_layers(model, per_update):
     """
     base = keras.layers.BatchNormalization
     found = []
-    for layer in model._flatten_layers(include_self=False):  # noqa: SLF001 (each once)
+    for layer in model._flatten_layers(include_self=False):
         if not isinstance(layer, base):
             continue
         if layer.synchronized:
@@ -85,7 +88,7 @@ def batch_norm_layers(model, per_update):
         why = ("renorm=True" if getattr(layer, "renorm", False)
                else "a subclass with its own call or _moments"
                if type(layer).call is not base.call
-               or type(layer)._moments is not base._moments  # noqa: SLF001
+               or type(layer)._moments is not base._moments
                else None)
         if why and per_update:
             raise ValueError(f"BatchNormalization layer {layer.name!r} has {why}: gradient "
@@ -104,7 +107,7 @@ def captured_moments(layers, records):
     statistics, and an empty batch normalizes with zeros, not NaN."""
     for index, layer in enumerate(layers):
         object.__setattr__(layer, "_moments", functools.partial(
-            _moments, layer, type(layer)._moments.__get__(layer), index,  # noqa: SLF001
+            _moments, layer, type(layer)._moments.__get__(layer), index,
             records))
     try:
         yield records
@@ -114,7 +117,7 @@ def captured_moments(layers, records):
 
 
 def _moments(layer, original, index, records, inputs, mask):
-    axes = list(layer._reduction_axes)  # noqa: SLF001
+    axes = list(layer._reduction_axes)
     if mask is None:  # Keras's own moments, so the forward pass is Keras's
         mean, variance = original(inputs, None)
         size = tf.reduce_prod(tf.gather(tf.shape(inputs), axes))
@@ -160,7 +163,7 @@ def check_activity_losses(model):
     Raises:
       ValueError: such a model on such a Keras.
     """
-    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001
+    layers = [layer for layer in model._flatten_layers()
               if getattr(layer, "activity_regularizer", None) is not None]
     if layers and not _activity_losses_are_means():
         raise ValueError(
@@ -175,9 +178,9 @@ def losses_from_the_pass(model, losses):
     (add_loss's and the regularizers'), as Keras's JAX trainer makes compute_loss see
     them (Layer._losses_override); outside a pass they would be lost."""
     if losses:
-        model._losses_override = list(losses)  # noqa: SLF001
+        model._losses_override = list(losses)
     try:
         yield
     finally:
         if losses:
-            model._losses_override = []  # noqa: SLF001
+            model._losses_override = []

@@ -21,7 +21,6 @@ from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
-
 # The trainer's steps a model may override; AccumulatingModel runs Keras's own instead.
 OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 
@@ -305,9 +304,10 @@ class _SingleValueWarning(keras.callbacks.Callback):
         self._check()
 
     def _check(self):
-        statistics = self.accumulating._window.statistics  # noqa: SLF001
+        statistics = self.accumulating._window.statistics  # noqa: SLF001 (this module's model)
         if statistics:
-            statistics.warn_single_values(self.accumulating._single_values.numpy())  # noqa: SLF001
+            values = self.accumulating._single_values.numpy()  # noqa: SLF001 (this module's model)
+            statistics.warn_single_values(values)
 
 
 class _WindowAdapter(_keras_src.DataAdapter):

@@ -21,7 +21,9 @@ import functools
 
 import tensorflow as tf
 
-from gradient_averaging.window import accumulator_dtype, all_finite, check_average_gradients
+from gradient_averaging.window import accumulator_dtype
+from gradient_averaging.window import all_finite
+from gradient_averaging.window import check_average_gradients
 
 v1 = tf.compat.v1
 
@@ -75,7 +77,8 @@ def _top_level(item, graph):
     op = item.op if isinstance(item, tf.Tensor) else item
     if not isinstance(op, tf.Operation):
         return True  # variables, v1 control-flow contexts, savers...
-    return op.graph is graph and op._get_control_flow_context() is None  # noqa: SLF001
+    return (op.graph is graph
+            and op._get_control_flow_context() is None)  # noqa: SLF001 (no public API)
 
 
 @contextlib.contextmanager

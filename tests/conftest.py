@@ -14,12 +14,16 @@ import os
 if os.environ.get("GPU_TESTS") != "1":  # before TensorFlow starts in any test process
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
-from experiment import cli  # noqa: E402
-from experiment import data  # noqa: E402
-from tests.helpers import N_TEST_SMALL, N_TRAIN_SMALL, QUICK_TEST_IMAGES, as_bytes, write_idx_dir
+from experiment import cli
+from experiment import data
+from tests.helpers import N_TEST_SMALL
+from tests.helpers import N_TRAIN_SMALL
+from tests.helpers import QUICK_TEST_IMAGES
+from tests.helpers import as_bytes
+from tests.helpers import write_idx_dir
 
 cli.import_tensorflow_quietly()  # before any test module imports TensorFlow
 if os.environ.get("GPU_TESTS") == "1":  # float32 is float32: no TF32 matmuls on the GPU

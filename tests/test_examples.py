@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from tests.helpers import ROOT
+
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 # Calls whose effect outlives the example, or absl flags of its own: a process of its own.
 PROCESS_WIDE = ("disable_v2_behavior", "disable_eager_execution", "enable_v2_behavior",
@@ -100,9 +101,10 @@ def documented_flag_errors():
 def test_bad_input_doc_shows_the_parsers_real_lines(capsys):
     """Each flags-only row of docs/bad-input.md, parsed in this process: the line it prints
     is the one the table shows, and it exits 2."""
+    from absl.testing import flagsaver
+
     import flags  # noqa: F401  (defines main.py's flags in this process)
     from experiment import cli  # main.py's parser
-    from absl.testing import flagsaver
 
     cases = documented_flag_errors()
     assert len(cases) >= 20 and any("--accumulate=magic" in args for args, _ in cases)
@@ -141,8 +143,11 @@ def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
                       or "accumulate(make_model()" in b) + blocks("docs/tf1-code.md", "py")
     assert len(excerpts) >= 4
     assert "examples/keras_fit.py" in [example for _, example in excerpts]
+
+    def code(line):
+        return line.split("  # ")[0].strip()  # comments aside
+
     for block, example in excerpts:
-        code = lambda line: line.split("  # ")[0].strip()  # noqa: E731  (comments aside)
         with open(os.path.join(ROOT, example)) as f:
             lines = [code(line) for line in f]
         position = 0

@@ -22,16 +22,17 @@ import time
 from experiment import cli
 
 cli.import_tensorflow_quietly()
+# ruff: noqa: E402 (the imports below follow the quiet TensorFlow import)
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+import keras
+import numpy as np
+from absl import app
+from absl import flags
 
-from experiment import data  # noqa: E402
-from experiment import results  # noqa: E402
-from gradient_averaging import accumulate  # noqa: E402
-from tools import common  # noqa: E402
+from experiment import data
+from experiment import results
+from gradient_averaging import accumulate
+from tools import common
 
 FLAGS = flags.FLAGS
 
@@ -60,7 +61,7 @@ NORMS = {"BatchNormalization": lambda channels: keras.layers.BatchNormalization(
 
 
 def statistics(model):
-    return [v.numpy() for layer in model._flatten_layers()  # noqa: SLF001
+    return [v.numpy() for layer in model._flatten_layers()  # noqa: SLF001 (no public API)
             if isinstance(layer, keras.layers.BatchNormalization)
             for v in (layer.moving_mean, layer.moving_variance)]
 

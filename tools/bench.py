@@ -18,27 +18,30 @@ import time
 from experiment import cli
 
 cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
+# ruff: noqa: E402 (the imports below follow the quiet TensorFlow import)
 
-import tensorflow as tf  # noqa: E402
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+import tensorflow as tf
+from absl import app
+from absl import flags
 
-from experiment import data  # noqa: E402
-from experiment import progress  # noqa: E402
-from experiment import results  # noqa: E402
-from tools import bench_device  # noqa: E402
-from tools import bench_memory  # noqa: E402
-from tools import bench_speed  # noqa: E402
-from tools import bench_tensor_memory  # noqa: E402
-from tools import bench_tf1_wrapper  # noqa: E402
-from tools import common  # noqa: E402
-from tools import figures  # noqa: E402
-from tools.bench_section import Run, targets_table  # noqa: E402
+from experiment import data
+from experiment import progress
+from experiment import results
+from tools import bench_device
+from tools import bench_memory
+from tools import bench_speed
+from tools import bench_tensor_memory
+from tools import bench_tf1_wrapper
+from tools import common
+from tools import figures
+from tools.bench_section import Run
+from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
 
 SECTIONS = (bench_tensor_memory.TensorMemory, bench_speed.Speed, bench_speed.KerasPlain,
-            bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper, bench_device.Device)
+            bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper,
+            bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")

@@ -66,6 +66,7 @@ class KerasContender:
 
     def __init__(self, label, n, b, datasets, steps_per_execution=1, accumulate=False):
         import keras
+
         import model  # Keras loads only where a Keras contender runs
         from gradient_averaging import keras_fit
         keras.utils.set_random_seed(SEED)

@@ -16,7 +16,10 @@ from experiment import averagers
 from experiment import data
 from tools import bench_contenders as bc
 from tools.bench_probe import probe
-from tools.bench_section import Section, Target, table, worst
+from tools.bench_section import Section
+from tools.bench_section import Target
+from tools.bench_section import table
+from tools.bench_section import worst
 
 GPU = "GPU:0"
 MB = 1 << 20
@@ -122,14 +125,20 @@ class Device(Section):
             return [Target(name, "no GPU", "not measured") for name in names]
         refs = {(p["engine"], p["role"]): p for p in d["memory"]}
         failed = any("error" in p for p in d["memory"])
-        ratios = lambda ref: {  # noqa: E731
-            f"({p['engine']} {p['averager']})": p["peak_mb"] / refs[(p["engine"], ref)]["peak_mb"]
-            for p in d["memory"] if p["role"] == "accumulated" and "peak_mb" in p
-            and "peak_mb" in refs.get((p["engine"], ref), {})}
+
+        def ratios(ref):
+            return {
+                f"({p['engine']} {p['averager']})":
+                    p["peak_mb"] / refs[(p["engine"], ref)]["peak_mb"]
+                for p in d["memory"] if p["role"] == "accumulated" and "peak_mb" in p
+                and "peak_mb" in refs.get((p["engine"], ref), {})}
+
         speed = [r for r in d["speed"] if r["b"] >= DEVICE_SPEED_MIN_B]
         slow = any("error" in r for r in speed)
-        times = lambda of: {f"at N={r['n']}/B={r['b']}": of(r)  # noqa: E731
-                            for r in speed if "error" not in r}
+
+        def times(of):
+            return {f"at N={r['n']}/B={r['b']}": of(r) for r in speed if "error" not in r}
+
         return [worst(names[0], ratios("alone"), DEVICE_VS_ALONE, failed=failed),
                 worst(names[1], ratios("direct"), DEVICE_VS_DIRECT, failed=failed),
                 worst(names[2], times(lambda r: r["vs_direct"]["fused"]), DEVICE_SPEED,

@@ -12,8 +12,12 @@ import model
 from experiment import averagers
 from experiment import data
 from tools import bench_probe
-from tools.bench_contenders import SEED, SessionContender
-from tools.bench_section import Section, Target, status, table
+from tools.bench_contenders import SEED
+from tools.bench_contenders import SessionContender
+from tools.bench_section import Section
+from tools.bench_section import Target
+from tools.bench_section import status
+from tools.bench_section import table
 
 MB = 1 << 20
 STATUS = "/proc/self/status"

@@ -6,7 +6,9 @@ import statistics
 from experiment import averagers
 from tools import bench_contenders as bc
 from tools import bench_probe
-from tools.bench_section import Section, table, worst
+from tools.bench_section import Section
+from tools.bench_section import table
+from tools.bench_section import worst
 
 # The targets.
 FUSED_LIMITS = {(5, 20): 1.15, (20, 5): 1.5}  # fused against the direct batch
@@ -77,7 +79,9 @@ class Speed(Section):
         return rows
 
     def targets(self, rows):
-        at = lambda n, b: [r for r in rows if (r["n"], r["b"]) == (n, b)]  # noqa: E731
+        def at(n, b):
+            return [r for r in rows if (r["n"], r["b"]) == (n, b)]
+
         accumulating = [r for r in rows if r["n"] > 1]
         out = [worst(f"fused <= {limit}x direct at N={n}/B={b}",
                      _ratios(at(n, b), "fused", "direct"), limit)

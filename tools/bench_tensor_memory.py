@@ -5,7 +5,9 @@ peak grows with N.
 """
 
 from tools import memory
-from tools.bench_section import Section, Target, status
+from tools.bench_section import Section
+from tools.bench_section import Target
+from tools.bench_section import status
 
 ACCUMULATING = ("accumulate", "window", "mini_batch", "tf1")
 FLAT_IN_N = 0.02  # N=32 within 2% of N=2 at the same B

@@ -20,8 +20,12 @@ import tensorflow as tf
 import model
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging import tf1
-from tools.bench_contenders import interleaved, paired_ratio
-from tools.bench_section import Run, Section, table, worst
+from tools.bench_contenders import interleaved
+from tools.bench_contenders import paired_ratio
+from tools.bench_section import Run
+from tools.bench_section import Section
+from tools.bench_section import table
+from tools.bench_section import worst
 
 v1 = tf.compat.v1
 
@@ -63,7 +67,7 @@ def _unlocked(window, after):
     """AveragingOptimizer's window lock taken out, to time what it costs: the block it
     guards becomes a plain group of the same ops."""
     del window, after
-    held = tf1._Held()  # noqa: SLF001
+    held = tf1._Held()  # noqa: SLF001 (the lock, timed alone)
     yield held
     held.released = tf.group(*held.ops)
 
@@ -80,8 +84,9 @@ class Contender:
             optimizer = make_optimizer()
             if n is not None:
                 optimizer = AveragingOptimizer(optimizer, n)
-            with contextlib.nullcontext() if locked else mock.patch.object(
-                    tf1._Window, "locked", contextlib.contextmanager(_unlocked)):  # noqa: SLF001
+            unlocked = mock.patch.object(tf1._Window, "locked",  # noqa: SLF001 (as _unlocked)
+                                         contextlib.contextmanager(_unlocked))
+            with contextlib.nullcontext() if locked else unlocked:
                 self.train_op = optimizer.minimize(loss)
             init = v1.global_variables_initializer()
         self.graph.finalize()
@@ -129,7 +134,9 @@ class Wrapper(Section):
                 for name, row in result.items()]
 
     def markdown(self, result):
-        fmt = lambda r: f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"  # noqa: E731
+        def fmt(r):
+            return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
+
         return [f"## {self.title}", "",
                 "Per mini-batch run at the same B (`python -m tools.bench_tf1_wrapper` "
                 "measures this alone): the ConvNet with Adam (dense gradients) and a "

@@ -25,15 +25,18 @@ import xml.etree.ElementTree as ElementTree
 from experiment import cli
 
 cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
+# ruff: noqa: E402 (the imports below follow the quiet TensorFlow import)
 
-import tensorflow as tf  # noqa: E402
-from absl import app  # noqa: E402
-from absl import flags  # noqa: E402
+import tensorflow as tf
+from absl import app
+from absl import flags
 
-from experiment import results  # noqa: E402
-from tools import bench_device  # noqa: E402
-from tools import common  # noqa: E402
-from tools.bench_section import Run, table, targets_table  # noqa: E402
+from experiment import results
+from tools import bench_device
+from tools import common
+from tools.bench_section import Run
+from tools.bench_section import table
+from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
 GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")

@@ -20,6 +20,7 @@ The parent imports no TensorFlow: only the probes do.
 """
 
 import concurrent.futures
+import functools
 import json
 import os
 import shlex
@@ -320,19 +321,22 @@ def _path_alone(model, n, b, x, y):
 
 def _path_direct(model, n, b, x, y):
     net = _compiled(_keras_model(model))
-    return _fit(net, x, y, n * b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(net, x, y, n * b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_keras(model, n, b, x, y):
     import keras
     net = _compiled(_keras_model(model), keras.optimizers.Adam(gradient_accumulation_steps=n))
-    return _fit(net, x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(net, x, y, b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_accumulate(model, n, b, x, y):
     from gradient_averaging.keras_fit import accumulate
     net = _keras_model(model)
-    return _fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _dataset(x, y, b):
@@ -345,16 +349,19 @@ def _path_window(model, n, b, x, y):
     # the warm-up and the update keeps its tracing (and grappler's constant folding, which
     # allocates on the CPU) out of the measured update.
     import keras
+
     from gradient_averaging.tf2 import WindowAccumulator
     net = _keras_model(model)
     accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None),
                                     average_gradients=n)
     dataset = _dataset(x, y, b)
-    return (lambda: accumulator.fit(dataset)), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (functools.partial(accumulator.fit, dataset), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_mini_batch(model, n, b, x, y):
     import keras
+
     from gradient_averaging.tf2 import MiniBatchAccumulator
     net = _keras_model(model)
     accumulator = MiniBatchAccumulator(net, keras.optimizers.Adam(), _loss(None))
@@ -398,6 +405,7 @@ def _path_tf1(model, n, b, x, y, averaging=True):
     """AveragingOptimizer(Adam, N) run once per mini-batch; averaging=False: the plain
     Adam on the direct batch of N*B, the TF1 reference."""
     import tensorflow as tf
+
     from gradient_averaging.tf1 import AveragingOptimizer
     v1 = tf.compat.v1
     graph = tf.Graph()

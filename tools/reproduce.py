@@ -31,14 +31,16 @@ from absl import app
 from absl import flags as absl_flags
 
 from experiment import cli
+from experiment import config as experiment_config
 from experiment import progress
 from experiment import results
-from experiment import config as experiment_config
 from experiment import stats
 from tools import common
 from tools import figures
 from tools import reproduce_table
-from tools.reproduce_table import EVAL_EVERY, FAIR_EVAL_EVERY_UPDATES, POST_TABLE
+from tools.reproduce_table import EVAL_EVERY
+from tools.reproduce_table import FAIR_EVAL_EVERY_UPDATES
+from tools.reproduce_table import POST_TABLE
 
 # The averager every run uses: fused is the fastest and ends with the same weights, bit for
 # bit, as the post's stack (tests/experiment/test_trainer.py checks it); ACCUMULATE=stack

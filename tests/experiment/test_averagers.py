@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import model
+from experiment import averagers
 from experiment import config as config_lib
 from experiment import data
 from experiment import engine_tf1
-from experiment import loop
-import model
-from experiment import averagers
 from gradient_averaging import window as window_lib
-from trainer import Outcome, WindowCounts
+from trainer import Outcome
+from trainer import WindowCounts
 
 v1 = tf.compat.v1
 N, B, UPDATES, SEED = 5, 20, 3, 7

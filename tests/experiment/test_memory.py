@@ -15,13 +15,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import main  # noqa: F401  (defines main.py's flags in this process)
+import model
 from experiment import config as config_lib
 from experiment import engine_tf1
 from experiment import loop
 from experiment import memory
-import main  # noqa: F401  (defines main.py's flags in this process)
-import model
-from tests.helpers import one_line_exit, run_cli, run_main_in_process
+from tests.helpers import one_line_exit
+from tests.helpers import run_cli
+from tests.helpers import run_main_in_process
 
 ENGINES = ("tf1", "tf2")
 BFC = {memory.CPU_BFC_ENV: "true", "TF_ENABLE_ONEDNN_OPTS": "0", "TF_NUM_INTEROP_THREADS": "1"}

@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from experiment import progress
-from tests.helpers import ROOT, run_main_in_process
+from tests.helpers import ROOT
+from tests.helpers import run_main_in_process
 
 ELAPSED_AND_ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d")
 ALL_RUNS_ELAPSED_AND_ETA = re.compile(r"\[\d\d:\d\d<\d\d:\d\d, all runs \d\d:\d\d<\d\d:\d\d, ")

@@ -13,12 +13,15 @@ import time
 import numpy as np
 import pytest
 
+import main
+from experiment import averagers
 from experiment import checkpoint
 from experiment import config as config_lib
 from experiment import loop
-import main
-from experiment import averagers
-from tests.helpers import ROOT, one_line_exit, run_cli, run_main_in_process
+from tests.helpers import ROOT
+from tests.helpers import one_line_exit
+from tests.helpers import run_cli
+from tests.helpers import run_main_in_process
 
 SMALL = dict(average_gradients=5, batch_size=10, iterations=60, eval_every=20)
 

@@ -16,6 +16,8 @@ import tensorflow as tf
 from absl.testing import flagsaver
 from tensorflow.core.util import event_pb2
 
+import main
+import model as models
 from experiment import checkpoint
 from experiment import cli
 from experiment import config as config_lib
@@ -23,10 +25,9 @@ from experiment import data
 from experiment import engine_tf1
 from experiment import engine_tf2
 from experiment import loop
-import main
-import model as models
 from gradient_averaging import tf2
-from tests.helpers import run_cli, run_main_in_process
+from tests.helpers import run_cli
+from tests.helpers import run_main_in_process
 from tools import launch_workers
 from trainer import Outcome
 
@@ -310,7 +311,8 @@ def test_tf2_cli_aborts_on_a_nonfinite_window_with_one_line(capsys):
         run_main_in_process("--engine=tf2", "--average-gradients=5", "--batch-size=10",
                             "--iterations=30", "--inject-nonfinite=7", "--on-nonfinite=abort")
     assert exit_info.value.code == 3
-    errors = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error: ")]
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("error: ")]
     assert len(errors) == 1 and "iterations 6-10 and on_nonfinite=abort" in errors[0]
 
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import model
+import trainer
+from experiment import averagers
 from experiment import config as config_lib
 from experiment import data
 from experiment import engine_tf1
 from experiment import loop
-import model
-from experiment import averagers
-import trainer
 from trainer import Outcome
 
 v1 = tf.compat.v1
@@ -97,7 +97,7 @@ def test_apply_runs_ceil_iterations_over_n_times_and_adam_counts_them(mnist, ite
     applied, closed = [], []
     with run.session() as sess:
         sess.run(run.init_op)
-        for k, (x, y) in enumerate(batches(mnist, iterations, 5)):
+        for x, y in batches(mnist, iterations, 5):
             closed.append(run.averager.step(sess, {run.images: x, run.labels: y})[1])
             applied.append(run.averager.updates)
         held = run.averager.window_size()

@@ -26,7 +26,9 @@ from experiment import faults
 from experiment import loop
 from experiment import results
 from experiment import runlock
-from tests.helpers import ROOT, one_line_exit, run_main_in_process
+from tests.helpers import ROOT
+from tests.helpers import one_line_exit
+from tests.helpers import run_main_in_process
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 
@@ -57,7 +59,7 @@ def test_a_rule_fails_the_chosen_writes_in_process_or_from_the_environment(tmp_p
 def test_start_up_probes_write_bytes_so_a_full_disk_fails_them(tmp_path, monkeypatch):
     """An empty file needs no space: the probe writes PROBE_BYTES, and removes them."""
     sizes = []
-    unlink = results._unlink_quietly
+    unlink = results._unlink_quietly  # noqa: SLF001 (the step under test)
     monkeypatch.setattr(results, "_unlink_quietly",
                         lambda p: sizes.append(os.path.getsize(p)) or unlink(p))
     results.check_writable(str(tmp_path / "r.json"))
@@ -172,7 +174,7 @@ def test_an_error_while_closing_does_not_hide_why_the_run_stopped(tmp_path, monk
         raise RuntimeError("close failed")
 
     monkeypatch.setattr(engine_tf1.Engine, "close", close)
-    monkeypatch.setattr(loop._EventWriter, "close", close)
+    monkeypatch.setattr(loop._EventWriter, "close", close)  # noqa: SLF001 (its close fails)
     with pytest.raises(loop.Stopped, match="interrupted by SIGINT"):
         loop.train_once(config.Config(average_gradients=2, batch_size=10, iterations=4,
                                     eval_every=0), mnist_quick, seed=0,
@@ -320,8 +322,9 @@ def test_a_failed_results_write_stops_before_the_next_run_and_loses_no_run(
     run_main_in_process(*command)
     runs = json.loads(path.read_text())["runs"]
     assert len(runs) == 3 and runs[1] == kept  # its own seconds: not trained again
-    without = loop._results_not_written(config.Runs(results_path="r.json", reps=1), 1,
-                                        OSError(errno.EACCES, os.strerror(errno.EACCES)))
+    without = loop._results_not_written(  # noqa: SLF001 (the message under test)
+        config.Runs(results_path="r.json", reps=1), 1,
+        OSError(errno.EACCES, os.strerror(errno.EACCES)))
     assert without == ("--results r.json: cannot write (Permission denied); run 1's record is "
                        "not in it: without --checkpoint-dir it is lost (its line is above)")
 

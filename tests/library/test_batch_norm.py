@@ -16,10 +16,21 @@ import tensorflow as tf
 
 from gradient_averaging import keras_fit
 from gradient_averaging import tf2
-from tests.library.toys import (B, CLASSES, FEATURES, N, bn_model, compiled, data, fit,
-                                max_difference, mixed_float16, moving_statistics,
-                                nan_in_second_window, new_in_keras, sgd,
-                                statistics_difference)
+from tests.library.toys import CLASSES
+from tests.library.toys import FEATURES
+from tests.library.toys import B
+from tests.library.toys import N
+from tests.library.toys import bn_model
+from tests.library.toys import compiled
+from tests.library.toys import data
+from tests.library.toys import fit
+from tests.library.toys import max_difference
+from tests.library.toys import mixed_float16
+from tests.library.toys import moving_statistics
+from tests.library.toys import nan_in_second_window
+from tests.library.toys import new_in_keras
+from tests.library.toys import sgd
+from tests.library.toys import statistics_difference
 
 BN = keras.layers.BatchNormalization
 RENORM = new_in_keras((3, 14), "BatchNormalization(renorm=True)")

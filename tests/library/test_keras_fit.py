@@ -16,9 +16,23 @@ import pytest
 import tensorflow as tf
 
 from gradient_averaging import keras_fit
-from tests.library.toys import (B, CLASSES, FEATURES, KERAS, N, OPTIMIZERS, SAMPLES,
-                                activity_regularized, new_in_keras, compiled, data, fit, max_difference,
-                                mixed_float16, nan_in_second_window, sgd, tiny_model)
+from tests.library.toys import CLASSES
+from tests.library.toys import FEATURES
+from tests.library.toys import KERAS
+from tests.library.toys import OPTIMIZERS
+from tests.library.toys import SAMPLES
+from tests.library.toys import B
+from tests.library.toys import N
+from tests.library.toys import activity_regularized
+from tests.library.toys import compiled
+from tests.library.toys import data
+from tests.library.toys import fit
+from tests.library.toys import max_difference
+from tests.library.toys import mixed_float16
+from tests.library.toys import nan_in_second_window
+from tests.library.toys import new_in_keras
+from tests.library.toys import sgd
+from tests.library.toys import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +72,10 @@ def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_mini_batc
     """240 samples, whole windows only: Keras's own accumulation is exact with a constant
     rate, not with a schedule (it steps at mini-batch N-1, 2N-1...); accumulate is."""
     x, y = data(240)
-    constant = lambda **kw: keras.optimizers.SGD(0.1, **kw)  # noqa: E731
+
+    def constant(**kw):
+        return keras.optimizers.SGD(0.1, **kw)
+
     for make, keras_exact in ((constant, True), (sgd, False)):
         reference = compiled(tiny_model(), make())
         fit(reference, x, y, N * B)
@@ -202,7 +219,7 @@ def test_a_nan_window_is_skipped_under_xla():
     assert max_difference(model, reference) == 0.0  # as if never seen
 
 
-# ---------------------------------------------------------------- what accumulate refuses, embeddings
+# ------------------------------------------------------------- what accumulate refuses, embeddings
 
 
 class OwnStep(keras.Sequential):

@@ -18,12 +18,29 @@ import tensorflow as tf
 
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging.tf1 import FLUSH_OPS
-from gradient_averaging.window import all_finite, check_average_gradients
+from gradient_averaging.window import all_finite
+from gradient_averaging.window import check_average_gradients
 from tests.helpers import ROOT
-from tests.library.tf1_toys import (B1, EMBEDDING, IDS, OPTIMIZERS, RNG, ROWS, RTOL,
-                                    SPARSE_OPTIMIZERS, TARGETS, W1, W2, WIDTH, X, Model,
-                                    assert_close, concatenated, minibatches, mlp, train,
-                                    train_embedding)
+from tests.library.tf1_toys import B1
+from tests.library.tf1_toys import EMBEDDING
+from tests.library.tf1_toys import IDS
+from tests.library.tf1_toys import OPTIMIZERS
+from tests.library.tf1_toys import RNG
+from tests.library.tf1_toys import ROWS
+from tests.library.tf1_toys import RTOL
+from tests.library.tf1_toys import SPARSE_OPTIMIZERS
+from tests.library.tf1_toys import TARGETS
+from tests.library.tf1_toys import W1
+from tests.library.tf1_toys import W2
+from tests.library.tf1_toys import WIDTH
+from tests.library.tf1_toys import Model
+from tests.library.tf1_toys import X
+from tests.library.tf1_toys import assert_close
+from tests.library.tf1_toys import concatenated
+from tests.library.tf1_toys import minibatches
+from tests.library.tf1_toys import mlp
+from tests.library.tf1_toys import train
+from tests.library.tf1_toys import train_embedding
 
 v1 = tf.compat.v1
 # ---------------------------------------------------------------- exactness, every optimizer
@@ -48,7 +65,7 @@ def test_adam_slots_and_beta_powers_advance_once_per_update():
         adam = v1.train.AdamOptimizer(0.05, beta1=0.9, beta2=0.99)
         opt = AveragingOptimizer(adam, 3)
         train_op = opt.minimize(model.loss)
-        beta1_power, beta2_power = adam._get_beta_accumulators()
+        beta1_power, beta2_power = adam._get_beta_accumulators()  # noqa: SLF001 (no public getter)
         saved = set(v1.global_variables())
         assert {beta1_power, beta2_power} | {adam.get_slot(v, "m") for v in model.variables} \
             <= saved  # outside the cond, saved by a Saver
@@ -136,7 +153,7 @@ def test_bad_use_gets_one_clear_error():
         with pytest.raises(RuntimeError, match="minimize or apply_gradients"):
             opt.flush_op()
         with pytest.raises(RuntimeError, match="minimize or apply_gradients"):
-            opt.skipped_windows  # noqa: B018
+            opt.skipped_windows  # noqa: B018 (reading it raises)
         with pytest.raises(ValueError, match="no variable receives a gradient"):
             opt.minimize(model.loss, var_list=[unused])
         with pytest.raises(ValueError, match="scalar"):
@@ -730,15 +747,19 @@ def test_any_graph_context_trains_like_the_direct_batch(context):
     target, device = "", contextlib.nullcontext
     if context == "replica_device_setter":
         cluster, target = _in_process_cluster()
-        device = lambda: v1.device(  # noqa: E731
-            v1.train.replica_device_setter(ps_tasks=1, cluster=cluster))
+
+        def device():
+            return v1.device(v1.train.replica_device_setter(ps_tasks=1, cluster=cluster))
 
     def run(direct):
         with tf.Graph().as_default(), device():
             c = v1.placeholder(dtype, [None, 3], name="c")
             w = tf.Variable(tf.ones([3], dtype), name="w")
             global_step = v1.train.get_or_create_global_step()
-            loss_of = lambda row: tf.reduce_sum(tf.square(w) * row)  # noqa: E731
+
+            def loss_of(row):
+                return tf.reduce_sum(tf.square(w) * row)
+
             adam = v1.train.AdamOptimizer(0.1)
             if direct:
                 opt = wrapper = adam

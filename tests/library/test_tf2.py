@@ -17,13 +17,22 @@ import tensorflow as tf
 
 from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
-from tests.helpers import CPU_ONLY, run_cli
-from tests.library.toys import (KERAS, activity_regularized, check_mirrored_fit,
-                                cross_entropy, max_difference, mini_batches, mixed_float16,
-                                new_in_keras, small_conv_net, windows)
-from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
+from tests.helpers import CPU_ONLY
+from tests.helpers import run_cli
+from tests.library.toys import KERAS
+from tests.library.toys import activity_regularized
+from tests.library.toys import check_mirrored_fit
+from tests.library.toys import cross_entropy
 from tests.library.toys import data as toy_data
+from tests.library.toys import max_difference
+from tests.library.toys import mini_batches
+from tests.library.toys import mixed_float16
+from tests.library.toys import new_in_keras
+from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
+from tests.library.toys import small_conv_net
 from tests.library.toys import tiny_model as toy_model
+from tests.library.toys import windows
+
 
 def accumulator(optimizer, model=None, **kwargs):
     """The one-call window's trainer."""
@@ -169,7 +178,8 @@ def test_fit_accumulated_under_mixed_float16_scales_its_loss(jit_compile):
 @pytest.mark.parametrize("one_call", [True, False], ids=["window", "per_mini_batch"])
 def test_an_activity_regularizer_counts_as_in_the_direct_batch(one_call):
     """An activity regularizer's loss (a per-sample mean from Keras 3.14), against plain
-    Keras's batches of 80. 270 samples in mini-batches of 20, N=4: three windows and a partial one of 20 + 10."""
+    Keras's batches of 80. 270 samples in mini-batches of 20, N=4: three windows and a
+    partial one of 20 + 10."""
     x, y = toy_data()
     direct = activity_regularized()
     direct.compile(optimizer=halving_sgd(),

@@ -182,7 +182,7 @@ def bn_model(seed=1, nested=False, momentum=0.99):
 
 def moving_statistics(model):
     """Every BatchNormalization layer's moving mean and variance, in layer order."""
-    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001
+    layers = [layer for layer in model._flatten_layers()  # noqa: SLF001 (no public API)
               if isinstance(layer, keras.layers.BatchNormalization)]
     return [v.numpy() for layer in layers for v in (layer.moving_mean, layer.moving_variance)]
 
@@ -203,8 +203,8 @@ def mirrored_fit(strategy):
         model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
     fit(model, x, y, B)
     # What Keras distributes: each mini-batch as the replicas' shares.
-    mini_batches = strategy.experimental_distribute_dataset(model._windows(  # noqa: SLF001
-        x, y, None, B, False, None).get_tf_dataset())
+    windows = model._windows(x, y, None, B, False, None)  # noqa: SLF001 (fit's own data)
+    mini_batches = strategy.experimental_distribute_dataset(windows.get_tf_dataset())
     shares = strategy.experimental_local_results(next(iter(mini_batches))[0])
     # Batch norm on the inputs, pooled across the replicas; a last mini-batch of one
     # sample (81 = 4 x 20 + 1): one replica's share is empty.
@@ -217,8 +217,8 @@ def mirrored_fit(strategy):
     fit(tiny_last, x[:81], y[:81], B, epochs=1)
 
     def all_reduces(accumulating):  # in the window function that fit traced
-        return count_all_reduces(accumulating._window_function.get_concrete_function(  # noqa: SLF001
-            iter(mini_batches)))
+        function = accumulating._window_function  # noqa: SLF001 (the one fit traced)
+        return count_all_reduces(function.get_concrete_function(iter(mini_batches)))
 
     return {"fit_difference": max_difference(model, one_device),
             "fit_updates": int(model.optimizer.iterations.numpy()),

@@ -10,12 +10,15 @@ from absl.testing import flagsaver
 from experiment import cli
 from experiment import faults
 from experiment import results
-from tests.helpers import ROOT, run_cli
+from tests.helpers import ROOT
+from tests.helpers import run_cli
 from tools import bench_contenders
 from tools import bench_memory
 from tools import bench_probe
 from tools import bench_speed
-from tools.bench_section import Run, Section, Target
+from tools.bench_section import Run
+from tools.bench_section import Section
+from tools.bench_section import Target
 
 STATUSES = {"met", "missed", "within noise", "not measured"}
 
@@ -114,7 +117,8 @@ class _Second(Section):
 
 
 def test_tensor_memory_targets_take_the_worst_path_against_bound_keras_and_growth():
-    from tools import bench_tensor_memory, memory
+    from tools import bench_tensor_memory
+    from tools import memory
 
     def row(path, peak):
         return dict(model="mlp", path=path, n=8, b=32, limit_mb=None, gpu=False, probes=1,

@@ -117,9 +117,10 @@ def test_junit_outcomes_are_read_per_test():
         '<testcase classname="tests.experiment.test_gpu" name="b"><failure message="boom&#10;'
         'more">trace</failure></testcase><testcase classname="x.test_keras_fit" name="c">'
         '<skipped message="no GPU"/></testcase></testsuite></testsuites>')
-    assert gpu_check._outcomes(root) == [("test_gpu::a", "passed", ""),
-                                         ("test_gpu::b", "failed", "boom"),
-                                         ("test_keras_fit::c", "skipped", "no GPU")]
+    outcomes = gpu_check._outcomes(root)  # noqa: SLF001 (the parser under test)
+    assert outcomes == [("test_gpu::a", "passed", ""),
+                        ("test_gpu::b", "failed", "boom"),
+                        ("test_keras_fit::c", "skipped", "no GPU")]
 
 
 def test_a_probe_measured_without_determinism_is_named():

@@ -17,12 +17,13 @@ import tensorflow as tf
 from absl import flags as absl_flags
 from absl.testing import flagsaver
 
-from tests.helpers import ROOT, run_cli
 import flags
+from experiment import config
 from experiment import faults
 from experiment import loop
 from experiment import results
-from experiment import config
+from tests.helpers import ROOT
+from tests.helpers import run_cli
 from tools import reproduce
 from tools import reproduce_table
 
