@@ -22,6 +22,10 @@ class TensorMemory(Section):
     QUICK = dict(models=("convnet",), paths=("alone", "direct", "accumulate"), n=4, b=16,
                  repeats=1, growth_model=None, growth_ns=(), growth_paths=(), jobs=2)
 
+    def __init__(self, quick=False, gpu=False):
+        super().__init__(quick)
+        self.gpu = gpu  # the GPU's own allocator (make gpu-check), not the CPU's BFC
+
     def steps(self):
         return len(self.settings["models"]) + bool(self.settings["growth_model"])
 
@@ -32,14 +36,14 @@ class TensorMemory(Section):
             run.log(f"Tensor memory: {model}, N={s['n']} x B={s['b']}")
             paths = [p for p in s["paths"] if p != "tf1" or model in memory.TF1_MODELS]
             tables[model] = memory.table(model, s["n"], s["b"], paths, repeats=s["repeats"],
-                                         jobs=s["jobs"], log=run.log)
+                                         jobs=s["jobs"], gpu=self.gpu, log=run.log)
             run.step()
         growth = None
         if s["growth_model"]:
             run.log(f"Tensor memory as N grows: {s['growth_model']}, B={s['b']}")
             growth = memory.growth({n: memory.table(
                 s["growth_model"], n, s["b"], paths=s["growth_paths"], repeats=s["repeats"],
-                jobs=s["jobs"], log=run.log) for n in s["growth_ns"]})
+                jobs=s["jobs"], gpu=self.gpu, log=run.log) for n in s["growth_ns"]})
             run.step()
         return dict(tables=tables, growth=growth)
 
@@ -75,8 +79,9 @@ class TensorMemory(Section):
                  "read from TensorFlow's BFC allocator, which the CPU runs as a GPU does with "
                  "`TF_CPU_ALLOCATOR_USE_BFC=true`; one inter-op thread, oneDNN off, each "
                  "figure the median of fresh processes (tools/memory.py). Host RSS would hide "
-                 "it under TensorFlow's own floor. `alone` is one mini-batch of B, `direct` "
-                 "the direct batch of N*B, `keras` Keras 3's `gradient_accumulation_steps`, "
+                 "it under TensorFlow's own floor. `alone` is plain fit at batch B over the "
+                 "same N*B samples, `direct` the direct batch of N*B, `keras` Keras 3's "
+                 "`gradient_accumulation_steps`, "
                  "`accumulate` Keras fit, `window` and `mini_batch` the TF2 accumulators, "
                  "`tf1` AveragingOptimizer.", ""]
         for model, rows in result["tables"].items():

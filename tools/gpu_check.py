@@ -8,8 +8,10 @@ tests that are about a GPU: tests/experiment/test_gpu.py (both engines, --jit-co
 --distribute=mirrored through main.py, determinism run to run, Keras fit under the XLA
 Keras turns on there) and tests/library/test_keras_fit.py (accumulate against the direct
 batch, under that XLA). Then the bench's device section (bench_device.Device: peak
-device memory and speed, and its targets). GPU.md records the device, its driver,
-TensorFlow's build, each test's outcome, every number and each target met or missed.
+device memory and speed, and its targets) and its tensor-memory table (every path against
+B alone, the direct batch and Keras's accumulation) read from the GPU's own allocator.
+GPU.md records the device, its driver, TensorFlow's build, each test's outcome, every
+number and each target met or missed.
 
 Without a GPU it measures nothing, in seconds, and GPU.md says so.
 """
@@ -33,6 +35,7 @@ from absl import flags
 
 from experiment import results
 from tools import bench_device
+from tools import bench_tensor_memory
 from tools import common
 from tools.bench_section import Run
 from tools.bench_section import table
@@ -76,8 +79,9 @@ def _outcomes(root):
     return out
 
 
-def render(tests, section, device, targets, command, elapsed):
-    """GPU.md's text; `device`: the device section's result (None: no GPU)."""
+def render(tests, section, device, targets, command, elapsed, tensor_memory=None):
+    """GPU.md's text; `device`: the device section's result (None: no GPU);
+    `tensor_memory`: the tensor-memory section's, measured on the GPU (or None)."""
     build = tf.sysconfig.get_build_info()
     lines = ["# GPU check", "",
              f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
@@ -102,6 +106,8 @@ def render(tests, section, device, targets, command, elapsed):
               ""] + table(("test", "outcome", "message"), [
                   (name, outcome, line.replace("|", "/")) for name, outcome, line in tests])
     lines += ["", *targets_table(targets), "", *section.markdown(device)]
+    if tensor_memory is not None:  # the bench's tensor-memory table, on the GPU's allocator
+        lines += ["", *bench_tensor_memory.TensorMemory().markdown(tensor_memory)]
     return "\n".join(lines) + "\n"
 
 
@@ -116,9 +122,11 @@ def check(output, quick=False, command="python -m tools.gpu_check", log=print):
         for name, outcome, line in tests:
             log(f"  {outcome}: {name}" + (f" -- {line}" if line else ""))
     section, run = bench_device.Device(quick), Run(log=log)
-    targets = run.measure([section])
+    sections = [section] + ([bench_tensor_memory.TensorMemory(quick, gpu=True)]
+                            if bench_device.gpus() else [])
+    targets = run.measure(sections)
     text = render(tests, section, run.results[section.name], targets, command,
-                  time.perf_counter() - start)
+                  time.perf_counter() - start, run.results.get("tensor_memory"))
     results.atomic_write_text(output, text)
     return text
 
