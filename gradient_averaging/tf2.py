@@ -69,7 +69,9 @@ def _loss_sum(loss_fn, y, outputs, regularization, n_local):
                          "(use a Keras loss with reduction=None)")
     loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
     if regularization:  # regularizers count once per sample, so once per mean
-        loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(regularization)
+        # In float32: a float16 layer's activity loss (mixed precision) is float16.
+        loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(
+            [tf.cast(loss, tf.float32) for loss in regularization])
     return loss_sum
 
 
