@@ -196,7 +196,8 @@ def _recorded(regularizer, records, output):
 def add_to_logged_loss(model, loss_sum):
     """Replica context: adds `loss_sum` to the sum of per-sample losses behind fit's
     `loss` log (the loss tracker's total), its samples already counted."""
-    loss_tracker(model).total.assign_add(tf.cast(loss_sum, loss_tracker(model).total.dtype))
+    total = loss_tracker(model).total
+    total.assign_add(tf.cast(loss_sum, total.dtype))
 
 
 @contextlib.contextmanager
