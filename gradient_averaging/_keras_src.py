@@ -43,9 +43,10 @@ from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
-__all__ = ["DataAdapter", "batch_norm_layers", "captured_moments", "check_activity_losses",
-           "check_version", "data_adapters", "losses_from_the_pass", "loss_tracker",
-           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution"]
+__all__ = ["DataAdapter", "activity_losses_apart", "add_to_logged_loss", "batch_norm_layers",
+           "captured_moments", "check_version", "data_adapters", "losses_from_the_pass",
+           "loss_tracker", "summed_activity", "summed_activity_layers", "symbolic_build",
+           "train_validation_split", "unscale_loss_for_distribution"]
 
 
 def symbolic_build(model, data_batch):
@@ -153,23 +154,53 @@ def _activity_losses_are_means():
         return float(loss) == 1.0
 
 
-def check_activity_losses(model):
-    """Refuses, in one line, a model whose activity regularizer this Keras adds as a sum
-    over the batch (before 3.14): the direct batch then counts it over all N x B samples,
-    which a mini-batch's pass could weigh only knowing its window's samples beforehand;
-    the window step learns them at its end. From 3.14 an activity regularizer's loss is a
-    per-sample mean, which every path weighs exactly.
+def summed_activity(model):
+    """For the window step: None, or where `model` has layers whose activity regularizer
+    this Keras sums over the batch (summed_activity_layers), records -> the context
+    manager under which a forward pass records their losses apart."""
+    layers = summed_activity_layers(model)
+    return functools.partial(activity_losses_apart, layers) if layers else None
 
-    Raises:
-      ValueError: such a model on such a Keras.
-    """
+
+def summed_activity_layers(model):
+    """The layers of `model` (nested ones too, each once) whose activity regularizer this
+    Keras adds as a raw sum over the batch's rows: all that have one before 3.14, none
+    from 3.14 on, where the loss is a per-sample mean that every path weighs as it weighs
+    any loss. The direct batch of a window's E samples adds the sum over all of them, so a
+    mini-batch's activity term must weigh E times its loss's, and E is known only when
+    the window closes: the window step sums these gradients apart (window_step)."""
     layers = [layer for layer in model._flatten_layers()
               if getattr(layer, "activity_regularizer", None) is not None]
-    if layers and not _activity_losses_are_means():
-        raise ValueError(
-            f"layer {layers[0].name!r} has an activity regularizer, whose loss Keras "
-            f"{keras.__version__} adds as a sum over the batch: gradient averaging cannot "
-            "weigh it as the direct batch does; use keras>=3.14, which adds it per sample")
+    return [] if not layers or _activity_losses_are_means() else layers
+
+
+@contextlib.contextmanager
+def activity_losses_apart(layers, records):
+    """While the block runs the model forward: each of `layers`' activity regularizer
+    losses appended to `records`, not added to the pass's losses (Keras's add_loss
+    receives a zero in its place), so the pass can differentiate them apart."""
+    regularizers = [layer.activity_regularizer for layer in layers]
+    for layer, regularizer in zip(layers, regularizers):
+        object.__setattr__(layer, "activity_regularizer",
+                           functools.partial(_recorded, regularizer, records))
+    try:
+        yield records
+    finally:
+        for layer, regularizer in zip(layers, regularizers):
+            object.__setattr__(layer, "activity_regularizer", regularizer)
+
+
+def _recorded(regularizer, records, output):
+    loss = regularizer(output)
+    records.append(loss)
+    return tf.zeros_like(loss)
+
+
+def add_to_logged_loss(model, loss_sum):
+    """Replica context: adds `loss_sum` to the sum of per-sample losses behind fit's
+    `loss` log (the loss tracker's total), its samples already counted."""
+    total = loss_tracker(model).total
+    total.assign_add(tf.cast(loss_sum, total.dtype))
 
 
 @contextlib.contextmanager

@@ -139,7 +139,6 @@ class AccumulatingModel(keras.Model):
         # Keras would build the metrics from its first element too; built here, before
         # the window step, whose variables need the optimizer's.
         _keras_src.symbolic_build(self, spec)
-        _keras_src.check_activity_losses(self)
         self._make_window(spec)
         if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
@@ -156,8 +155,10 @@ class AccumulatingModel(keras.Model):
         if window is not None and window.optimizer is self.optimizer:
             return
         statistics = statistics_lib.BatchStatistics(self, self.bn_statistics)
-        window = step_lib.WindowStep(self.distribute_strategy, self.optimizer,
-                                     self.trainable_variables, statistics, self.check_finite)
+        window = step_lib.WindowStep(
+            self.distribute_strategy, self.optimizer, self.trainable_variables, statistics,
+            self.check_finite, _keras_src.summed_activity(self),
+            lambda loss: _keras_src.add_to_logged_loss(self, loss))
         x = keras.utils.unpack_x_y_sample_weight(spec)[0]
         window.build_statistics(self, tf.nest.map_structure(
             lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), x))
@@ -202,7 +203,8 @@ class AccumulatingModel(keras.Model):
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             n_local = tf.shape(tf.nest.flatten(x)[0])[0]
             state, metrics = self.non_trainable_variables, self.metrics_variables
-            gradients, state_values, metrics_values, loss_sum, moments = mini_batch_pass(
+            (gradients, state_values, metrics_values, loss_sum, moments,
+             activity) = mini_batch_pass(
                 [tf.convert_to_tensor(v) for v in self.trainable_variables],
                 [tf.convert_to_tensor(v) for v in state],
                 [tf.convert_to_tensor(v) for v in metrics], x, y, sample_weight, n_local)
@@ -212,7 +214,7 @@ class AccumulatingModel(keras.Model):
             # A non-finite mini-batch (its window is skipped) is left out of the logs.
             for variable, value in zip(metrics, metrics_values):
                 variable.assign(tf.where(finite, value, variable))
-            return window.add(gradients, moments, n_local, finite)
+            return window.add(gradients, moments, n_local, finite, activity)
 
         @tf.function
         def window_from(iterator):
@@ -250,7 +252,8 @@ class AccumulatingModel(keras.Model):
                          n_local):
         """One mini-batch's pass on values, on Keras's compiled loss and metrics (XLA
         compiles it under jit_compile): (the gradients of its loss sum, the model's other
-        state, the metrics' values, the loss sum, the batch-norm sums)."""
+        state, the metrics' values, the loss sum, the batch-norm sums, the activity losses
+        apart: MiniBatch.activity)."""
         window = self._window
         n = tf.cast(n_local, tf.float32)
 
@@ -265,8 +268,7 @@ class AccumulatingModel(keras.Model):
             value, _ = step_lib.scaled_objective(self.optimizer, loss * n, n_local)
             return value, (loss, y_pred, non_trainable_values, metrics_after)
 
-        step = step_lib.mini_batch_gradients(self, weights, non_trainable, x, objective,
-                                             window.statistics or None)
+        step = window.mini_batch_gradients(self, weights, non_trainable, x, objective)
         window.no_gradient = step.no_gradient
         loss, y_pred, non_trainable_values, metrics_after = step.extra
         _, multiplier = step_lib.scaled_objective(self.optimizer, loss * n, n_local)
@@ -280,7 +282,8 @@ class AccumulatingModel(keras.Model):
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return (gradients, non_trainable_values,
                 [scope.get_current_value(v) for v in metrics],
-                tf.cast(loss, tf.float32) * n, step_lib.pass_moments(window.statistics, step))
+                tf.cast(loss, tf.float32) * n, step_lib.pass_moments(window.statistics, step),
+                step.activity)
 
 
 class _SingleValueWarning(keras.callbacks.Callback):

@@ -70,7 +70,9 @@ def _loss_sum(loss_fn, y, outputs, regularization, n_local):
                          "(use a Keras loss with reduction=None)")
     loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
     if regularization:  # regularizers count once per sample, so once per mean
-        loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(regularization)
+        # In float32: a float16 layer's activity loss (mixed precision) is float16.
+        loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(
+            [tf.cast(loss, tf.float32) for loss in regularization])
     return loss_sum
 
 
@@ -132,9 +134,10 @@ class _Accumulator:
         if not self.variables:
             raise ValueError("the model has no trainable variables")
         self.statistics = statistics_lib.BatchStatistics(model, bn_statistics)
+        summed_activity = None
         if _has_activity_regularizer(model):  # Keras's internals only for such a model
             from gradient_averaging import _keras_src
-            _keras_src.check_activity_losses(model)
+            summed_activity = _keras_src.summed_activity(model)
         with self.strategy.scope():
             if not optimizer.built:
                 optimizer.build(self.variables)
@@ -143,8 +146,9 @@ class _Accumulator:
             self.samples_total = replicas_lib.local_variable(
                 tf.constant(0.0, tf.float64), tf.VariableAggregation.ONLY_FIRST_REPLICA,
                 "samples_total")
-        self.step = step_lib.WindowStep(self.strategy, optimizer, self.variables,
-                                        self.statistics, check_finite)
+        self.step = step_lib.WindowStep(
+            self.strategy, optimizer, self.variables, self.statistics, check_finite,
+            summed_activity, lambda loss: self.loss_total.assign_add(tf.cast(loss, tf.float64)))
         self._pass = (tf.function(self._gradients, jit_compile=True)
                       if self.jit_compile else self._gradients)
         self.updates = 0
@@ -153,7 +157,7 @@ class _Accumulator:
     def _gradients(self, weights, state, x, y, n_local):
         """One mini-batch's pass on values (XLA compiles it under jit_compile):
         (gradients of its loss sum, the model's other state, the loss sum, the
-        batch-norm sums)."""
+        batch-norm sums, the activity losses apart: MiniBatch.activity)."""
         loss_sum = []
 
         def objective(outputs, regularization, unused_state):
@@ -161,21 +165,21 @@ class _Accumulator:
             value, _ = step_lib.scaled_objective(self.optimizer, loss_sum[0], n_local)
             return value, None
 
-        step = step_lib.mini_batch_gradients(self.model, weights, state, x, objective,
-                                             self.statistics or None)
+        step = self.step.mini_batch_gradients(self.model, weights, state, x, objective)
         self.step.no_gradient = step.no_gradient
         _, multiplier = step_lib.scaled_objective(self.optimizer, loss_sum[0], n_local)
         gradients = step.gradients
         if multiplier is not None:  # the LossScaleOptimizer unscales what it applies
             gradients = [None if g is None else g * tf.cast(multiplier, g.dtype)
                          for g in gradients]
-        return gradients, step.state, loss_sum[0], step_lib.pass_moments(self.statistics, step)
+        return (gradients, step.state, loss_sum[0], step_lib.pass_moments(self.statistics, step),
+                step.activity)
 
     def _replica_mini_batch(self, batch, n_local, n_global):
         """Adds this replica's share of one global mini-batch to the window."""
         x, y = batch
         state_variables = self.model.non_trainable_variables
-        gradients, state, loss_sum, moments = self._pass(
+        gradients, state, loss_sum, moments, activity = self._pass(
             [tf.convert_to_tensor(v) for v in self.variables],
             [tf.convert_to_tensor(v) for v in state_variables], x, y, n_local)
         for variable, value in zip(state_variables, state):
@@ -185,7 +189,7 @@ class _Accumulator:
         self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
         self.samples_total.assign_add(
             tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
-        return self.step.add(gradients, moments, n_local, finite)
+        return self.step.add(gradients, moments, n_local, finite, activity)
 
     def _add(self, batch):
         """Cross-replica: adds one global mini-batch (x, y), each replica its share."""

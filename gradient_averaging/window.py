@@ -179,25 +179,35 @@ def add_in_place(sums, gradients, first):
     return ops
 
 
-def divide_in_place(sums, count):
+def divide_in_place(sums, count, addends=None):
     """Divides each sum variable by `count` (None: leaves it), one after the other, and
     says whether all were finite: the window's mean where its sums were, with one
     variable's temporary at a time (all at once would hold a second copy of the
     gradients).
 
+    Args:
+      addends: a tensor (or None) per sum, added to it after the division: what was
+        summed apart, whose weight does not depend on the window's samples.
+
     Returns:
       (values, finite): each variable's value after the division (a read that shares
-      its buffer), and a bool scalar tensor: no NaN or Inf in any sum.
+      its buffer), and a bool scalar tensor: no NaN or Inf in any sum (or addend).
     """
+    addends = [None] * len(sums) if addends is None else addends
     finite, done = [], []
-    for total in sums:
+    for total, addend in zip(sums, addends):
         with tf.control_dependencies(done):
-            finite.append(tf.reduce_all(tf.math.is_finite(total)))
-            if count is None:
-                done = finite[-1:]
+            checks = [tf.reduce_all(tf.math.is_finite(t))
+                      for t in (total, addend) if t is not None]
+            finite.extend(checks)
+            if count is None and addend is None:
+                done = checks
                 continue
-            with tf.control_dependencies(finite[-1:]):
-                done = [total.assign(total / tf.cast(count, total.dtype), read_value=False)]
+            with tf.control_dependencies(checks):
+                value = total if count is None else total / tf.cast(count, total.dtype)
+                if addend is not None:
+                    value += tf.cast(addend, total.dtype)
+                done = [total.assign(value, read_value=False)]
     with tf.control_dependencies(done):
         values = [total.read_value() for total in sums]
     return values, (tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True))

@@ -11,6 +11,9 @@ once); the mean is divided in place, one variable at a time (window.divide_in_pl
 
 The applied gradient is the sum of every sample's loss gradient divided by the window's
 samples: exactly the mean loss's over the window, whatever the sizes of its mini-batches.
+An activity regularizer's loss that Keras adds as a raw sum over the batch (before 3.14)
+counts once per window, not once per sample: its gradients are summed apart, in a second
+accumulator made only for such a model, and added undivided (WindowStep.activity_sums).
 A window in which any loss or gradient is NaN or Inf is skipped whole (the replicas vote
 first): the optimizer does not step, so its `iterations`, and an LR schedule, stay put.
 """
@@ -25,10 +28,11 @@ from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
 MiniBatch = collections.namedtuple(
-    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments"])
+    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments", "activity"])
 
 
-def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics=None):
+def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics=None,
+                         summed_activity=None, optimizer=None):
     """One mini-batch's forward and backward pass, on values: every path's pass.
 
     Args:
@@ -38,29 +42,49 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
       objective: (outputs, regularization losses, non_trainable) -> (the scalar to
         differentiate, anything else to return), computed under the tape.
       statistics: the model's batch_statistics.BatchStatistics, or None.
+      summed_activity: the WindowStep's (see there), or None: the activity
+        regularizers' losses are left out of the regularization losses and
+        differentiated apart, a second backward pass on the same tape.
+      optimizer: scales the activity losses as it scales the loss (summed_activity).
 
     Returns:
       MiniBatch(gradients: a tensor or None per weight, no_gradient: which are None,
       state: the model's other state after the pass (batch norm's moving statistics
       as they were, where they step once per update), extra: what `objective`
-      returned beside its scalar, moments: the batch-norm moments of the pass).
+      returned beside its scalar, moments: the batch-norm moments of the pass,
+      activity: (the activity losses' gradients, a tensor or None per weight, their
+      float32 sum), or None where summed_activity is).
     """
-    moments = []
+    moments, records = [], []
     capture = statistics.capture(moments) if statistics else contextlib.nullcontext()
-    with tf.GradientTape() as tape:
+    apart = summed_activity(records) if summed_activity else contextlib.nullcontext()
+    with tf.GradientTape(persistent=bool(summed_activity)) as tape:
         tape.watch(weights)
-        with capture:
+        with capture, apart:
             outputs, after, regularization = model.stateless_call(
                 weights, non_trainable, x, training=True, return_losses=True)
         if statistics:
             after = statistics.held(non_trainable, after)
         value, extra = objective(outputs, regularization, after)
+        if records:
+            activity_loss = tf.add_n([tf.cast(loss, tf.float32) for loss in records])
+            # A sum weighed as it is (no mean to take), scaled as the loss is.
+            activity_value, _ = scaled_objective(optimizer, activity_loss, 1)
     grads = tape.gradient(value, weights)
+    activity = None
+    if records:
+        activity_grads = [None if g is None else tf.convert_to_tensor(g)
+                          for g in tape.gradient(activity_value, weights)]
+        # A weight that only the activity losses reach still has a loss gradient, zero,
+        # so that its sum is assigned, as every applied one is, in each window.
+        grads = [tf.zeros_like(w) if g is None and a is not None else g
+                 for g, a, w in zip(grads, activity_grads, weights)]
+        activity = (activity_grads, activity_loss)
     no_gradient = [g is None for g in grads]
     if all(no_gradient):
         raise ValueError("no variable receives a gradient from the loss")
     grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-    return MiniBatch(grads, no_gradient, after, extra, moments)
+    return MiniBatch(grads, no_gradient, after, extra, moments, activity)
 
 
 def pass_moments(statistics, step):
@@ -108,16 +132,33 @@ class WindowStep:
         every term was).
       statistics_sums: the window's batch-norm sums (made by `build_statistics`).
       no_gradient: which variables the loss does not reach (known once traced).
+      summed_activity: where this Keras adds activity regularizers' losses as raw sums
+        over the batch (before 3.14; _keras_src.summed_activity): records -> a context
+        manager under which the forward pass records them apart; else None.
+      activity_sums: with summed_activity, replica-local sums of their gradients, kept
+        apart: the direct batch of the window's E samples adds the raw sum over all
+        of them, so they enter the applied gradient as they are, not divided by E.
+      activity_losses: with summed_activity, their sum over the open window's finite
+        mini-batches on this replica (for the logs).
     """
 
-    def __init__(self, strategy, optimizer, variables, statistics, check_finite):
+    def __init__(self, strategy, optimizer, variables, statistics, check_finite,
+                 summed_activity=None, log_loss=None):
+        """See the attributes; `log_loss`, with summed_activity: a function run in each
+        replica's context as a window closes, given the window's activity losses as the
+        direct batch's logs count them (its samples times their sum), to add to the
+        logged loss."""
         self.strategy = strategy
         self.optimizer = optimizer
         self.variables = list(variables)
         self.statistics = statistics
         self.check_finite = check_finite
+        self.summed_activity = summed_activity
+        self.log_loss = log_loss
         self.no_gradient = None
+        self.activity_no_gradient = None
         self.statistics_sums = None
+        self.activity_sums = self.activity_losses = None
         with strategy.scope():
             self.sums = [replicas_lib.local_variable(
                 tf.zeros(v.shape, window_lib.accumulator_dtype(v)),
@@ -129,6 +170,20 @@ class WindowStep:
                 0.0, tf.VariableAggregation.SUM, "window_samples")
             self.nonfinite = replicas_lib.local_variable(
                 0.0, tf.VariableAggregation.SUM, "window_nonfinite")
+            if summed_activity:  # one more accumulator, only for such a model
+                self.activity_sums = [replicas_lib.local_variable(
+                    tf.zeros(v.shape, window_lib.accumulator_dtype(v)),
+                    tf.VariableAggregation.SUM, f"window_activity_sum_{i}")
+                    for i, v in enumerate(self.variables)]
+                self.activity_losses = replicas_lib.local_variable(
+                    0.0, tf.VariableAggregation.SUM, "window_activity_losses")
+
+    def mini_batch_gradients(self, model, weights, non_trainable, x, objective):
+        """The module's mini_batch_gradients with this window's statistics, its
+        activity regularizers' losses apart where they are summed, and its optimizer."""
+        return mini_batch_gradients(model, weights, non_trainable, x, objective,
+                                    self.statistics or None, self.summed_activity,
+                                    self.optimizer)
 
     def build_statistics(self, model, x_spec):
         """Learns the calls a forward pass makes on inputs like `x_spec` and makes their
@@ -147,7 +202,7 @@ class WindowStep:
             self.statistics_sums = replicas_lib.local_variable(
                 self.statistics.zeros(), tf.VariableAggregation.SUM, "statistics_sums")
 
-    def add(self, gradients, moments, n_local, finite):
+    def add(self, gradients, moments, n_local, finite, activity=None):
         """Replica context: adds one mini-batch's pass to the window.
 
         Args:
@@ -155,13 +210,21 @@ class WindowStep:
           moments: its batch-norm sums (`pass_moments`), or None without statistics.
           n_local: the samples of this replica's share.
           finite: bool scalar, whether its loss was finite.
+          activity: the pass's MiniBatch.activity.
 
         Returns:
           A token (n_local) that exists once the mini-batch is added: a window loop
           fetches the next mini-batch after it (see `next_after`).
         """
         # The window's first mini-batch assigns: the sums are never zeroed.
-        ops = window_lib.add_in_place(self.sums, gradients, first=tf.equal(self.mini_batches, 0))
+        first = tf.equal(self.mini_batches, 0)
+        ops = window_lib.add_in_place(self.sums, gradients, first=first)
+        if activity is not None:
+            activity_gradients, activity_loss = activity
+            self.activity_no_gradient = [g is None for g in activity_gradients]
+            ops += window_lib.add_in_place(self.activity_sums, activity_gradients, first=first)
+            finite = tf.logical_and(finite, tf.math.is_finite(activity_loss))
+            ops.append(self.activity_losses.assign_add(tf.where(finite, activity_loss, 0.0)))
         if self.statistics:
             ops.append(self.statistics_sums.assign_add(moments))
         ops += [self.mini_batches.assign_add(1),
@@ -176,7 +239,14 @@ class WindowStep:
         sums = [total for total, none in zip(self.sums, self.no_gradient) if not none]
         samples = tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, self.samples.read_value())
-        shares, finite = window_lib.divide_in_place(sums, samples)
+        addends = None
+        if self.activity_no_gradient is not None:
+            addends = [None if apart else total for total, apart, none in zip(
+                self.activity_sums, self.activity_no_gradient, self.no_gradient)
+                if not none]
+            if self.log_loss:
+                self.log_loss(samples * self.activity_losses.read_value())
+        shares, finite = window_lib.divide_in_place(sums, samples, addends)
         return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32)
 
     def _reset(self):
@@ -184,6 +254,8 @@ class WindowStep:
         self.mini_batches.assign(0)
         self.samples.assign(0.0)
         self.nonfinite.assign(0.0)
+        if self.activity_losses is not None:
+            self.activity_losses.assign(0.0)
         if self.statistics:
             self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
 

@@ -19,7 +19,6 @@ from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 from tests.helpers import CPU_ONLY
 from tests.helpers import run_cli
-from tests.library.toys import KERAS
 from tests.library.toys import activity_regularized
 from tests.library.toys import check_mirrored_fit
 from tests.library.toys import cross_entropy
@@ -27,7 +26,6 @@ from tests.library.toys import data as toy_data
 from tests.library.toys import max_difference
 from tests.library.toys import mini_batches
 from tests.library.toys import mixed_float16
-from tests.library.toys import new_in_keras
 from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
 from tests.library.toys import small_conv_net
 from tests.library.toys import tiny_model as toy_model
@@ -174,35 +172,48 @@ def test_fit_accumulated_under_mixed_float16_scales_its_loss(jit_compile):
         assert max_difference(model, toy_model()) > 1e-2
 
 
-@new_in_keras((3, 14), "an activity regularizer's loss per sample")
-@pytest.mark.parametrize("one_call", [True, False], ids=["window", "per_mini_batch"])
-def test_an_activity_regularizer_counts_as_in_the_direct_batch(one_call):
-    """An activity regularizer's loss (a per-sample mean from Keras 3.14), against plain
-    Keras's batches of 80. 270 samples in mini-batches of 20, N=4: three windows and a
-    partial one of 20 + 10."""
+@pytest.mark.parametrize("accumulator", [tf2.WindowAccumulator, tf2.MiniBatchAccumulator])
+def test_an_activity_regularizer_counts_as_in_the_direct_batch(accumulator):
+    """An activity regularizer's loss, against plain Keras's batches of 80, on every
+    supported Keras: before 3.14 Keras adds its raw sum over the batch (so a mini-batch's
+    weighs as much as the whole window's samples, learnt only at the window's end), from
+    3.14 its mean per sample. 270 samples in mini-batches of 20, N=4: three windows and a
+    partial one of 20 + 10. The logged loss is the direct batch's too."""
     x, y = toy_data()
     direct = activity_regularized()
     direct.compile(optimizer=halving_sgd(),
                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    direct.fit(x, y, batch_size=80, epochs=1, shuffle=False, verbose=0)
+    history = direct.fit(x, y, batch_size=80, epochs=1, shuffle=False, verbose=0).history
     model = activity_regularized()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    summary = tf2.fit_accumulated(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(20),
-                                  halving_sgd(), loss_fn, 4, one_call=one_call)
+    trainer = accumulator(model, halving_sgd(), loss_fn, average_gradients=4)
+    summary = trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(20))
     assert summary == tf2.FitSummary(mini_batches=14, updates=4, partial_window=2)
     assert max_difference(model, direct) < 1e-5
+    loss_sum, samples = trainer.loss_totals()
+    assert samples == len(x)
+    np.testing.assert_allclose(loss_sum / samples, history["loss"][0], rtol=1e-5)
 
 
-@pytest.mark.skipif(KERAS >= (3, 14), reason="Keras 3.14 on adds an activity regularizer's "
-                    "loss per sample, which every path weighs")
-@pytest.mark.parametrize("accumulator", [tf2.WindowAccumulator, tf2.MiniBatchAccumulator])
-def test_an_activity_sum_over_the_batch_is_refused_in_one_clear_error(accumulator):
-    """Before Keras 3.14 the direct batch adds the activity regularizer's sum over all of
-    its samples: a mini-batch's weight depends on the window's samples, which the window
-    step learns only at its end."""
+def test_an_activity_regularizer_under_mixed_float16_counts_as_in_float32():
+    """A float16 layer's activity loss is float16: summed in float32 with the loss, scaled
+    as the loss is by the LossScaleOptimizer and unscaled with the mean (before Keras 3.14
+    its gradients are summed apart). Against float32's direct batch (Keras 3.12 cannot fit
+    this model under mixed_float16 itself), within float16 rounding."""
+    x, y = toy_data()
+    direct = activity_regularized()
+    direct.compile(optimizer=keras.optimizers.SGD(0.2),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    direct.fit(x, y, batch_size=80, epochs=1, shuffle=False, verbose=0)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-    with pytest.raises(ValueError, match="has an activity regularizer.*keras>=3.14"):
-        accumulator(activity_regularized(), halving_sgd(), loss_fn)
+    for accumulator in (tf2.WindowAccumulator, tf2.MiniBatchAccumulator):
+        with mixed_float16():
+            model = activity_regularized()
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.2))
+        summary = accumulator(model, optimizer, loss_fn, average_gradients=4).fit(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(20))
+        assert summary.updates == 4 and summary.skipped_windows == 0
+        assert max_difference(model, direct) < 1e-2
 
 
 @pytest.mark.parametrize("trainer", [tf2.WindowAccumulator,
@@ -365,7 +376,7 @@ def test_the_old_spellings_still_train_with_a_deprecation_warning(mnist):
     new = tf2.MiniBatchAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
                                    cross_entropy, average_gradients=2)
     with pytest.warns(DeprecationWarning, match="now MiniBatchAccumulator"):
-        old = tf2.GradientAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
+        old = tf2.MiniBatchAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
                                       cross_entropy)
     old.model.set_weights(new.model.get_weights())
     with pytest.warns(DeprecationWarning, match="make the accumulator with average_gradients"):

@@ -215,6 +215,13 @@ def mirrored_fit(strategy):
         tiny_last = compiled(keras_fit.accumulate(bn_model(), N), sgd())
     fit(bn, x, y, B)
     fit(tiny_last, x[:81], y[:81], B, epochs=1)
+    # An activity regularizer (before Keras 3.14 summed apart on each replica): the direct
+    # batch's weights and logged loss.
+    activity_reference = compiled(activity_regularized(), sgd())
+    activity_reference_loss = fit(activity_reference, x, y, N * B).history["loss"]
+    with strategy.scope():
+        activity = compiled(keras_fit.accumulate(activity_regularized(), N), sgd())
+    activity_loss = fit(activity, x, y, B).history["loss"]
 
     def all_reduces(accumulating):  # in the window function that fit traced
         function = accumulating._window_function  # noqa: SLF001 (the one fit traced)
@@ -233,7 +240,11 @@ def mirrored_fit(strategy):
             "bn_all_reduces": all_reduces(bn),
             "tiny_last_skipped": tiny_last.skipped_windows,
             "tiny_last_updates": int(tiny_last.optimizer.iterations.numpy()),
-            "tiny_last_finite": all(np.isfinite(w).all() for w in tiny_last.get_weights())}
+            "tiny_last_finite": all(np.isfinite(w).all() for w in tiny_last.get_weights()),
+            "activity_difference": max_difference(activity, activity_reference),
+            "activity_loss_difference": float(np.max(np.abs(
+                np.subtract(activity_loss, activity_reference_loss))
+                / np.abs(activity_reference_loss)))}
 
 
 def multi_worker_fit():
@@ -268,4 +279,6 @@ def check_mirrored_fit(result):
     # An empty share: the window is applied, nothing turns NaN.
     assert result["tiny_last_skipped"] == 0 and result["tiny_last_updates"] == 2
     assert result["tiny_last_finite"]
+    assert result["activity_difference"] < 1e-5
+    assert result["activity_loss_difference"] < 1e-5
     assert result["multi_worker_difference"] < 1e-5
