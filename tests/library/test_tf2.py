@@ -376,7 +376,7 @@ def test_the_old_spellings_still_train_with_a_deprecation_warning(mnist):
     new = tf2.MiniBatchAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
                                    cross_entropy, average_gradients=2)
     with pytest.warns(DeprecationWarning, match="now MiniBatchAccumulator"):
-        old = tf2.MiniBatchAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
+        old = tf2.GradientAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
                                       cross_entropy)
     old.model.set_weights(new.model.get_weights())
     with pytest.warns(DeprecationWarning, match="make the accumulator with average_gradients"):
