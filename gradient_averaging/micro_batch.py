@@ -462,12 +462,17 @@ class _Trials:
         """The update's peak on a window of one sample (None where it ran out of memory),
         measured at its second call (the first sets the function up); everything it
         changed then put back."""
+        applied = []
         try:
-            for measure in (False, True):
-                self._add(1)
-                peak = self._measured(self._apply) if measure else self._apply()
+            self._add(1)
+            self._apply()
+            self._add(1)
+            peak = self._measured(lambda: applied.append(bool(self._apply()[0])))
         finally:
             self.restore()
+        if applied == [False]:  # skipped (check_finite): the optimizer did not run
+            logging.warning("the sample's loss or gradient was not finite: the update was "
+                            "skipped, and its memory is not measured")
         return peak
 
     def restore(self):

@@ -26,8 +26,8 @@ SMALL_E = 24  # the effective batch of the searches that check the state they le
 # across the replicas: two replicas' effective batch is 2 x 53, 53 a prime.
 MIRRORED_E = 106
 # Of the budget, kept free by the tests' searches. The CPU's BFC allocator grows by
-# regions that double in size, and ran out of memory here with 15% of its limit free:
-# a smaller margin lets trials run into that, each costing the allocator's 10 s wait.
+# regions that double in size, and runs out of memory here well before its limit: a
+# smaller margin lets trials run into that, each costing the allocator's 10 s wait.
 MARGIN = 0.25
 
 
