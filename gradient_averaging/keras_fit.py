@@ -34,7 +34,7 @@ OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 
 
 def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="update", *,
-               micro_batch_size=None, budget=None, margin=micro_batch_lib.MARGIN):
+               micro_batch_size=None, budget=None, margin=None):
     """`model` for Keras's `compile`/`fit`, training with exact gradient averaging.
 
     Each update applies the gradient of the mean loss over the window's samples, as one
@@ -54,7 +54,8 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
         of this many samples per replica, the last one shorter; "auto": the largest
         that fits, found by fit on its first batch (micro_batch.find_micro_batch).
       budget: with "auto", the device memory to use in bytes (None: the device's).
-      margin: with "auto", the fraction of the budget kept free.
+      margin: with "auto", the fraction of the budget kept free (None: the device's
+        default, micro_batch.default_margin).
 
     Returns:
       An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
@@ -108,7 +109,7 @@ class AccumulatingModel(keras.Model):
 
     def __init__(self, model, average_gradients=None, check_finite=True,
                  bn_statistics="update", micro_batch_size=None, budget=None,
-                 margin=micro_batch_lib.MARGIN, **kwargs):
+                 margin=None, **kwargs):
         super().__init__(**kwargs)
         self.model = model
         self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
@@ -157,6 +158,8 @@ class AccumulatingModel(keras.Model):
         receive one batch per update. With a micro_batch_size, validation runs in
         batches of the mini-batch unless validation_batch_size says otherwise.
         """
+        if self.micro_batch_size is not None and batch_size is not None:
+            micro_batch_lib.check_effective_batch(batch_size, "batch_size")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = _keras_src.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
@@ -174,7 +177,7 @@ class AccumulatingModel(keras.Model):
         _keras_src.check_activity_losses(self)
         self._make_window(spec)
         if self.micro_batch_size is not None:
-            self._cut_batches(x, y, sample_weight, batch_size, class_weight)
+            self._cut_batches(windows, batch_size)
             validation_batch_size = validation_batch_size or (
                 self.micro_batch.micro_batch_size * self.micro_batch.replicas)
         if self._window.statistics:
@@ -205,16 +208,14 @@ class AccumulatingModel(keras.Model):
         self._window = window
         self.train_function = None
 
-    def _cut_batches(self, x, y, sample_weight, batch_size, class_weight):
+    def _cut_batches(self, windows, batch_size):
         """Each batch an effective batch: the MicroBatch that cuts them, of fit's first
-        batch (taken unshuffled), found again where that batch's size or the window step
-        (a new compile: another optimizer) changed."""
-        if batch_size is not None:
-            micro_batch_lib.check_effective_batch(batch_size, "batch_size")
-        is_dataset = _keras_src.data_adapters.is_tf_dataset(x)
-        first = next(iter(_keras_src.data_adapters.get_data_adapter(
-            x, y, sample_weight, batch_size=batch_size or (None if is_dataset else 32),
-            shuffle=False, class_weight=class_weight).get_tf_dataset()))
+        batch, found again where that batch's size or the window step (a new compile:
+        another optimizer) changed. The search runs while fit's input pipeline holds
+        what it holds in training (its next batches, prefetched: on the CPU, device
+        memory)."""
+        batches = iter(windows.get_tf_dataset())
+        first = next(batches)
         samples = int(tf.shape(tf.nest.flatten(first)[0])[0])
         if self._cut_for == (samples, self._window):  # the same batch and window step
             return

@@ -16,8 +16,9 @@ through two close sizes may be far too flat); then the interval between the larg
 size that fits and the smallest that does not is halved until they are within 5% of
 each other. The update (the optimizer's apply) needs the same memory whatever B: it is
 measured once and must fit too. A peak must stay under the budget less a margin, for
-what a trial does not see (the input pipeline's buffers, an allocator's fragmentation
-over a long run).
+what a trial does not see (an allocator's fragmentation over a long run; a batch the
+input pipeline prefetches later): 10% of it, or 25% where the allocator grows by regions
+(default_margin).
 
 Trials leave the model as they found it: no trial is applied (the window is discarded),
 and every variable a trial may change (the weights and the optimizer's for the measured
@@ -42,7 +43,12 @@ import tensorflow as tf
 
 from gradient_averaging import window as window_lib
 
-MARGIN = 0.1  # of the budget, kept free: what a trial's peak does not show
+# The default margin: the fraction of the budget kept free for what a trial's peak does
+# not show (an input pipeline's buffers, fragmentation over a run). More where the
+# allocator grows by regions that double in size (the CPU's BFC allocator, a GPU's with
+# memory growth): it runs out of memory well before its limit, and a trial that runs
+# out costs the allocator's wait.
+MARGIN, GROWING_MARGIN = 0.1, 0.25
 MIB = 1 << 20
 CPU_BFC_ENV, CPU_LIMIT_ENV = "TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"
 # How an allocation failure reads where it is not a ResourceExhaustedError (cuBLAS's,
@@ -123,7 +129,10 @@ def check_window(average_gradients, micro_batch_size):
 
 
 def check_margin(margin):
-    """The fraction of the budget kept free, in [0, 1)."""
+    """The fraction of the budget kept free, in [0, 1), or None (the device's default:
+    default_margin)."""
+    if margin is None:
+        return None
     if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
         raise ValueError(f"margin must be a fraction of the budget in [0, 1). "
                          f"Received: margin={margin!r}")
@@ -232,6 +241,20 @@ def device_memory(device=None):
                      "the budget in bytes (budget=...)")
 
 
+def default_margin(device=None):
+    """The margin kept free on `device` where none is given: GROWING_MARGIN where its
+    allocator grows (the CPU's BFC allocator; a GPU with memory growth on), else MARGIN."""
+    kind, index = _short_name(device).split(":")
+    if kind == "GPU":
+        physical, _ = _gpu_of_logical(int(index))
+        gpus = tf.config.list_physical_devices("GPU")
+        grows = (os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
+                 or (physical is not None
+                     and tf.config.experimental.get_memory_growth(gpus[physical])))
+        return GROWING_MARGIN if grows else MARGIN
+    return GROWING_MARGIN
+
+
 def _gpu_of_logical(index):
     """(physical GPU index, memory limit in MiB or None) of logical GPU `index`."""
     logical = 0
@@ -284,7 +307,7 @@ def _statistics(devices):
 # ---------------------------------------------------------------- the search
 
 
-def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=MARGIN):
+def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None):
     """The largest micro-batch B (per replica) whose window step fits, for updates of E.
 
     Args:
@@ -298,7 +321,8 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=MARGI
       effective_batch: E, the samples of one update (all replicas').
       budget: the device's memory to use, in bytes; None: device_memory(), each
         replica's device.
-      margin: the fraction of the budget kept free (MARGIN: 10%).
+      margin: the fraction of the budget kept free; None: default_margin (10% on a
+        GPU, 25% where the allocator grows: the CPU's, a GPU's with memory growth).
 
     Returns:
       A MicroBatch: B at most ceil(E / replicas), N, the last mini-batch, the peaks.
@@ -322,6 +346,8 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=MARGI
         devices = [default_device()]
     _statistics(devices)
     budget = check_budget(budget) or min(device_memory(d) for d in devices)
+    if margin is None:
+        margin = max(default_margin(d) for d in devices)
     limit = budget * (1 - margin)
     most = math.ceil(effective_batch / replicas)
     held = _sized(sample, effective_batch)  # one effective batch, as training holds it

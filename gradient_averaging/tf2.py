@@ -223,7 +223,7 @@ class _Accumulator:
         return add, self.step, state
 
     def fit_effective(self, dataset, micro_batch_size="auto", callback=None, budget=None,
-                      margin=micro_batch_lib.MARGIN):
+                      margin=None):
         """One pass over `dataset`, each of its batches an effective batch: one update
         each, trained as mini-batches of `micro_batch_size` samples per replica, one at a
         time, the last one shorter.
@@ -232,7 +232,8 @@ class _Accumulator:
           dataset: a tf.data.Dataset or an iterable of (x, y) batches, each one update.
           micro_batch_size: B per replica, or "auto": the largest that fits, found on the
             first batch (micro_batch.find_micro_batch, E its samples), within `budget`
-            bytes (None: the device's memory) less `margin`.
+            bytes (None: the device's memory) less `margin` (None: the device's default,
+            micro_batch.default_margin).
           callback: called as callback(mini_batch) for each mini-batch (1-based), after
             its update.
 
@@ -582,7 +583,7 @@ class GradientAccumulator(_Accumulator):
 def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, strategy=None,
                     callback=None, one_call=True, check_finite=True, bn_statistics="update",
                     jit_compile=False, micro_batch_size=None, budget=None,
-                    margin=micro_batch_lib.MARGIN):
+                    margin=None):
     """Trains a Keras model on `dataset`, one update per `average_gradients` mini-batches,
     or, given `micro_batch_size` instead, one update per batch of `dataset` (each an
     effective batch) trained as mini-batches of that size ("auto": the largest that

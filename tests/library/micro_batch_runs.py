@@ -25,10 +25,6 @@ SMALL_E = 24  # the effective batch of the searches that check the state they le
 # Keras builds a model under a strategy from its first batch, which must split evenly
 # across the replicas: two replicas' effective batch is 2 x 53, 53 a prime.
 MIRRORED_E = 106
-# Of the budget, kept free by the tests' searches. The CPU's BFC allocator grows by
-# regions that double in size, and runs out of memory here well before its limit: a
-# smaller margin lets trials run into that, each costing the allocator's 10 s wait.
-MARGIN = 0.25
 
 
 def data():
@@ -99,7 +95,7 @@ def keras_auto(out):
     from gradient_averaging import keras_fit
     x, y = data()
     net = model()
-    accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto", margin=MARGIN))
+    accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto"))
     accumulating.fit(x, y, batch_size=E, shuffle=False, verbose=0)
     save(out, "keras", net.trainable_variables)
     return {"found": found(accumulating.micro_batch),
@@ -114,7 +110,7 @@ def tf2_auto(out):
     net = model()
     summary = tf2.fit_accumulated(
         net, tf.data.Dataset.from_tensor_slices((x, y)).batch(E), keras.optimizers.Adam(1e-3),
-        loss(None), micro_batch_size="auto", margin=MARGIN)
+        loss(None), micro_batch_size="auto")
     save(out, "tf2", net.trainable_variables)
     return {"found": found(summary.micro_batch), "updates": summary.updates,
             "mini_batches": summary.mini_batches}
@@ -135,7 +131,7 @@ def trials_leave_the_state():
     tracked = (accumulator.model.variables + list(accumulator.optimizer.variables)
                + [accumulator.loss_total, accumulator.samples_total])
     before = state(tracked)
-    tf2_found = micro_batch.find_micro_batch(accumulator, sample, SMALL_E, margin=MARGIN)
+    tf2_found = micro_batch.find_micro_batch(accumulator, sample, SMALL_E)
     result = {"tf2": unchanged(before, tracked), "tf2_found": found(tf2_found)}
 
     accumulating = compiled(keras_fit.accumulate(model(batch_norm=True), micro_batch_size=4))
@@ -143,7 +139,7 @@ def trials_leave_the_state():
     tracked = (accumulating.variables + list(accumulating.optimizer.variables)
                + accumulating.metrics_variables)
     before = state(tracked)
-    keras_found = micro_batch.find_micro_batch(accumulating, sample, SMALL_E, margin=MARGIN)
+    keras_found = micro_batch.find_micro_batch(accumulating, sample, SMALL_E)
     result.update(keras=unchanged(before, tracked), keras_found=found(keras_found))
     return result
 
@@ -155,8 +151,7 @@ def mirrored(out, strategy):
     x, y = data()
     with strategy.scope():
         net = model()
-        accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto",
-                                                     margin=MARGIN))
+        accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto"))
     accumulating.fit(x, y, batch_size=MIRRORED_E, shuffle=False, verbose=0)
     save(out, "mirrored", net.trainable_variables)
     return {"found": found(accumulating.micro_batch)}
