@@ -317,7 +317,9 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
       sample: one batch as training gets it ((x, y) for the TF2 accumulators; Keras's
         (x, y[, sample_weight])), of any number of samples: a trial of B samples takes
         its first B, repeated where it holds fewer. The E samples of an effective batch
-        are kept on the device during the trials, as training keeps one.
+        are kept on the device during the trials, as training keeps one; search while
+        your input pipeline holds what it holds in training (an iterator open, its
+        first batch taken), as fit does.
       effective_batch: E, the samples of one update (all replicas').
       budget: the device's memory to use, in bytes; None: device_memory(), each
         replica's device.
@@ -335,10 +337,15 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
     effective_batch = check_effective_batch(effective_batch)
     margin = check_margin(margin)
     start = time.perf_counter()
-    spec = tf.nest.map_structure(lambda t: tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)),
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, tf.as_dtype(t.dtype)),
                                  sample)
     add, window, state = trainer.trial_window(spec)
     strategy = window.strategy
+    if _workers(strategy) > 1:
+        raise ValueError(
+            "micro_batch_size='auto' under a strategy of several workers: each would find "
+            "its own, where all must cut a batch alike (and a trial that runs out of "
+            "memory aborts the collectives); give micro_batch_size as an int")
     replicas = strategy.num_replicas_in_sync
     try:
         devices = list(strategy.extended.worker_devices)
@@ -369,6 +376,14 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
                  seconds=time.perf_counter() - start)
     logging.info("%s", describe(found))
     return found
+
+
+def _workers(strategy):
+    """The worker processes of `strategy`'s cluster (1 without one)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    return max(1, len(resolver.cluster_spec().as_dict().get("worker", [])))
 
 
 def _nothing_fits(what, peak, budget, margin):

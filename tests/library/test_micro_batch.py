@@ -296,6 +296,24 @@ def test_device_memory_is_read_where_it_is_known(monkeypatch, tmp_path):
     assert micro_batch._nvidia_total(0) == 81559 * MIB  # noqa: SLF001
 
 
+def test_workers_are_counted_from_the_strategys_cluster():
+    """'auto' is refused under several workers: each would find its own micro-batch."""
+    class Resolver:
+        def __init__(self, workers):
+            self.workers = workers
+
+        def cluster_spec(self):
+            return tf.train.ClusterSpec({"worker": [f"host:{i}" for i in range(self.workers)]})
+
+    class Strategy:
+        def __init__(self, workers):
+            self.cluster_resolver = Resolver(workers)
+
+    assert micro_batch._workers(tf.distribute.get_strategy()) == 1  # noqa: SLF001
+    assert micro_batch._workers(Strategy(1)) == 1  # noqa: SLF001
+    assert micro_batch._workers(Strategy(3)) == 3  # noqa: SLF001
+
+
 def test_the_margin_is_larger_where_the_allocator_grows():
     assert micro_batch.default_margin("CPU:0") == micro_batch.GROWING_MARGIN
     assert micro_batch.MARGIN < micro_batch.GROWING_MARGIN
