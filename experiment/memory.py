@@ -19,14 +19,16 @@ import model
 from experiment import checkpoint
 from experiment import data
 
+# Whether an error is an OOM (a GPU's cuBLAS/cuDNN allocation failure too), and the
+# environment that makes the CPU a device of limited memory: the library's.
+from gradient_averaging.micro_batch import CPU_BFC_ENV
+from gradient_averaging.micro_batch import CPU_LIMIT_ENV
+from gradient_averaging.micro_batch import is_out_of_memory
+
 MAX_CHUNK = 1000  # test images per evaluation call at most: larger calls are no quicker
 # What a chunk may need per image over forward_bytes' estimate: kernels hold temporaries
 # the estimate leaves out (measured chunks of both models stay well below it).
 FORWARD_MARGIN = 2
-CPU_BFC_ENV, CPU_LIMIT_ENV = "TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"
-# How an allocation failure reads where it is not a ResourceExhaustedError (cuBLAS's,
-# cuDNN's and the CUDA driver's own, raised as InternalError or UnknownError).
-OUT_OF_MEMORY_TEXT = re.compile(r"\bOOM\b|out of memory|ALLOC_FAILED", re.IGNORECASE)
 MIB = 2 ** 20
 
 
@@ -74,14 +76,6 @@ def evaluation_chunk(batch_size, model_name):
         room = stats["peak"] - stats["current"]
         most = min(most, room // (FORWARD_MARGIN * forward_bytes(model_name) * batch_size))
     return batch_size * max(most, 1)
-
-
-def is_out_of_memory(error):
-    """Whether a TensorFlow error says the device's memory ran out."""
-    if isinstance(error, tf.errors.ResourceExhaustedError):
-        return True
-    return (isinstance(error, (tf.errors.InternalError, tf.errors.UnknownError))
-            and bool(OUT_OF_MEMORY_TEXT.search(str(error))))
 
 
 def out_of_memory(error, average_gradients, batch_size, checkpoint_dir=None):

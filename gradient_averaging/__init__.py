@@ -7,6 +7,9 @@ One module per kind of user, each importable alone:
   * gradient_averaging.tf2: `WindowAccumulator`, `MiniBatchAccumulator` and
     `fit_accumulated`, for your own TF2 training loop and tf.distribute;
   * gradient_averaging.keras_fit: `accumulate(model, N)`, for Keras's compile/fit;
+  * gradient_averaging.micro_batch: the largest micro-batch that fits in the device's
+    memory, for an effective batch (`accumulate(model, micro_batch_size="auto")`,
+    `fit_accumulated(..., micro_batch_size="auto")`);
   * gradient_averaging.window_step: the one window step the TF2 paths share (sums added
     in place, the vote, the apply), on replicas (a mini-batch's split) and
     batch_statistics (the moving statistics of batch norm under accumulation);
@@ -25,6 +28,7 @@ _EXPORTS = {
     "GradientAccumulator": "tf2",  # deprecated: MiniBatchAccumulator
     "FitSummary": "tf2",
     "accumulate": "keras_fit", "AccumulatingModel": "keras_fit",
+    "find_micro_batch": "micro_batch", "MicroBatch": "micro_batch",
 }
 
 __all__ = sorted(_EXPORTS)

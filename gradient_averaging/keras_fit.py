@@ -6,6 +6,12 @@
                       metrics=["accuracy"])
     model.fit(x, y, batch_size=32, epochs=3, callbacks=[...])   # 8 x 32 per update
 
+or, the batch you want and the micro-batch that fits found for you:
+
+    model = accumulate(make_model(), micro_batch_size="auto")
+    model.compile(...)
+    model.fit(x, y, batch_size=2048, epochs=3)    # one update per 2,048, cut to fit
+
 The AccumulatingModel's train function trains a whole window of Keras's batches in one
 compiled call, on the one window step (gradient_averaging.window_step) that the TF2
 accumulators use too, with Keras's compiled loss and metrics.
@@ -18,6 +24,7 @@ import tensorflow as tf
 
 from gradient_averaging import _keras_src
 from gradient_averaging import batch_statistics as statistics_lib
+from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
@@ -25,7 +32,8 @@ from gradient_averaging import window_step as step_lib
 OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 
 
-def accumulate(model, average_gradients, check_finite=True, bn_statistics="update"):
+def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="update", *,
+               micro_batch_size=None, budget=None, margin=None):
     """`model` for Keras's `compile`/`fit`, training with exact gradient averaging.
 
     Each update applies the gradient of the mean loss over the window's samples, as one
@@ -40,6 +48,13 @@ def accumulate(model, average_gradients, check_finite=True, bn_statistics="updat
       bn_statistics: "update": BatchNormalization layers take one moving-average step
         per update on the window's statistics (the direct batch's); "mini_batch": a step
         per mini-batch, as Keras takes them (batch_statistics.BatchStatistics).
+      micro_batch_size: instead of N: each batch fit is given (its batch_size, or a
+        dataset's batches) is one update, its effective batch, trained as mini-batches
+        of this many samples per replica, the last one shorter; "auto": the largest
+        that fits, found by fit on its first batch (micro_batch.find_micro_batch).
+      budget: with "auto", the device memory to use in bytes (None: the device's).
+      margin: with "auto", the fraction of the budget kept free (None: the device's
+        default, micro_batch.default_margin).
 
     Returns:
       An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
@@ -58,7 +73,8 @@ def accumulate(model, average_gradients, check_finite=True, bn_statistics="updat
             "with gradient_averaging.MiniBatchAccumulator (accumulate(x, y) per mini-batch, "
             "apply() every N)")
     return AccumulatingModel(model, average_gradients, check_finite=check_finite,
-                             bn_statistics=bn_statistics)
+                             bn_statistics=bn_statistics, micro_batch_size=micro_batch_size,
+                             budget=budget, margin=margin)
 
 
 # Registered under the name the first release used, so that its .keras files load.
@@ -78,17 +94,29 @@ class AccumulatingModel(keras.Model):
     validation run the wrapped model, `save`/`load_model` round-trip (with this module
     imported). Under Keras's jit_compile, XLA compiles each mini-batch's pass.
 
+    With a micro_batch_size, each batch Keras makes is one window, an effective batch:
+    the call cuts it, on each replica, into mini-batches of that size.
+
     Attributes:
       model: the wrapped Keras model.
-      average_gradients: N.
+      average_gradients: N (1 where each batch is an effective batch).
+      micro_batch_size: None, "auto" or B per replica, as given.
+      micro_batch: the micro_batch.MicroBatch fit cuts its batches by (found on fit's
+        first batch where "auto"), or None.
       skipped_windows: windows skipped for a non-finite loss or gradient so far.
     """
 
-    def __init__(self, model, average_gradients, check_finite=True, bn_statistics="update",
-                 **kwargs):
+    def __init__(self, model, average_gradients=None, check_finite=True,
+                 bn_statistics="update", micro_batch_size=None, budget=None,
+                 margin=None, **kwargs):
         super().__init__(**kwargs)
         self.model = model
-        self.average_gradients = window_lib.check_average_gradients(average_gradients)
+        self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
+            average_gradients, micro_batch_size)
+        self.budget = micro_batch_lib.check_budget(budget)
+        self.margin = micro_batch_lib.check_margin(margin)
+        self.micro_batch = None
+        self._cut_for = None  # (E, the window step) micro_batch was found for
         self.check_finite = check_finite
         self.bn_statistics = statistics_lib.check_bn_statistics(bn_statistics)
         self._window = None  # the window_step.WindowStep, made by fit
@@ -106,7 +134,9 @@ class AccumulatingModel(keras.Model):
         config = super().get_config()
         config.update(model=keras.saving.serialize_keras_object(self.model),
                       average_gradients=self.average_gradients,
-                      check_finite=self.check_finite, bn_statistics=self.bn_statistics)
+                      check_finite=self.check_finite, bn_statistics=self.bn_statistics,
+                      micro_batch_size=self.micro_batch_size, budget=self.budget,
+                      margin=self.margin)
         return config
 
     @classmethod
@@ -119,12 +149,16 @@ class AccumulatingModel(keras.Model):
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, initial_epoch=0, steps_per_epoch=None,
             validation_steps=None, validation_batch_size=None, validation_freq=1):
-        """Keras's `fit`, one update per N batches of `batch_size` (the mini-batches).
+        """Keras's `fit`, one update per N batches of `batch_size` (the mini-batches), or
+        with a micro_batch_size one update per batch (the effective batch).
 
         The arguments are Keras's; `steps_per_epoch` counts mini-batches and must be
         a multiple of N. The returned History has one entry per epoch as usual; callbacks
-        receive one batch per update.
+        receive one batch per update. With a micro_batch_size, validation runs in
+        batches of the mini-batch unless validation_batch_size says otherwise.
         """
+        if self.micro_batch_size is not None and batch_size is not None:
+            micro_batch_lib.check_effective_batch(batch_size, "batch_size")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = _keras_src.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
@@ -140,6 +174,10 @@ class AccumulatingModel(keras.Model):
         # the window step, whose variables need the optimizer's.
         _keras_src.symbolic_build(self, spec)
         self._make_window(spec)
+        if self.micro_batch_size is not None:
+            self._cut_batches(windows, batch_size)
+            validation_batch_size = validation_batch_size or (
+                self.micro_batch.micro_batch_size * self.micro_batch.replicas)
         if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
         return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -169,6 +207,44 @@ class AccumulatingModel(keras.Model):
                 self._skipped = tf.Variable(tf.constant(0, tf.int64), trainable=False)
         self._window = window
         self.train_function = None
+
+    def _cut_batches(self, windows, batch_size):
+        """Each batch an effective batch: the MicroBatch that cuts them, of fit's first
+        batch, found again where that batch's size or the window step (a new compile:
+        another optimizer) changed. The search runs while fit's input pipeline holds
+        what it holds in training (its next batches, prefetched: on the CPU, device
+        memory)."""
+        batches = iter(windows.get_tf_dataset())
+        first = next(batches)
+        samples = int(tf.shape(tf.nest.flatten(first)[0])[0])
+        if self._cut_for == (samples, self._window):  # the same batch and window step
+            return
+        if self.micro_batch_size == "auto":
+            self.micro_batch = micro_batch_lib.find_micro_batch(self, first, samples,
+                                                                self.budget, self.margin)
+        else:
+            self.micro_batch = micro_batch_lib.plan(
+                samples, self.micro_batch_size, self.distribute_strategy.num_replicas_in_sync)
+        self._cut_for = (samples, self._window)
+        self.train_function = None  # traced again, for the micro-batch
+
+    def trial_window(self, spec):
+        """For the micro-batch search's trials (micro_batch.find_micro_batch, which fit
+        runs): (add, the window step, the variables a trial may change). `add` is a
+        tf.function adding one mini-batch shaped like `spec` (Keras's (x, y[,
+        sample_weight]), any number of samples: traced once) to the open window, the
+        same samples on every replica, by the pass fit's train function runs."""
+        self.make_train_function()
+        signature = tf.nest.map_structure(
+            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), spec)
+
+        @tf.function(input_signature=[signature])
+        def add(data):
+            self.distribute_strategy.run(self._replica_mini_batch, args=(data,))
+
+        state = (self.trainable_variables + self.non_trainable_variables
+                 + list(self.optimizer.variables) + self.metrics_variables)
+        return add, self._window, state
 
     def _windows(self, x, y, sample_weight, batch_size, shuffle, class_weight):
         """The _WindowAdapter of fit's inputs; the last one again for the same tf.data
@@ -216,13 +292,20 @@ class AccumulatingModel(keras.Model):
                 variable.assign(tf.where(finite, value, variable))
             return window.add(gradients, moments, n_local, finite, activity)
 
+        self._replica_mini_batch = replica_mini_batch  # the micro-batch search's pass
+        add_batch = replica_mini_batch
+        if self.micro_batch_size is not None:  # each batch an effective batch, cut here
+            def add_batch(data):
+                return window_lib.cut(data, self.micro_batch.micro_batch_size,
+                                      replica_mini_batch)
+
         @tf.function
         def window_from(iterator):
             def more(i, optional):
                 return tf.logical_and(i < average_gradients, optional.has_value())
 
             def body(i, optional):
-                added = strategy.run(replica_mini_batch, args=(optional.get_value(),))
+                added = strategy.run(add_batch, args=(optional.get_value(),))
                 # Never past the window's last: the next window's first stays queued.
                 return i + 1, step_lib.next_after(strategy, added, lambda: tf.cond(
                     i + 1 < average_gradients, iterator.get_next_as_optional,

@@ -38,13 +38,15 @@ import warnings
 import tensorflow as tf
 
 from gradient_averaging import batch_statistics as statistics_lib
+from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
 FitSummary = collections.namedtuple(
-    "FitSummary", ["mini_batches", "updates", "partial_window", "skipped_windows"],
-    defaults=(0,))
+    "FitSummary", ["mini_batches", "updates", "partial_window", "skipped_windows",
+                   "micro_batch"],
+    defaults=(0, None))
 
 
 def stack_window(mini_batches):
@@ -211,6 +213,68 @@ class _Accumulator:
             self.skipped_windows += 1
         return applied
 
+    def trial_window(self, spec):
+        """For the micro-batch search's trials (micro_batch.find_micro_batch): (add, the
+        window step, the variables a trial may change). `add` is a tf.function adding one
+        mini-batch shaped like `spec` ((x, y), any number of samples: traced once) to the
+        open window, the same samples on every replica, by the pass training runs."""
+        signature = tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))
+        self._build_statistics(signature[0])
+        replicas = self.strategy.num_replicas_in_sync
+
+        @tf.function(input_signature=[signature])
+        def add(batch):
+            n = tf.shape(tf.nest.flatten(batch)[0])[0]
+            self.strategy.run(self._replica_mini_batch, args=(batch, n, n * replicas))
+
+        state = (self.model.trainable_variables + self.model.non_trainable_variables
+                 + list(self.optimizer.variables) + [self.loss_total, self.samples_total])
+        return add, self.step, state
+
+    def fit_effective(self, dataset, micro_batch_size="auto", callback=None, budget=None,
+                      margin=None):
+        """One pass over `dataset`, each of its batches an effective batch: one update
+        each, trained as mini-batches of `micro_batch_size` samples per replica, one at a
+        time, the last one shorter.
+
+        Args:
+          dataset: a tf.data.Dataset or an iterable of (x, y) batches, each one update.
+          micro_batch_size: B per replica, or "auto": the largest that fits, found on the
+            first batch (micro_batch.find_micro_batch, E its samples), within `budget`
+            bytes (None: the device's memory) less `margin` (None: the device's default,
+            micro_batch.default_margin).
+          callback: called as callback(mini_batch) for each mini-batch (1-based), after
+            its update.
+
+        Returns:
+          FitSummary; its micro_batch is the MicroBatch of the first batch.
+        """
+        size = micro_batch_lib.check_micro_batch_size(micro_batch_size)
+        budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
+        counts = _FitCounts(self, 1)
+        batches = iter(dataset)
+        first = next(batches, None)
+        if first is None:  # nothing to train on
+            return counts.summary(False, False)
+        first = tuple(first)
+        samples = int(tf.shape(tf.nest.flatten(first)[0])[0])
+        found = (micro_batch_lib.find_micro_batch(self, first, samples, budget, margin)
+                 if size == "auto"
+                 else micro_batch_lib.plan(samples, size, self.strategy.num_replicas_in_sync))
+        window = self._effective_window(
+            tf.nest.map_structure(lambda t: _spec(t, 1), first),
+            found.micro_batch_size * found.replicas)
+        for batch in itertools.chain([first], batches):
+            count, applied, single = window(tuple(batch))
+            count, applied = int(count), self._counted(bool(applied), single.numpy())
+            counts.mini_batches += count
+            counts.window(applied, count)
+            if callback is not None:
+                for mini_batch in range(counts.mini_batches - count + 1,
+                                        counts.mini_batches + 1):
+                    callback(mini_batch)
+        return counts.summary(False, applied)._replace(micro_batch=found)
+
     def loss_totals(self):
         """(sum of per-sample training losses, samples) so far, over all replicas.
 
@@ -241,7 +305,7 @@ class _FitCounts:
 
     def __init__(self, accumulator, average_gradients):
         self.accumulator = accumulator
-        self.average_gradients = _window_size(accumulator, average_gradients)
+        self.average_gradients = average_gradients
         self.mini_batches = self.partial = 0
         self._before = (accumulator.updates, accumulator.skipped_windows)
 
@@ -346,6 +410,19 @@ class WindowAccumulator(_Accumulator):
         self.build_window(xs, ys, sizes)
         return self._counted(*(v.numpy() for v in self.window_step(xs, ys, sizes)))
 
+    def _effective_window(self, signature, size):
+        """The tf.function training one effective batch (x, y) as mini-batches of `size`
+        samples (all replicas'), one at a time, then its update: -> (mini-batches,
+        applied, single); one trace for every batch size."""
+        self._build_statistics(signature[0])
+
+        @tf.function(input_signature=[signature])
+        def window(batch):
+            count = window_lib.cut(batch, size, self._add)
+            return (count, *self.step.apply())
+
+        return window
+
     def _iterator_step(self, average_gradients, element_spec):
         """The tf.function that pulls one window of up to N mini-batches from an
         iterator, one at a time, and applies it: -> (mini-batches, applied, single)."""
@@ -395,7 +472,7 @@ class WindowAccumulator(_Accumulator):
           partial_window is the number of mini-batches in the trailing partial window
           (0 if none).
         """
-        counts = _FitCounts(self, average_gradients)
+        counts = _FitCounts(self, _window_size(self, average_gradients))
         dataset = _as_dataset(dataset)
         applied = False
         if dataset is None:  # nothing to train on
@@ -499,13 +576,27 @@ class MiniBatchAccumulator(_Accumulator):
         self.window = 0
         return self._counted(*(v.numpy() for v in self.apply_step()))
 
+    def _effective_window(self, signature, size):
+        """Trains one effective batch (x, y) as mini-batches of `size` samples (all
+        replicas'), one call each, then its update: -> (mini-batches, applied, single)."""
+        def window(batch):
+            samples = int(tf.shape(tf.nest.flatten(batch)[0])[0])
+            count = max(1, -(-samples // size))
+            for i in range(count):
+                self.accumulate(*tf.nest.map_structure(
+                    lambda t, i=i: t[i * size:(i + 1) * size], batch))
+            self.window = 0
+            return (count, *self.apply_step())
+
+        return window
+
     def fit(self, dataset, average_gradients=None, callback=None, warn_partial=True):
         """One pass over `dataset`, one call per mini-batch, an update every N.
 
         As WindowAccumulator.fit; callback(mini_batch) runs after each mini-batch,
         after the update it completed, if any.
         """
-        counts = _FitCounts(self, average_gradients)
+        counts = _FitCounts(self, _window_size(self, average_gradients))
         for x, y in dataset:
             self.accumulate(x, y)
             counts.mini_batches += 1
@@ -528,10 +619,14 @@ class GradientAccumulator(MiniBatchAccumulator):
         super().__init__(*args, **kwargs)
 
 
-def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strategy=None,
+def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, strategy=None,
                     callback=None, one_call=True, check_finite=True, bn_statistics="update",
-                    jit_compile=False):
-    """Trains a Keras model on `dataset`, one update per `average_gradients` mini-batches.
+                    jit_compile=False, micro_batch_size=None, budget=None,
+                    margin=None):
+    """Trains a Keras model on `dataset`, one update per `average_gradients` mini-batches,
+    or, given `micro_batch_size` instead, one update per batch of `dataset` (each an
+    effective batch) trained as mini-batches of that size ("auto": the largest that
+    fits; see _Accumulator.fit_effective).
 
     Each update applies the gradient of the mean loss over all samples of its window, as
     one batch of those samples would; see WindowAccumulator.fit and _Accumulator for the
@@ -542,9 +637,19 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients, strat
         call per mini-batch (MiniBatchAccumulator).
 
     Returns:
-      FitSummary(mini_batches, updates, partial_window, skipped_windows).
+      FitSummary(mini_batches, updates, partial_window, skipped_windows, micro_batch).
+
+    Raises:
+      ValueError: both average_gradients (other than 1) and micro_batch_size, or
+        neither, or a bad value (before any training).
     """
-    accumulator = WindowAccumulator if one_call else MiniBatchAccumulator
-    return accumulator(model, optimizer, loss_fn, strategy, check_finite, bn_statistics,
-                       jit_compile, average_gradients=average_gradients).fit(
-                           dataset, callback=callback)
+    average_gradients, micro_batch_size = micro_batch_lib.check_window(average_gradients,
+                                                                       micro_batch_size)
+    budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
+    accumulator = (WindowAccumulator if one_call else MiniBatchAccumulator)(
+        model, optimizer, loss_fn, strategy, check_finite, bn_statistics, jit_compile,
+        average_gradients=average_gradients)
+    if micro_batch_size is None:
+        return accumulator.fit(dataset, callback=callback)
+    return accumulator.fit_effective(dataset, micro_batch_size, callback=callback,
+                                     budget=budget, margin=margin)

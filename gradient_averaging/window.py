@@ -161,6 +161,25 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes,
     return sums, state
 
 
+def cut(batch, size, add):
+    """Hands `add` the mini-batches of `size` samples of `batch` (a nested structure of
+    tensors), in order, one at a time (a tf.while_loop of parallel_iterations
+    PARALLEL_ITERATIONS): the last one shorter where `size` does not divide the batch,
+    one empty mini-batch where the batch is empty (on every replica the window's first
+    mini-batch assigns its sums). Returns the mini-batches, an int32 scalar tensor that
+    exists once the last is added (what `add` returns is waited for)."""
+    samples = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
+    count = tf.maximum((samples + size - 1) // size, 1)
+
+    def body(i):
+        added = add(tf.nest.map_structure(lambda t: t[i * size:(i + 1) * size], batch))
+        with tf.control_dependencies(tf.nest.flatten(added, expand_composites=True)):
+            return i + 1
+
+    return tf.while_loop(lambda i: i < count, body, (tf.constant(0),),
+                         parallel_iterations=PARALLEL_ITERATIONS)
+
+
 def add_in_place(sums, gradients, first):
     """Adds each gradient into its sum variable; where `first` (a bool tensor: the
     window's first mini-batch) it assigns instead. So the sums are never zeroed: a zero

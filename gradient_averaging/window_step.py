@@ -259,6 +259,11 @@ class WindowStep:
         if self.statistics:
             self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
 
+    def discard(self):
+        """Cross-replica: empties the open window without applying it (the micro-batch
+        search's trials: gradient_averaging.micro_batch)."""
+        self.strategy.run(self._reset)
+
     def apply(self):
         """Cross-replica: applies the window's mean unless a replica voted non-finite
         (check_finite) or the window is empty, steps the batch statistics once, and

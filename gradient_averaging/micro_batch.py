@@ -1,0 +1,524 @@
+"""Finding the micro-batch that fits: the largest mini-batch size B whose window step the
+device's memory holds, for an effective batch of E samples trained as N = ceil(E / B)
+mini-batches, the last one E - (N-1) B.
+
+The peak is measured, not modelled: trial steps of the training path's own mini-batch
+pass (the one its window step runs, traced once for every size) each add a mini-batch
+into the window's sums and read the allocator's peak (`tf.config.experimental`'s memory
+info: a GPU's allocator, or the CPU's with TF_CPU_ALLOCATOR_USE_BFC=true). The search
+comes at the limit from below: an out-of-memory error is caught and counts as too large,
+but TensorFlow's allocator waits (up to 10 s) for memory to be freed before it raises,
+where a peak measured over the limit costs one pass. So sizes grow from one sample, at
+most doubling, each step aiming halfway to where the steepest slope measured would meet
+the limit (at small sizes a kernel's fixed scratch memory, not the samples, makes the
+peak, and an allocator rounds a tensor up to a chunk of up to twice its size: a line
+through two close sizes may be far too flat); then the interval between the largest
+size that fits and the smallest that does not is halved until they are within 5% of
+each other. The update (the optimizer's apply) needs the same memory whatever B: it is
+measured once and must fit too. A peak must stay under the budget less a margin, for
+what a trial does not see (an allocator's fragmentation over a long run; a batch the
+input pipeline prefetches later): 10% of it, or 25% where the allocator grows by regions
+(default_margin).
+
+Trials leave the model as they found it: no trial is applied (the window is discarded),
+and every variable a trial may change (the weights and the optimizer's for the measured
+update, the model's other state: batch-norm statistics, seed generators; metrics) is
+copied to the host first and assigned back after, bit for bit.
+
+Under a tf.distribute strategy B is the micro-batch of each replica: a mini-batch holds
+B samples per replica, K x B in all.
+"""
+
+import collections
+import logging
+import math
+import numbers
+import os
+import re
+import subprocess
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from gradient_averaging import window as window_lib
+
+# The default margin: the fraction of the budget kept free for what a trial's peak does
+# not show (an input pipeline's buffers, fragmentation over a run). More where the
+# allocator grows by regions that double in size (the CPU's BFC allocator, a GPU's with
+# memory growth): it runs out of memory well before its limit, and a trial that runs
+# out costs the allocator's wait.
+MARGIN, GROWING_MARGIN = 0.1, 0.25
+MIB = 1 << 20
+CPU_BFC_ENV, CPU_LIMIT_ENV = "TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"
+# How an allocation failure reads where it is not a ResourceExhaustedError (cuBLAS's,
+# cuDNN's and the CUDA driver's own, raised as InternalError or UnknownError).
+OUT_OF_MEMORY_TEXT = re.compile(r"\bOOM\b|out of memory|ALLOC_FAILED", re.IGNORECASE)
+# The search stops when the smallest size that does not fit is within this fraction of
+# the largest that does (or one sample more), or after MOST_TRIALS trials.
+TOLERANCE = 0.05
+OOM_NEAR = 0.25  # the same, where the smallest size that does not fit ran out of memory
+MOST_TRIALS = 20
+
+
+class MicroBatch(collections.namedtuple(
+        "MicroBatch", ["micro_batch_size", "average_gradients", "last", "effective_batch",
+                       "replicas", "peak", "update_peak", "budget", "margin", "trials",
+                       "traces", "seconds"],
+        defaults=(1, None, None, None, None, (), None, None))):
+    """How an effective batch is cut: B (`micro_batch_size`, per replica), N
+    (`average_gradients`) and the last mini-batch's samples (`last`, all replicas'), for
+    E (`effective_batch`) on `replicas` replicas. Where B was found: the peak at B and the
+    update's (bytes), the budget and margin it was found under, the trials as (size, peak
+    bytes or None where it ran out of memory), the trial pass's traces and the search's
+    seconds. Its str is describe's line."""
+
+    __slots__ = ()
+
+    def __str__(self):
+        return describe(self)
+
+
+class NothingFits(ValueError):
+    """Not even a micro-batch of one sample (or the update) fits in the budget."""
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def check_effective_batch(value, name="effective_batch"):
+    """E as an int >= 1 (the samples of one update)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (samples per update). "
+                         f"Received: {name}={value!r}")
+    return int(value)
+
+
+def check_micro_batch_size(value, name="micro_batch_size"):
+    """B as an int >= 1, or "auto" (found by find_micro_batch)."""
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be 'auto' or an int >= 1 (samples per mini-batch "
+                         f"and replica). Received: {name}={value!r}")
+    return int(value)
+
+
+def check_window(average_gradients, micro_batch_size):
+    """One way to say a window, checked before any training: N mini-batches per update
+    (`average_gradients`), or each batch one update cut into mini-batches of
+    `micro_batch_size` (then N may only be None or 1: one batch per update).
+
+    Returns:
+      (average_gradients, micro_batch_size), checked; N is 1 where the micro-batch is
+      given.
+    """
+    if micro_batch_size is None:
+        if average_gradients is None:
+            raise ValueError("give average_gradients=N (mini-batches per update) or "
+                             "micro_batch_size='auto' or B (each batch one update)")
+        return window_lib.check_average_gradients(average_gradients), None
+    if average_gradients is not None and (isinstance(average_gradients, bool)
+                                          or average_gradients != 1):
+        raise ValueError(
+            f"average_gradients={average_gradients!r} and micro_batch_size="
+            f"{micro_batch_size!r} contradict each other: give average_gradients=N for N "
+            "mini-batches per update, or micro_batch_size for each batch to be one update "
+            "(its effective batch) cut into mini-batches of that size")
+    return 1, check_micro_batch_size(micro_batch_size)
+
+
+def check_margin(margin):
+    """The fraction of the budget kept free, in [0, 1), or None (the device's default:
+    default_margin)."""
+    if margin is None:
+        return None
+    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
+        raise ValueError(f"margin must be a fraction of the budget in [0, 1). "
+                         f"Received: margin={margin!r}")
+    return float(margin)
+
+
+def check_budget(budget):
+    """The budget in bytes, an int >= 1, or None (the device's memory)."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
+        raise ValueError(f"budget must be the device memory to use, in bytes (an int >= 1). "
+                         f"Received: budget={budget!r}")
+    return int(budget)
+
+
+def plan(effective_batch, micro_batch_size, replicas=1, **found):
+    """The MicroBatch of E cut into mini-batches of B per replica (K x B in all; B at
+    most a replica's share of E): N and the last mini-batch's samples. `found` fills the
+    search's fields."""
+    effective_batch = check_effective_batch(effective_batch)
+    size = check_micro_batch_size(micro_batch_size)
+    if size == "auto":
+        raise ValueError("plan needs the micro-batch size: find_micro_batch finds it")
+    size = min(size, math.ceil(effective_batch / replicas))
+    mini_batch = size * replicas
+    n = max(1, math.ceil(effective_batch / mini_batch))
+    return MicroBatch(size, n, effective_batch - (n - 1) * mini_batch, effective_batch,
+                      replicas, **found)
+
+
+def describe(found):
+    """One line: how E is cut, and why B (where it was found)."""
+    mini_batch = found.micro_batch_size * found.replicas
+    cut = f"{found.average_gradients} x {mini_batch}"
+    if found.last != mini_batch:
+        cut = f"{found.average_gradients - 1} x {mini_batch} + {found.last}"
+    if found.replicas > 1:
+        cut += f" ({found.micro_batch_size} per replica x {found.replicas} replicas)"
+    line = f"effective batch {found.effective_batch} = {cut}"
+    if found.peak is None:
+        return line
+    why = ("the whole effective batch fits" if mini_batch >= found.effective_batch
+           else f"largest mini-batch that fits: {found.micro_batch_size}"
+           + (" per replica" if found.replicas > 1 else ""))
+    return (f"{line}; {why} (peak {found.peak / MIB:.1f} of {found.budget / MIB:.1f} MiB, "
+            f"{found.margin:.0%} kept free; {len(found.trials)} trials, "
+            f"{found.seconds:.1f} s)")
+
+
+# ---------------------------------------------------------------- the device
+
+
+def is_out_of_memory(error):
+    """Whether a TensorFlow error says the device's memory ran out."""
+    if isinstance(error, tf.errors.ResourceExhaustedError):
+        return True
+    return (isinstance(error, (tf.errors.InternalError, tf.errors.UnknownError))
+            and bool(OUT_OF_MEMORY_TEXT.search(str(error))))
+
+
+def default_device():
+    """The device a model trains on without a strategy: "GPU:0" where there is one."""
+    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def _short_name(device):
+    spec = tf.DeviceSpec.from_string(device or default_device())
+    return f"{spec.device_type}:{spec.device_index or 0}"
+
+
+def device_memory(device=None):
+    """The device's memory in bytes, read where TensorFlow can be told or asked it.
+
+    On the CPU, the BFC allocator's limit (TF_CPU_ALLOCATOR_USE_BFC=true and
+    TF_CPU_BFC_MEM_LIMIT_IN_MB=M, set before TensorFlow starts). On a GPU, the memory
+    limit of its logical device where one was set, else its total memory as NVIDIA's
+    driver reports it (NVML where pynvml is installed, else nvidia-smi; the GPU is found
+    through CUDA_VISIBLE_DEVICES, in the order nvidia-smi numbers them).
+
+    Args:
+      device: "GPU:0", "CPU:0" or a full device name; None: the first GPU, else the CPU.
+
+    Raises:
+      ValueError: the memory cannot be read; the message says how to give a budget.
+    """
+    name = _short_name(device)
+    kind, index = name.split(":")
+    index = int(index)
+    if kind == "CPU":
+        limit = os.environ.get(CPU_LIMIT_ENV, "")
+        if os.environ.get(CPU_BFC_ENV, "").lower() in ("true", "1") and limit.isdigit():
+            return int(limit) * MIB
+        raise ValueError(
+            f"the memory of {name} is not known: run the CPU as a device of M MiB with "
+            f"{CPU_BFC_ENV}=true {CPU_LIMIT_ENV}=M (before TensorFlow starts), or give the "
+            "budget in bytes (budget=...)")
+    if kind == "GPU":
+        physical, limit = _gpu_of_logical(index)
+        if limit is not None:
+            return int(limit) * MIB
+        total = _nvidia_total(physical) if physical is not None else None
+        if total is not None:
+            return total
+    raise ValueError(f"the memory of {name} is not known (no NVML, no nvidia-smi): give "
+                     "the budget in bytes (budget=...)")
+
+
+def default_margin(device=None):
+    """The margin kept free on `device` where none is given: GROWING_MARGIN where its
+    allocator grows (the CPU's BFC allocator; a GPU with memory growth on), else MARGIN."""
+    kind, index = _short_name(device).split(":")
+    if kind == "GPU":
+        physical, _ = _gpu_of_logical(int(index))
+        gpus = tf.config.list_physical_devices("GPU")
+        grows = (os.environ.get("TF_FORCE_GPU_ALLOW_GROWTH", "").lower() == "true"
+                 or (physical is not None
+                     and tf.config.experimental.get_memory_growth(gpus[physical])))
+        return GROWING_MARGIN if grows else MARGIN
+    return GROWING_MARGIN
+
+
+def _gpu_of_logical(index):
+    """(physical GPU index, memory limit in MiB or None) of logical GPU `index`."""
+    logical = 0
+    for physical, gpu in enumerate(tf.config.list_physical_devices("GPU")):
+        configs = tf.config.get_logical_device_configuration(gpu) or [None]
+        for config in configs:
+            if logical == index:
+                return physical, getattr(config, "memory_limit", None)
+            logical += 1
+    return None, None
+
+
+def _nvidia_total(physical):
+    """The total memory in bytes of the `physical`-th visible NVIDIA GPU, or None."""
+    visible = [part.strip() for part in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if part.strip()]
+    ident = visible[physical] if physical < len(visible) else str(physical)
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(ident)) if ident.isdigit()
+                      else pynvml.nvmlDeviceGetHandleByUUID(ident))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML absent or failing in any way: nvidia-smi next
+        pass
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                               "--format=csv,noheader,nounits", "-i", ident],
+                              capture_output=True, text=True, timeout=30, check=True)
+        return int(done.stdout.split()[0]) * MIB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def _statistics(devices):
+    """Checks the devices' allocators keep statistics (the peak is measured there)."""
+    for device in devices:
+        try:
+            tf.config.experimental.get_memory_info(device)
+        except ValueError:
+            raise ValueError(
+                f"{_short_name(device)}'s allocator keeps no statistics, so the micro-batch "
+                f"cannot be measured: on the CPU set {CPU_BFC_ENV}=true before TensorFlow "
+                "starts, or give micro_batch_size as an int") from None
+
+
+# ---------------------------------------------------------------- the search
+
+
+def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None):
+    """The largest micro-batch B (per replica) whose window step fits, for updates of E.
+
+    Args:
+      trainer: what trains: a gradient_averaging.tf2 accumulator, or an
+        AccumulatingModel (keras_fit.accumulate) that fit has built. Its trial_window
+        method gives the trials its own mini-batch pass.
+      sample: one batch as training gets it ((x, y) for the TF2 accumulators; Keras's
+        (x, y[, sample_weight])), of any number of samples: a trial of B samples takes
+        its first B, repeated where it holds fewer. The E samples of an effective batch
+        are kept on the device during the trials, as training keeps one; search while
+        your input pipeline holds what it holds in training (an iterator open, its
+        first batch taken), as fit does.
+      effective_batch: E, the samples of one update (all replicas').
+      budget: the device's memory to use, in bytes; None: device_memory(), each
+        replica's device.
+      margin: the fraction of the budget kept free; None: default_margin (10% on a
+        GPU, 25% where the allocator grows: the CPU's, a GPU's with memory growth).
+
+    Returns:
+      A MicroBatch: B at most ceil(E / replicas), N, the last mini-batch, the peaks.
+
+    Raises:
+      ValueError: bad arguments, a device whose memory or peak cannot be read.
+      NothingFits: one sample per replica, or the update, needs more than the budget
+        less its margin; the message names what it needs.
+    """
+    effective_batch = check_effective_batch(effective_batch)
+    margin = check_margin(margin)
+    start = time.perf_counter()
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, tf.as_dtype(t.dtype)),
+                                 sample)
+    add, window, state = trainer.trial_window(spec)
+    strategy = window.strategy
+    if _workers(strategy) > 1:
+        raise ValueError(
+            "micro_batch_size='auto' under a strategy of several workers: each would find "
+            "its own, where all must cut a batch alike (and a trial that runs out of "
+            "memory aborts the collectives); give micro_batch_size as an int")
+    replicas = strategy.num_replicas_in_sync
+    try:
+        devices = list(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has none: the default device
+        devices = [default_device()]
+    _statistics(devices)
+    budget = check_budget(budget) or min(device_memory(d) for d in devices)
+    if margin is None:
+        margin = max(default_margin(d) for d in devices)
+    limit = budget * (1 - margin)
+    most = math.ceil(effective_batch / replicas)
+    held = _sized(sample, effective_batch)  # one effective batch, as training holds it
+    trials = _Trials(add, window, state, held, devices)
+    try:
+        one = trials.peak(1)
+        if one is None or one > limit:
+            raise NothingFits(_nothing_fits("a mini-batch of one sample", one, budget, margin))
+        update_peak = trials.update()
+        if update_peak is None or update_peak > limit:
+            raise NothingFits(_nothing_fits("the update (the optimizer's apply)", update_peak,
+                                            budget, margin))
+        size, peak = _search(trials.peak, most, limit, one)
+    finally:
+        trials.restore()
+    found = plan(effective_batch, size, replicas, peak=max(peak, update_peak),
+                 update_peak=update_peak, budget=budget, margin=margin,
+                 trials=tuple(trials.done), traces=add.experimental_get_tracing_count(),
+                 seconds=time.perf_counter() - start)
+    logging.info("%s", describe(found))
+    return found
+
+
+def _workers(strategy):
+    """The worker processes of `strategy`'s cluster (1 without one)."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    return max(1, len(resolver.cluster_spec().as_dict().get("worker", [])))
+
+
+def _nothing_fits(what, peak, budget, margin):
+    """The line for a step that does not fit even with one sample."""
+    needs = ("ran out of the device's memory" if peak is None
+             else f"peaks at {peak / MIB:.1f} MiB on the device")
+    return (f"{what} {needs}, over the {budget * (1 - margin) / MIB:.1f} MiB it may use (a "
+            f"{budget / MIB:.1f} MiB budget, {margin:.0%} kept free): no micro-batch fits; "
+            "give a larger budget or a smaller margin, or free the device's memory")
+
+
+def _search(peak_at, most, limit, one):
+    """The largest size in [1, most] whose peak_at(size) (bytes, None where it ran out
+    of memory) is at most `limit`, and its peak; `one`, the peak at 1, fits."""
+    fits, over = {1: one}, {}  # size -> peak; over: None where it ran out of memory
+    size = min(most, 2)
+    while size > 1 and len(fits) + len(over) < MOST_TRIALS:
+        peak = peak_at(size)
+        if peak is not None and peak <= limit:
+            fits[size] = peak
+        else:
+            over[size] = peak
+        largest, too_large = max(fits), min(over, default=most + 1)
+        # Near an out-of-memory error, more trials risk more of them (and their waits):
+        # within 25% of the largest size that fits, that one is taken.
+        near = OOM_NEAR if over.get(too_large, 0) is None else TOLERANCE
+        if too_large - largest <= max(1, near * largest):
+            break
+        size = _guess(fits, over, most, limit)
+    largest = max(fits)
+    return largest, fits[largest]
+
+
+def _guess(fits, over, most, limit):
+    """The next size to try, above the largest that fits and below the smallest that
+    does not, at least TOLERANCE above the first (so that the search ends).
+
+    Until a size is too large: where the peak would come halfway from the largest peak
+    yet to the limit at the steepest slope measured from a size at most half the
+    largest (over such spans an allocator's rounding of one tensor is small), at most
+    twice the largest: an overshoot past the device's memory costs the allocator's wait.
+    Then halfway between the sizes on either side of the limit (the peak is a step
+    function of the size there: a line through two of them guesses no better).
+    """
+    largest, too_large = max(fits), min(over, default=most + 1)
+    if too_large > most:
+        slope = max(((fits[largest] - fits[size]) / (largest - size)
+                     for size in fits if 2 * size <= largest), default=0)
+        guess = 2 * largest
+        if slope > 0:
+            highest = max(fits.values())  # a smaller size's peak, where this one read low
+            guess = min(guess, largest + math.floor((limit - highest) / 2 / slope))
+    else:
+        guess = (largest + too_large) // 2
+    step = max(1, math.ceil(TOLERANCE * largest))
+    return min(max(guess, largest + step), too_large - 1)
+
+
+def _sized(batch, size):
+    """`batch`'s first `size` samples, its samples repeated where it holds fewer."""
+    first = tf.convert_to_tensor(tf.nest.flatten(batch)[0])
+    samples = int(first.shape[0])
+    if samples >= size:
+        return tf.nest.map_structure(lambda t: tf.convert_to_tensor(t)[:size], batch)
+    index = tf.range(size) % samples
+    return tf.nest.map_structure(lambda t: tf.gather(tf.convert_to_tensor(t), index), batch)
+
+
+class _Trials:
+    """The trials on one trainer: a mini-batch's pass added to the window and discarded,
+    the update measured once, every variable a trial may change put back after.
+
+    Attributes:
+      done: (size, peak bytes or None where it ran out of memory) per measured pass.
+    """
+
+    def __init__(self, add, window, state, held, devices):
+        self.add, self.window, self.held, self.devices = add, window, held, devices
+        self.strategy = window.strategy
+        self._apply = tf.function(window.apply)
+        self._discard = tf.function(window.discard)
+        unique = {id(v): v for v in state}
+        # Host copies: the device holds nothing more for them.
+        self._saved = [(v, np.array(v.numpy(), copy=True)) for v in unique.values()]
+        self.done = []
+        self._warm = False
+
+    def _measured(self, run):
+        """run()'s peak in bytes over the devices (the largest), or None on an OOM."""
+        for device in self.devices:
+            tf.config.experimental.reset_memory_stats(device)
+        try:
+            run()
+        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
+                tf.errors.UnknownError) as error:
+            if not is_out_of_memory(error):
+                raise
+            return None
+        return max(tf.config.experimental.get_memory_info(d)["peak"] for d in self.devices)
+
+    def _add(self, size):
+        self.add(_sized(self.held, size))
+
+    def peak(self, size):
+        """The peak of one pass of `size` samples per replica added to an empty window
+        (None where it ran out of memory)."""
+        if not self._warm:  # the first call of a function sets it up (Grappler allocates)
+            self._measured(lambda: self._add(1))
+            self._discard()
+            self._warm = True
+        peak = self._measured(lambda: self._add(size))
+        self._discard()
+        self.done.append((size, peak))
+        return peak
+
+    def update(self):
+        """The update's peak on a window of one sample (None where it ran out of memory),
+        measured at its second call (the first sets the function up); everything it
+        changed then put back."""
+        applied = []
+        try:
+            self._add(1)
+            self._apply()
+            self._add(1)
+            peak = self._measured(lambda: applied.append(bool(self._apply()[0])))
+        finally:
+            self.restore()
+        if applied == [False]:  # skipped (check_finite): the optimizer did not run
+            logging.warning("the sample's loss or gradient was not finite: the update was "
+                            "skipped, and its memory is not measured")
+        return peak
+
+    def restore(self):
+        """Discards the open window, and assigns every saved variable its value back."""
+        self._discard()
+        with self.strategy.scope():
+            for variable, value in self._saved:
+                variable.assign(value)

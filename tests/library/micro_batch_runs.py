@@ -1,0 +1,211 @@
+"""Runs for test_micro_batch, in a process of their own: the CPU as the GPU's BFC allocator
+(tools.memory.probe_env), under a memory limit or without one.
+
+    python -m tests.library.micro_batch_runs --limit-mb=64 --out=DIR   # the trainings
+    python -m tests.library.micro_batch_runs --out=DIR                 # the direct batch
+
+Prints one JSON line: what each run found (the direct batch: its peak) and the CPU
+seconds it took; the weights go to DIR as .npz files. The limited process has two
+logical CPUs, for MirroredStrategy (logical devices must be set before TensorFlow
+starts); they share one allocator. The model's activations dominate its memory and its
+OOM comes from a matmul: Dense layers on every step of a sequence, so a mini-batch's
+peak grows with its samples while the weights stay small.
+"""
+
+import argparse
+import gc
+import json
+import os
+import time
+
+STEPS, FEATURES, UNITS, CLASSES = 64, 64, 512, 10
+E = 211  # prime: no micro-batch but 1 and E divides it
+SAMPLES = E + 52  # two updates an epoch: a whole effective batch and a short one
+SMALL_E = 24  # the effective batch of the searches that check the state they leave
+# Keras builds a model under a strategy from its first batch, which must split evenly
+# across the replicas: two replicas' effective batch is 2 x 53, 53 a prime.
+MIRRORED_E = 106
+
+
+def data():
+    import numpy as np
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((SAMPLES, STEPS, FEATURES)).astype(np.float32)
+    return x, rng.integers(0, CLASSES, SAMPLES).astype(np.int32)
+
+
+def model(batch_norm=False):
+    """The sequence MLP, seeded; batch_norm=True: with batch norm and dropout between
+    its layers (state that a trial must leave as it was)."""
+    import keras
+    init = keras.initializers.GlorotUniform
+    middle = ([keras.layers.BatchNormalization(), keras.layers.Dropout(0.5, seed=3)]
+              if batch_norm else [])
+    return keras.Sequential([
+        keras.Input((STEPS, FEATURES)),
+        keras.layers.Dense(UNITS, activation="relu", kernel_initializer=init(1)), *middle,
+        keras.layers.Dense(UNITS, activation="relu", kernel_initializer=init(2)),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(CLASSES, kernel_initializer=init(3))])
+
+
+def loss(reduction="sum_over_batch_size"):
+    import keras
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
+def compiled(net):
+    import keras
+    net.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss())
+    return net
+
+
+def save(out, name, variables):
+    import numpy as np
+    np.savez(os.path.join(out, f"{name}.npz"), *[v.numpy() for v in variables])
+
+
+def found(micro_batch):
+    return {key: value for key, value in micro_batch._asdict().items()}
+
+
+def state(variables):
+    """Every variable's value, on the host."""
+    return [v.numpy().copy() for v in variables]
+
+
+def unchanged(before, variables):
+    import numpy as np
+    return all(np.array_equal(a, v.numpy()) for a, v in zip(before, variables, strict=True))
+
+
+def direct(out, effective_batch, name):
+    """Keras fit on batches of E, without a limit: the reference weights, and the peak
+    that shows it cannot fit under the limit."""
+    import tensorflow as tf
+    x, y = data()
+    net = compiled(model())
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    net.fit(x, y, batch_size=effective_batch, shuffle=False, verbose=0)
+    save(out, name, net.trainable_variables)
+    return {"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+
+
+def keras_auto(out):
+    from gradient_averaging import keras_fit
+    x, y = data()
+    net = model()
+    accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto"))
+    accumulating.fit(x, y, batch_size=E, shuffle=False, verbose=0)
+    save(out, "keras", net.trainable_variables)
+    return {"found": found(accumulating.micro_batch),
+            "updates": int(accumulating.optimizer.iterations)}
+
+
+def tf2_auto(out):
+    import keras
+    import tensorflow as tf
+
+    from gradient_averaging import tf2
+    x, y = data()
+    net = model()
+    summary = tf2.fit_accumulated(
+        net, tf.data.Dataset.from_tensor_slices((x, y)).batch(E), keras.optimizers.Adam(1e-3),
+        loss(None), micro_batch_size="auto")
+    save(out, "tf2", net.trainable_variables)
+    return {"found": found(summary.micro_batch), "updates": summary.updates,
+            "mini_batches": summary.mini_batches}
+
+
+def trials_leave_the_state():
+    """Searches on a model with batch norm and dropout: every variable of the model, the
+    optimizer and the trainer bit for bit as before, though the trials stepped the seeds
+    and the update the weights, the optimizer and the moving statistics. On a small
+    effective batch (SMALL_E): the state, not the size, is the point. Keras's model is
+    fitted once first: fit builds what the trials run."""
+    import keras
+
+    from gradient_averaging import keras_fit
+    from gradient_averaging import micro_batch
+    from gradient_averaging import tf2
+    x, y = data()
+    sample = (x[:SMALL_E], y[:SMALL_E])
+    accumulator = tf2.WindowAccumulator(model(batch_norm=True), keras.optimizers.Adam(1e-3),
+                                        loss(None))
+    tracked = (accumulator.model.variables + list(accumulator.optimizer.variables)
+               + [accumulator.loss_total, accumulator.samples_total])
+    before = state(tracked)
+    tf2_found = micro_batch.find_micro_batch(accumulator, sample, SMALL_E)
+    result = {"tf2": unchanged(before, tracked), "tf2_found": found(tf2_found)}
+
+    accumulating = compiled(keras_fit.accumulate(model(batch_norm=True), micro_batch_size=4))
+    accumulating.fit(*sample, batch_size=SMALL_E, shuffle=False, verbose=0)
+    tracked = (accumulating.variables + list(accumulating.optimizer.variables)
+               + accumulating.metrics_variables)
+    before = state(tracked)
+    keras_found = micro_batch.find_micro_batch(accumulating, sample, SMALL_E)
+    result.update(keras=unchanged(before, tracked), keras_found=found(keras_found))
+    return result
+
+
+def mirrored(out, strategy):
+    """Keras fit under two mirrored replicas, each batch cut on each replica into
+    mini-batches of the size found for one replica."""
+    from gradient_averaging import keras_fit
+    x, y = data()
+    with strategy.scope():
+        net = model()
+        accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto"))
+    accumulating.fit(x, y, batch_size=MIRRORED_E, shuffle=False, verbose=0)
+    save(out, "mirrored", net.trainable_variables)
+    return {"found": found(accumulating.micro_batch)}
+
+
+def nothing_fits():
+    """A budget of 1 MiB: one sample's mini-batch needs more; one line says how much."""
+    import keras
+
+    from gradient_averaging import micro_batch
+    from gradient_averaging import tf2
+    x, y = data()
+    accumulator = tf2.WindowAccumulator(model(), keras.optimizers.Adam(), loss(None))
+    try:
+        micro_batch.find_micro_batch(accumulator, (x[:4], y[:4]), E, budget=1 << 20)
+    except micro_batch.NothingFits as error:
+        return str(error)
+    return None
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--limit-mb", type=int)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if not args.limit_mb:
+        print(json.dumps({"direct": direct(args.out, E, "direct"),
+                          "direct_mirrored": direct(args.out, MIRRORED_E, "direct_mirrored")}))
+        return
+    import keras
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    runs = {"keras": lambda: keras_auto(args.out), "tf2": lambda: tf2_auto(args.out),
+            "trials": trials_leave_the_state, "mirrored": lambda: mirrored(args.out, two),
+            "nothing_fits": nothing_fits}
+    results, seconds = {}, {}
+    for name, run in runs.items():
+        start = time.process_time()
+        results[name] = run()
+        # Most of what a run made goes (a few MiB of each model stay in Keras's and
+        # TensorFlow's caches: the later runs measure them as memory in use).
+        keras.backend.clear_session()
+        gc.collect()
+        seconds[name] = time.process_time() - start
+    print(json.dumps(dict(results, cpu_seconds=seconds)))
+
+
+if __name__ == "__main__":
+    from experiment import cli
+    cli.import_tensorflow_quietly()
+    main()

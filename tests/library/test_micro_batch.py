@@ -1,0 +1,334 @@
+"""micro_batch: say the effective batch; the micro-batch that fits is found on the device's
+memory, and each update is still exactly that batch's.
+
+Under a memory limit (the CPU as the GPU's BFC allocator, tests/library/micro_batch_runs:
+one process for every limited run, one for the references without the limit, side by
+side): the direct batch needs more than the limit; Keras fit (accumulate with
+micro_batch_size="auto") and fit_accumulated find a micro-batch, train without an OOM
+and reach the direct batch's weights, on a prime effective batch (no micro-batch divides
+it) and on two mirrored replicas; the searches leave every variable as they found it; a
+budget too small for one sample is one clear error. In this process: the plan's
+arithmetic, the search on synthetic peaks (out-of-memory errors included), a given
+micro-batch's exactness, and bad input refused before any training.
+"""
+
+import concurrent.futures
+import json
+import math
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_averaging import keras_fit
+from gradient_averaging import micro_batch
+from gradient_averaging import tf2
+from tests.library import micro_batch_runs as runs_lib
+from tests.library.toys import compiled
+from tests.library.toys import data
+from tests.library.toys import fit
+from tests.library.toys import max_difference
+from tests.library.toys import tiny_model
+from tools import common
+from tools import memory
+
+LIMIT_MB = 64
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(the limited process's results, the references', the folder of their weights)."""
+    out = tmp_path_factory.mktemp("micro_batch")
+
+    def run(limit_mb):
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.library.micro_batch_runs", f"--out={out}"]
+            + ([f"--limit-mb={limit_mb}"] if limit_mb else []),
+            cwd=common.ROOT, env=memory.probe_env(limit_mb), capture_output=True, text=True,
+            timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        limited, reference = pool.map(run, [LIMIT_MB, None])
+    return limited, reference, out
+
+
+def weights(out, name):
+    with np.load(os.path.join(out, f"{name}.npz")) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def assert_direct_weights(out, name, reference="direct"):
+    for got, want in zip(weights(out, name), weights(out, reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def assert_found(found, effective_batch, replicas=1):
+    """A micro-batch that accumulates (1 < B, K x B < E), found within the budget less
+    its margin, N and the last mini-batch as the effective batch's cut, one trace."""
+    size, mini_batch = found["micro_batch_size"], found["micro_batch_size"] * replicas
+    assert found["replicas"] == replicas
+    assert 1 < size and mini_batch < effective_batch, found
+    assert found["average_gradients"] == math.ceil(effective_batch / mini_batch)
+    assert found["last"] == effective_batch - (found["average_gradients"] - 1) * mini_batch
+    assert found["budget"] == LIMIT_MB * MIB
+    assert found["margin"] == micro_batch.GROWING_MARGIN  # the CPU's allocator grows
+    assert found["peak"] <= found["budget"] * (1 - found["margin"])
+    assert found["traces"] == 1  # one trace for every size tried
+    # The size taken is the largest that fit of those tried.
+    fitted = [s for s, peak in found["trials"]
+              if peak is not None and peak <= found["budget"] * (1 - found["margin"])]
+    assert size == max(fitted)
+
+
+def test_the_direct_batch_needs_more_than_the_limit(runs):
+    _, reference, _ = runs
+    assert reference["direct"]["peak"] > LIMIT_MB * MIB, reference
+
+
+def test_keras_fit_trains_each_batch_as_micro_batches_that_fit(runs):
+    limited, _, out = runs
+    result = limited["keras"]
+    assert_found(result["found"], runs_lib.E)
+    assert runs_lib.E % result["found"]["micro_batch_size"]  # a short last mini-batch
+    assert result["updates"] == 2  # one per batch: E, then the epoch's last 52
+    assert_direct_weights(out, "keras")
+
+
+def test_fit_accumulated_trains_each_batch_as_micro_batches_that_fit(runs):
+    limited, _, out = runs
+    result = limited["tf2"]
+    found = result["found"]
+    assert_found(found, runs_lib.E)
+    assert result["updates"] == 2
+    assert result["mini_batches"] == found["average_gradients"] + math.ceil(
+        (runs_lib.SAMPLES - runs_lib.E) / found["micro_batch_size"])
+    assert_direct_weights(out, "tf2")
+
+
+def test_under_two_mirrored_replicas_the_micro_batch_is_each_replicas(runs):
+    limited, _, out = runs
+    found = limited["mirrored"]["found"]
+    assert_found(found, runs_lib.MIRRORED_E, replicas=2)
+    assert found["micro_batch_size"] <= runs_lib.MIRRORED_E // 2
+    assert_direct_weights(out, "mirrored", reference="direct_mirrored")
+
+
+def test_trials_leave_every_variable_as_they_found_it(runs):
+    limited, _, _ = runs
+    result = limited["trials"]
+    assert result["tf2"] and result["keras"], result
+    for found in (result["tf2_found"], result["keras_found"]):
+        assert len(found["trials"]) > 2  # they did train mini-batches, and the update
+
+
+def test_a_budget_one_sample_exceeds_is_one_line_naming_its_peak(runs):
+    limited, _, _ = runs
+    line = limited["nothing_fits"]
+    assert line and "\n" not in line
+    assert line.startswith("a mini-batch of one sample peaks at ") and "MiB" in line
+    assert "budget" in line, line
+
+
+# ---------------------------------------------------------------- in this process
+
+
+def test_plan_cuts_the_effective_batch():
+    found = micro_batch.plan(211, 60)
+    assert found[:5] == (60, 4, 31, 211, 1)
+    assert str(found) == "effective batch 211 = 3 x 60 + 31"
+    assert micro_batch.plan(212, 53)[:3] == (53, 4, 53)
+    assert str(micro_batch.plan(212, 53)) == "effective batch 212 = 4 x 53"
+    assert micro_batch.plan(211, 500)[:3] == (211, 1, 211)  # at most E
+    two = micro_batch.plan(106, 24, replicas=2)
+    assert two[:3] == (24, 3, 10)
+    assert str(two) == ("effective batch 106 = 2 x 48 + 10 (24 per replica x 2 replicas)")
+    assert micro_batch.plan(106, 60, replicas=2)[:3] == (53, 1, 106)
+    searched = micro_batch.plan(211, 60, peak=30 * MIB, update_peak=10 * MIB,
+                                budget=64 * MIB, margin=0.1, trials=((1, 1), (60, 2)),
+                                seconds=1.5)
+    assert str(searched) == (
+        "effective batch 211 = 3 x 60 + 31; largest mini-batch that fits: 60 (peak 30.0 of "
+        "64.0 MiB, 10% kept free; 2 trials, 1.5 s)")
+
+
+def curve(base, per_sample, device, jump_at=None, jump=0.0):
+    """A synthetic peak: base + per_sample x size, plus `jump` from `jump_at` on (an
+    allocator's chunk); None (out of memory) above `device`. Returns (the peak, a
+    peak_at that records the sizes it is asked, those sizes)."""
+    def peak(size):
+        value = base + per_sample * size + (jump if jump_at and size >= jump_at else 0.0)
+        return None if value > device else value
+
+    tried = []
+
+    def peak_at(size):
+        tried.append(size)
+        return peak(size)
+
+    return peak, peak_at, tried
+
+
+@pytest.mark.parametrize("jump_at", [None, 700])
+@pytest.mark.parametrize("most", [1, 3, 100, 5000])
+def test_the_search_finds_the_largest_size_under_the_limit(most, jump_at):
+    device, limit = 100.0, 90.0
+    peak, peak_at, tried = curve(10.0, 0.1, device, jump_at, jump=9.0)
+    size, found = micro_batch._search(peak_at, most, limit, peak(1))  # noqa: SLF001 (the search's own pieces, tested directly)
+    largest = max(s for s in range(1, most + 1) if (peak(s) or math.inf) <= limit)
+    assert found == peak(size) <= limit
+    assert size >= (1 - micro_batch.TOLERANCE) * largest, (size, largest, tried)
+    assert len(tried) < micro_batch.MOST_TRIALS
+    assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
+
+
+def test_after_an_out_of_memory_error_the_search_takes_the_largest_size_below_it():
+    """A device that runs out of memory well before the limit (fragmentation): an OOM or
+    two, then the largest size that fitted, within OOM_NEAR of the smallest that did not."""
+    peak, peak_at, tried = curve(10.0, 0.1, device=60.0)
+    size, _ = micro_batch._search(peak_at, 5000, 90.0, peak(1))  # noqa: SLF001 (the search's own pieces, tested directly)
+    largest = 500  # the peak at 500 is the device's 60
+    assert (1 - micro_batch.OOM_NEAR) * largest <= size <= largest, tried
+    assert sum(peak(s) is None for s in tried) <= 2, tried
+
+
+def test_a_given_micro_batch_trains_to_the_direct_batchs_weights():
+    """Keras fit and both TF2 accumulators, each batch of 37 (a prime) one update cut
+    into mini-batches of 8 (4 x 8 + 5), against plain Keras on batches of 37; no
+    memory is measured for a given size."""
+    x, y = data()
+    reference = compiled(tiny_model(), keras.optimizers.Adam(0.05))
+    fit(reference, x, y, 37)
+    accumulating = compiled(keras_fit.accumulate(tiny_model(), micro_batch_size=8),
+                            keras.optimizers.Adam(0.05))
+    fit(accumulating, x, y, 37)
+    assert accumulating.micro_batch[:3] == (8, 5, 5)
+    assert_same_weights(accumulating, reference)
+    assert int(accumulating.optimizer.iterations) == int(reference.optimizer.iterations)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    for one_call in (True, False):
+        model = tiny_model()
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(37).repeat(2)
+        summary = tf2.fit_accumulated(model, batches, keras.optimizers.Adam(0.05), loss,
+                                      micro_batch_size=8, one_call=one_call)
+        assert summary.updates == int(reference.optimizer.iterations)
+        assert summary.micro_batch[:3] == (8, 5, 5)
+        assert_same_weights(model, reference)
+
+
+def assert_same_weights(model, reference):
+    """The suite's tolerance for the direct batch, as in the limited runs above."""
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert max_difference(model, tiny_model()) > 1e-2  # it trained
+
+
+def unchanged(model, before):
+    return all(np.array_equal(a, b) for a, b in zip(model.get_weights(), before))
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({}, "give average_gradients=N"),
+    ({"average_gradients": 4, "micro_batch_size": "auto"}, "contradict"),
+    ({"micro_batch_size": 0}, "micro_batch_size must be 'auto' or an int >= 1"),
+    ({"micro_batch_size": "largest"}, "micro_batch_size must be 'auto'"),
+    ({"micro_batch_size": True}, "micro_batch_size must be 'auto'"),
+    ({"micro_batch_size": "auto", "margin": 1.0}, "margin must be a fraction"),
+    ({"micro_batch_size": "auto", "budget": 0}, "budget must be the device memory"),
+])
+def test_bad_arguments_are_refused_before_any_training(kwargs, words):
+    x, y = data()
+    with pytest.raises(ValueError, match=words):
+        keras_fit.accumulate(tiny_model(), **kwargs)
+    model = tiny_model()
+    before = model.get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with pytest.raises(ValueError, match=words):
+        tf2.fit_accumulated(model, [(x[:37], y[:37])], keras.optimizers.Adam(), loss,
+                            **kwargs)
+    assert unchanged(model, before)
+
+
+def test_an_effective_batch_of_no_samples_is_refused():
+    accumulator = tf2.WindowAccumulator(tiny_model(), keras.optimizers.Adam(),
+                                        keras.losses.SparseCategoricalCrossentropy(
+                                            from_logits=True, reduction=None))
+    x, y = data(4)
+    for bad in (0, -3, 2.5, None):
+        with pytest.raises(ValueError, match="effective_batch must be an int >= 1"):
+            micro_batch.find_micro_batch(accumulator, (x, y), bad)
+    model = compiled(keras_fit.accumulate(tiny_model(), micro_batch_size=8),
+                     keras.optimizers.Adam())
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        model.fit(x, y, batch_size=0, verbose=0)
+
+
+def test_auto_without_a_way_to_measure_memory_is_refused_before_any_training():
+    """This process's CPU runs TensorFlow's default allocator: no statistics, no limit."""
+    x, y = data()
+    model = tiny_model()
+    before = model.get_weights()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):
+        tf2.fit_accumulated(model, [(x[:37], y[:37])], keras.optimizers.Adam(), loss,
+                            micro_batch_size="auto")
+    assert unchanged(model, before)
+    accumulating = compiled(keras_fit.accumulate(model, micro_batch_size="auto"),
+                            keras.optimizers.Adam())
+    with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):
+        accumulating.fit(x, y, batch_size=37, verbose=0)
+    assert unchanged(model, before)
+
+
+def test_device_memory_is_read_where_it_is_known(monkeypatch, tmp_path):
+    monkeypatch.setenv(micro_batch.CPU_BFC_ENV, "true")
+    monkeypatch.setenv(micro_batch.CPU_LIMIT_ENV, "48")
+    assert micro_batch.device_memory("CPU:0") == 48 * MIB
+    assert micro_batch.device_memory("/job:localhost/replica:0/task:0/device:CPU:0") == 48 * MIB
+    monkeypatch.delenv(micro_batch.CPU_LIMIT_ENV)
+    with pytest.raises(ValueError, match=r"give the budget in bytes \(budget=\.\.\.\)"):
+        micro_batch.device_memory("CPU:0")
+    # A GPU's total, from nvidia-smi where NVML is not installed (here, a stand-in).
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 81559\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert micro_batch._nvidia_total(0) == 81559 * MIB  # noqa: SLF001 (the search's own pieces, tested directly)
+
+
+def test_workers_are_counted_from_the_strategys_cluster():
+    """'auto' is refused under several workers: each would find its own micro-batch."""
+    class Resolver:
+        def __init__(self, workers):
+            self.workers = workers
+
+        def cluster_spec(self):
+            return tf.train.ClusterSpec({"worker": [f"host:{i}" for i in range(self.workers)]})
+
+    class Strategy:
+        def __init__(self, workers):
+            self.cluster_resolver = Resolver(workers)
+
+    assert micro_batch._workers(tf.distribute.get_strategy()) == 1  # noqa: SLF001 (the search's own pieces, tested directly)
+    assert micro_batch._workers(Strategy(1)) == 1  # noqa: SLF001 (the search's own pieces, tested directly)
+    assert micro_batch._workers(Strategy(3)) == 3  # noqa: SLF001 (the search's own pieces, tested directly)
+
+
+def test_the_margin_is_larger_where_the_allocator_grows():
+    assert micro_batch.default_margin("CPU:0") == micro_batch.GROWING_MARGIN
+    assert micro_batch.MARGIN < micro_batch.GROWING_MARGIN
+
+
+def test_out_of_memory_errors_are_recognized():
+    assert micro_batch.is_out_of_memory(tf.errors.ResourceExhaustedError(None, None, "OOM"))
+    assert micro_batch.is_out_of_memory(
+        tf.errors.InternalError(None, None, "CUBLAS_STATUS_ALLOC_FAILED"))
+    assert not micro_batch.is_out_of_memory(tf.errors.InternalError(None, None, "bad kernel"))
+    assert not micro_batch.is_out_of_memory(ValueError("OOM"))
