@@ -176,8 +176,9 @@ def cut(batch, size, add):
         with tf.control_dependencies(tf.nest.flatten(added, expand_composites=True)):
             return i + 1
 
-    return tf.while_loop(lambda i: i < count, body, (tf.constant(0),),
-                         parallel_iterations=PARALLEL_ITERATIONS)
+    added, = tf.while_loop(lambda i: i < count, body, (tf.constant(0),),
+                           parallel_iterations=PARALLEL_ITERATIONS)
+    return added
 
 
 def add_in_place(sums, gradients, first):
