@@ -12,6 +12,7 @@ from experiment import averagers
 from tests.helpers import ROOT
 from tools import bench_contenders
 from tools import bench_device
+from tools import bench_tensor_memory
 from tools import gpu_check
 
 FAKE_GPU = [dict(name="/physical_device:GPU:0", device_name="NVIDIA H100 80GB HBM3",
@@ -100,7 +101,15 @@ def test_on_a_gpu_gpu_md_records_the_device_the_tests_every_number_and_the_targe
     monkeypatch.setattr(bench_device, "gpus", lambda: FAKE_GPU)
     monkeypatch.setattr(gpu_check, "run_gpu_tests", lambda: tests)
     monkeypatch.setattr(bench_device.Device, "measure", lambda self, run: fake_device(230.0, 1.0))
+    measured = []
+
+    def tensor_memory(self, run):  # the tensor-memory table, read from the GPU's allocator
+        measured.append(self.gpu)
+        return dict(tables={}, growth=None)
+
+    monkeypatch.setattr(bench_tensor_memory.TensorMemory, "measure", tensor_memory)
     text = gpu_check.check(str(tmp_path / "GPU.md"), log=lambda line: None)
+    assert measured == [True] and f"## {bench_tensor_memory.TensorMemory.title}" in text
     assert "No GPU" not in text
     assert "| /physical_device:GPU:0 | NVIDIA H100 80GB HBM3 | 9.0 | 550.54.15 | 81559 MiB |" \
         in text
