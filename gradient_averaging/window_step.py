@@ -160,10 +160,7 @@ class WindowStep:
         self.statistics_sums = None
         self.activity_sums = self.activity_losses = None
         with strategy.scope():
-            self.sums = [replicas_lib.local_variable(
-                tf.zeros(v.shape, window_lib.accumulator_dtype(v)),
-                tf.VariableAggregation.SUM, f"window_sum_{i}")
-                for i, v in enumerate(self.variables)]
+            self.sums = self._accumulators("window_sum")
             self.mini_batches = replicas_lib.local_variable(
                 0, tf.VariableAggregation.ONLY_FIRST_REPLICA, "window_mini_batches")
             self.samples = replicas_lib.local_variable(
@@ -171,12 +168,15 @@ class WindowStep:
             self.nonfinite = replicas_lib.local_variable(
                 0.0, tf.VariableAggregation.SUM, "window_nonfinite")
             if summed_activity:  # one more accumulator, only for such a model
-                self.activity_sums = [replicas_lib.local_variable(
-                    tf.zeros(v.shape, window_lib.accumulator_dtype(v)),
-                    tf.VariableAggregation.SUM, f"window_activity_sum_{i}")
-                    for i, v in enumerate(self.variables)]
+                self.activity_sums = self._accumulators("window_activity_sum")
                 self.activity_losses = replicas_lib.local_variable(
                     0.0, tf.VariableAggregation.SUM, "window_activity_losses")
+
+    def _accumulators(self, name):
+        """One replica-local sum per trainable variable, in its accumulation type."""
+        return [replicas_lib.local_variable(
+            tf.zeros(v.shape, window_lib.accumulator_dtype(v)),
+            tf.VariableAggregation.SUM, f"{name}_{i}") for i, v in enumerate(self.variables)]
 
     def mini_batch_gradients(self, model, weights, non_trainable, x, objective):
         """The module's mini_batch_gradients with this window's statistics, its
