@@ -26,8 +26,13 @@ def all_values():
 
 
 def train_config():
-    """The config.Config (the shape of one run) the flags describe."""
-    return config.from_values(config.Config, all_values())
+    """The config.Config (the shape of one run) the flags describe: with an effective
+    batch, its N derived from a given B (--batch-size=auto leaves B at config.AUTO, for
+    main.py to find on the device)."""
+    train = config.from_values(config.Config, all_values())
+    if train.batch_size == config.AUTO:
+        return train
+    return config.with_micro_batch(train, train.batch_size)
 
 
 def runs():

@@ -13,6 +13,7 @@ from absl import logging
 
 import flags  # neither imports TensorFlow: the flags are checked first
 from experiment import cli
+from experiment import config as config_lib
 
 FLAGS = flags.FLAGS
 
@@ -63,8 +64,11 @@ def main(argv):
     config, runs = flags.train_config(), flags.runs()
     try:
         loop.prepare(config)  # devices are fixed once TensorFlow's runtime starts
+        config, cut = loop.effective_batch(config)  # --batch-size=auto: found here
     except ValueError as e:  # the engine cannot run this configuration here
         cli.fail(str(e))
+    if cut:
+        print(cut, flush=True)
     with contextlib.ExitStack() as held:  # the checkpoint directory's lock, to the end
         try:
             runs = results.check_outputs(config, runs, held)
@@ -74,7 +78,7 @@ def main(argv):
 
         with StopSignals() as stop:
             try:
-                loop.train_reps(config, datasets, runs, flags.all_values(), stop)
+                loop.train_reps(config, datasets, runs, record(config), stop)
             except checkpoint.CheckpointError as e:
                 cli.fail(str(e))
             except results.WriteError as e:  # a full disk, a lost permission
@@ -84,13 +88,26 @@ def main(argv):
             except tf.errors.OpError as e:  # the device's memory ran out (the checkpoint
                 # in force stays), or an op has no deterministic kernel here
                 line = memory.out_of_memory(e, config.average_gradients, config.batch_size,
-                                            runs.checkpoint_dir)
+                                            runs.checkpoint_dir, config.effective_batch_size)
                 if line is not None:
                     cli.fail(line, code=1)
                 line = cli.missing_deterministic_kernel(e) if config.deterministic else None
                 if line is None:
                     raise
                 cli.fail(line)
+
+
+def record(config):
+    """What the results file says made the runs: every flag's value, and the window as
+    trained (B found where --batch-size=auto; N and the last mini-batch derived from E)."""
+    values = flags.all_values()
+    if config.effective_batch_size:
+        values.update({"batch-size": config.batch_size,
+                       "average-gradients": config.average_gradients,
+                       "last-mini-batch": config_lib.mini_batch_size(
+                           config, config.average_gradients),
+                       "batch-size-given": flags.value("batch-size")})
+    return values
 
 
 def parse_flags_then_import_tensorflow(argv):

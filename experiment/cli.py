@@ -87,6 +87,10 @@ def _define(setting, flag_values, module):
     if setting.kind == "enum":
         flags.DEFINE_enum(setting.name, setting.default, list(setting.choices), setting.help,
                           **kwargs)
+    elif setting.auto:
+        flags.DEFINE(_IntegerOrAuto(setting.lower, setting.upper), setting.name,
+                     setting.default, setting.help, serializer=flags.ArgumentSerializer(),
+                     **{k: v for k, v in kwargs.items() if not k.endswith("_bound")})
     else:
         default = list(setting.default) if setting.kind == "multi_integer" else setting.default
         getattr(flags, "DEFINE_" + setting.kind)(setting.name, default, setting.help, **kwargs)
@@ -94,6 +98,19 @@ def _define(setting, flag_values, module):
         predicate, must = setting.check
         flags.register_validator(setting.name, predicate, message=f"--{setting.name} {must}",
                                  flag_values=flag_values)
+
+
+class _IntegerOrAuto(flags.IntegerParser):
+    """An integer flag that also takes `auto` (config.AUTO: found when the run starts)."""
+
+    def __init__(self, lower_bound=None, upper_bound=None):
+        super().__init__(lower_bound, upper_bound)
+        self.syntactic_help += " or auto"
+
+    def parse(self, argument):
+        if isinstance(argument, str) and argument.strip().lower() == "auto":
+            return config.AUTO
+        return super().parse(argument)
 
 
 def parse_flags(argv, flag_values=flags.FLAGS):

@@ -18,6 +18,7 @@ import importlib
 import math
 
 MAX_SEED = 2**31 - 1  # run r uses seed + r; TensorFlow's graph seed must fit
+AUTO = "auto"  # --batch-size=auto, until main.py finds the micro-batch (with_micro_batch)
 # Old flag name -> its new name; the old one still works, with a warning (cli.py).
 RENAMED = {"strategy": "distribute"}
 
@@ -78,7 +79,7 @@ def _positive(value):
 
 def setting(default, help, *,  # noqa: A002 (absl's name)
             lower=None, upper=None, choices=None, check=None, flag=None, identity=False,
-            post=None):
+            post=None, auto=False):
     """A field that is a setting: its default and its flag's definition.
 
     Args:
@@ -89,10 +90,11 @@ def setting(default, help, *,  # noqa: A002 (absl's name)
       flag: the public name, where it is not the field's with dashes.
       identity: a resumed run must have the same value as its checkpoint.
       post: the post's value, which tools/reproduce.py pins for every run.
+      auto: the flag also takes `auto` (stored as AUTO: found when the run starts).
     """
     return dataclasses.field(default=default, metadata=dict(
         help=help, lower=lower, upper=upper, choices=choices, check=check, flag=flag,
-        identity=identity, post=post))
+        identity=identity, post=post, auto=auto))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +105,14 @@ class Config:
     average_gradients: int = setting(
         1, "N: mini-batches whose gradients are averaged into one update (1: no averaging).",
         lower=1, identity=True)
-    batch_size: int = setting(100, "B: samples per mini-batch.", lower=1, identity=True)
+    batch_size: int = setting(
+        100, "B: samples per mini-batch; auto (with --effective-batch-size, --engine=tf2): "
+        "the largest that fits in the device's memory, found before training.", lower=1,
+        identity=True, auto=True)
+    effective_batch_size: int = setting(
+        0, "E: samples per update, instead of --average-gradients: each window is E "
+        "samples cut into mini-batches of --batch-size, the last one shorter where B does "
+        "not divide E (N = ceil(E / B)). 0: off.", lower=0, identity=True)
     iterations: int = setting(
         1000, "Mini-batches per run; updates applied = ceil(iterations / N).", lower=1,
         identity=True)
@@ -204,6 +213,25 @@ class Rule:
 
 
 RULES = (
+    Rule(("effective-batch-size", "average-gradients"),
+         lambda v: not v["effective-batch-size"] or v["average-gradients"] == 1,
+         "--effective-batch-size=E replaces --average-gradients (N is then ceil(E / B)): "
+         "give one of them"),
+    Rule(("batch-size", "effective-batch-size"),
+         lambda v: v["batch-size"] != AUTO or v["effective-batch-size"],
+         "--batch-size=auto finds the micro-batch of an effective batch: give "
+         "--effective-batch-size=E with it"),
+    Rule(("batch-size", "engine"), lambda v: v["batch-size"] != AUTO or v["engine"] == "tf2",
+         "--batch-size=auto measures the tf2 engine's pass on the device: add --engine=tf2, "
+         "or give --batch-size=B"),
+    Rule(("effective-batch-size", "batch-size", "engine", "accumulate"),
+         lambda v: (not v["effective-batch-size"] or v["batch-size"] == AUTO
+                    or v["effective-batch-size"] % v["batch-size"] == 0
+                    or v["engine"] == "tf2" or v["accumulate"] == "fused"),
+         "--batch-size does not divide --effective-batch-size, so each window's last "
+         "mini-batch is shorter, and --accumulate weighs mini-batches equally: use "
+         "--accumulate=fused or --engine=tf2 (they weigh each by its samples), or a "
+         "--batch-size that divides E"),
     Rule(("seed", "reps"), lambda v: v["seed"] + v["reps"] - 1 <= MAX_SEED,
          f"--seed + --reps - 1 must be at most {MAX_SEED}"),
     Rule(("engine", "distribute"), lambda v: v["distribute"] == "none" or v["engine"] == "tf2",
@@ -252,6 +280,7 @@ class Setting:
     post: object = None
     attribute: str = None
     owner: type = None
+    auto: bool = False
 
 
 _KINDS = {int: "integer", float: "float", str: "string", bool: "bool",
@@ -264,7 +293,8 @@ def _settings(cls):
         kind = "enum" if meta["choices"] else _KINDS[field.type]
         yield Setting(meta["flag"] or field.name.replace("_", "-"), kind, field.default,
                       meta["help"], meta["lower"], meta["upper"], meta["choices"],
-                      meta["check"], meta["identity"], meta["post"], field.name, cls)
+                      meta["check"], meta["identity"], meta["post"], field.name, cls,
+                      meta["auto"])
 
 
 SETTINGS = {s.name: s for cls in (Config, Runs) for s in _settings(cls)}
@@ -283,6 +313,34 @@ def from_values(cls, values):
 
 
 # ---------------------------------------------------------------- what the settings mean
+
+
+def with_micro_batch(config, batch_size):
+    """`config` with its window cut for its effective batch E into mini-batches of
+    `batch_size` (at most E): B and N = ceil(E / B) set; unchanged without E."""
+    if not config.effective_batch_size:
+        return config
+    size = min(batch_size, config.effective_batch_size)
+    return dataclasses.replace(config, batch_size=size, average_gradients=math.ceil(
+        config.effective_batch_size / size))
+
+
+def mini_batch_size(config, iteration):
+    """Samples of mini-batch `iteration` (from 1): B, but E's rest for a window's last."""
+    n = config.average_gradients
+    if config.effective_batch_size and iteration % n == 0:
+        return config.effective_batch_size - (n - 1) * config.batch_size
+    return config.batch_size
+
+
+def samples_before(config, iteration):
+    """Samples in the first `iteration` mini-batches (where the next one starts)."""
+    if not config.effective_batch_size:
+        return iteration * config.batch_size
+    windows, rest = divmod(iteration, config.average_gradients)
+    return windows * config.effective_batch_size + rest * config.batch_size
+
+
 
 
 def evaluation_due(config, iteration, updates, applied):

@@ -248,8 +248,11 @@ class SampleStream:
 
 def batches(split, seed, batch_size, position=0, count=None):
     """`count` mini-batches (None: endless) of `split` from sample `position` of seed's
-    SampleStream: what the loop feeds either engine, and the benchmarks too."""
+    SampleStream: what the loop feeds either engine, and the benchmarks too.
+    `batch_size`: B, or a function of the mini-batch's index (from 0) giving its size."""
     stream = SampleStream(len(split.labels), seed, position)
-    while count is None or count > 0:
-        yield stream.next_batch(split, batch_size)
-        count = None if count is None else count - 1
+    size = batch_size if callable(batch_size) else lambda unused: batch_size
+    index = 0
+    while count is None or index < count:
+        yield stream.next_batch(split, size(index))
+        index += 1

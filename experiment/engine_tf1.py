@@ -89,6 +89,7 @@ class Engine:
         self.sess = self.run_graph.session()
         self.sess.run(self.run_graph.init_op)
         self._loss_sum, self._samples = 0.0, 0  # finite training losses, per sample
+        self._sizes = []  # samples of the mini-batches whose losses are still to come
 
     def summary(self):
         """A line for the verbose log about how it trains; none here."""
@@ -100,6 +101,7 @@ class Engine:
     def step(self, images, labels, iteration):
         """Trains one mini-batch, its dropout seeded by (seed, iteration)."""
         run_graph = self.run_graph
+        self._sizes.append(len(labels))
         losses, outcome = self.averager.step(self.sess, {
             run_graph.images: images, run_graph.labels: labels, run_graph.training: True,
             run_graph.dropout_seed: np.array([self.seed, iteration], np.int64)})
@@ -112,10 +114,12 @@ class Engine:
         return outcome
 
     def _add_losses(self, losses):
-        for loss in losses:  # each the mean over one mini-batch of batch_size
+        # Each the mean over one mini-batch, in the order of step's calls.
+        for loss in losses:
+            size = self._sizes.pop(0) if self._sizes else self.config.batch_size
             if np.isfinite(loss):
-                self._loss_sum += float(loss) * self.config.batch_size
-                self._samples += self.config.batch_size
+                self._loss_sum += float(loss) * size
+                self._samples += size
 
     def window_size(self):
         return self.averager.window_size()
@@ -150,3 +154,4 @@ class Engine:
     def restore_window(self, arrays, state):
         self.averager.restore_window(self.sess, arrays)
         self._loss_sum, self._samples = state["loss_totals"]
+        self._sizes = [self.config.batch_size] * self.window_size()

@@ -5,8 +5,10 @@ loop.py drives it, as engine_tf1.py, through interfaces.Engine. The accumulation
 usable on your own Keras model, is the library's gradient_averaging.tf2.
 """
 
+import gc
 import json
 import os
+import time
 
 import keras
 import numpy as np
@@ -14,7 +16,9 @@ import tensorflow as tf
 
 import model
 from experiment import checkpoint
+from experiment import config as config_lib
 from experiment import data
+from gradient_averaging import micro_batch
 from gradient_averaging.tf2 import WindowAccumulator
 from trainer import Outcome
 
@@ -142,6 +146,77 @@ def identity(config):
     return dict({"distribute": config.distribute,
                  "replicas": prepare(config).num_replicas_in_sync},
                 **({"jit_compile": True} if config.jit_compile else {}))
+
+
+def find_micro_batch(config):
+    """The micro-batch of config's effective batch that fits in the device's memory.
+
+    gradient_averaging.micro_batch.find_micro_batch searches on the library's pass (the
+    model, Adam and the accumulator built as a run builds them, then let go). This
+    engine trains a window in one call on its stacked inputs, which needs a little more:
+    the size found is confirmed by one window of this engine (on a model of its own),
+    and made smaller until that window's peak is under the same limit.
+
+    Raises:
+      ValueError: the device's memory cannot be read, or nothing fits (NothingFits).
+    """
+    start = time.perf_counter()
+    strategy = prepare(config)
+    with strategy.scope():
+        net = model.keras_model(config.model, config.dropout, 0)
+        optimizer = keras.optimizers.Adam(config.learning_rate)
+    accumulator = WindowAccumulator(net, optimizer, sparse_cross_entropy, strategy,
+                                    jit_compile=config.jit_compile)
+    samples = config.effective_batch_size  # MNIST's shapes; the values do not matter
+    found = micro_batch.find_micro_batch(accumulator, _zeros(samples), samples)
+    del net, optimizer, accumulator
+    limit, replicas = found.budget * (1 - found.margin), found.replicas
+    size, trials = found.micro_batch_size, list(found.trials)
+    while True:
+        peak = _window_peak(config, size * replicas)
+        trials.append((size, peak))
+        if peak is not None and peak <= limit:
+            break
+        if size == 1:
+            raise micro_batch.NothingFits(
+                f"one sample per replica needs more than the {limit / micro_batch.MIB:.1f} "
+                "MiB this engine may use: give a larger budget or free the device's memory")
+        size = max(1, min(int(0.9 * size), int(size * limit / peak)) if peak else size // 2)
+    return micro_batch.plan(samples, size, replicas, peak=max(peak, found.update_peak),
+                            update_peak=found.update_peak, budget=found.budget,
+                            margin=found.margin, trials=tuple(trials), traces=found.traces,
+                            seconds=time.perf_counter() - start)
+
+
+def _zeros(samples):
+    """(images, labels) of MNIST's shapes and dtypes, all zeros."""
+    return (np.zeros((samples,) + data.IMAGE_SHAPE, data.IMAGE_DTYPE),
+            np.zeros(samples, data.LABEL_DTYPE))
+
+
+def _window_peak(config, batch_size):
+    """The peak bytes of one window of this engine with mini-batches of `batch_size`
+    (None where it ran out of memory), on a model of its own, let go after."""
+    cut = config_lib.with_micro_batch(config, batch_size)
+    engine = Engine(cut, seed=0)
+    try:
+        devices = list(engine.strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has none: the default device
+        devices = [micro_batch.default_device()]
+    try:
+        for device in devices:
+            tf.config.experimental.reset_memory_stats(device)
+        for iteration in range(1, cut.average_gradients + 1):
+            engine.step(*_zeros(config_lib.mini_batch_size(cut, iteration)), iteration)
+        return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
+    except (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
+            tf.errors.UnknownError) as error:
+        if not micro_batch.is_out_of_memory(error):
+            raise
+        return None
+    finally:
+        del engine
+        gc.collect()
 
 
 class Engine:

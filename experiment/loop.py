@@ -29,6 +29,7 @@ from experiment import results
 from experiment.config import IDENTITY_FIELDS
 from experiment.config import Runs
 from experiment.config import evaluation_due
+from gradient_averaging import micro_batch
 from trainer import Outcome
 from trainer import WindowCounts
 
@@ -66,6 +67,24 @@ def bad_windows_verdict(config, consecutive_bad, last_bad):
         return (f"{consecutive_bad} consecutive windows had a non-finite loss or "
                 f"gradient (max_bad_windows={config.max_bad_windows})")
     return None
+
+
+def effective_batch(config):
+    """`config` with its micro-batch found on the device where --batch-size=auto, and the
+    line that says how its effective batch is cut (None without one).
+
+    Raises:
+      ValueError: the micro-batch cannot be found (the device's memory unknown; nothing
+        fits: micro_batch.NothingFits); the message says why.
+    """
+    if not config.effective_batch_size:
+        return config, None
+    if config.batch_size == config_lib.AUTO:
+        found = engine_module("tf2").find_micro_batch(config)  # auto needs --engine=tf2
+        config = config_lib.with_micro_batch(config, found.micro_batch_size * found.replicas)
+    else:  # the whole mini-batch, as --batch-size is
+        found = micro_batch.plan(config.effective_batch_size, config.batch_size)
+    return config, micro_batch.describe(found)
 
 
 def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
@@ -184,8 +203,10 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
     module = engine_module(config.engine)
     ckpt = saved = None
     if checkpoint_dir:
-        identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS}, seed=seed,
-                        **module.identity(config))
+        # E only where set: checkpoints made before it existed still resume without it.
+        identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS
+                         if key != "effective_batch_size" or config.effective_batch_size},
+                        seed=seed, **module.identity(config))
         ckpt = checkpoint.RunCheckpoint(checkpoint_dir, identity)
         saved = ckpt.load()
         if saved and saved["finished"]:
@@ -251,7 +272,7 @@ class _Run:
     def state(self):
         return dict({name: getattr(self, name) for name in self.SAVED},
                     **dataclasses.asdict(self.counts),
-                    position=self.iteration * self.config.batch_size,
+                    position=config_lib.samples_before(self.config, self.iteration),
                     open_window=self.engine.window_size(),
                     loss_totals=self.engine.loss_totals())
 
@@ -322,9 +343,11 @@ class _Run:
 
     def _train(self, should_stop):
         config, engine = self.config, self.engine
-        batches = data.batches(self.datasets.train, self.seed, config.batch_size,
-                               self.iteration * config.batch_size,
-                               config.iterations - self.iteration)
+        first = self.iteration + 1  # a window's last mini-batch is E's rest (with E)
+        batches = data.batches(
+            self.datasets.train, self.seed,
+            lambda index: config_lib.mini_batch_size(config, first + index),
+            config_lib.samples_before(config, self.iteration), config.iterations - self.iteration)
         while self.iteration < config.iterations:
             self.iteration += 1
             start = time.perf_counter()

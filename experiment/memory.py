@@ -78,14 +78,16 @@ def evaluation_chunk(batch_size, model_name):
     return batch_size * max(most, 1)
 
 
-def out_of_memory(error, average_gradients, batch_size, checkpoint_dir=None):
+def out_of_memory(error, average_gradients, batch_size, checkpoint_dir=None,
+                  effective_batch_size=0):
     """The one line for a run that ran out of device memory, or None for another error.
 
     It names N, B and the device's memory where known, and suggests the same N x B
     samples per update in smaller mini-batches: B divided by its smallest factor (the
     smallest step; a second try takes the next), N multiplied by it. A checkpoint made
     with this N and B stays as it was, and would refuse the new ones: they go to another
-    --checkpoint-dir.
+    --checkpoint-dir. With an effective batch E, it suggests half the mini-batch for the
+    same E (or --batch-size=auto, on the tf2 engine).
     """
     if not is_out_of_memory(error):
         return None
@@ -99,6 +101,10 @@ def out_of_memory(error, average_gradients, batch_size, checkpoint_dir=None):
     kept = checkpoint_dir and checkpoint.holds_checkpoints(checkpoint_dir)
     elsewhere = (f", in another --checkpoint-dir: {checkpoint_dir} keeps what this run "
                  f"saved" if kept else "")
+    if effective_batch_size:
+        return (f"{line}: try --effective-batch-size={effective_batch_size} --batch-size="
+                f"{b // 2} (or --batch-size=auto with --engine=tf2: the largest that fits)"
+                f"{elsewhere}")
     return (f"{line}: try --average-gradients={n * factor} --batch-size={b // factor} "
             f"(the same {n * b} samples per update{elsewhere})")
 

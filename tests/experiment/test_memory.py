@@ -175,3 +175,28 @@ def test_the_chunk_is_a_multiple_of_b_and_at_most_max_chunk_without_statistics()
     assert memory.statistics(memory.device()) is None
     assert memory.evaluation_chunk(7, "convnet") == 7 * (memory.MAX_CHUNK // 7)
     assert memory.evaluation_chunk(memory.MAX_CHUNK * 3, "convnet") == memory.MAX_CHUNK * 3
+
+
+def test_effective_batch_auto_trains_under_a_limit_the_direct_batch_does_not_fit(
+        tmp_path, mnist_quick_dir):
+    """--effective-batch-size=E --batch-size=auto under a limit: the micro-batch is found
+    on the device, said in one line, and the run trains within the limit and records E,
+    B, N and the last mini-batch; the direct batch of E runs out of memory there. (The
+    models have dropout: test_effective_batch.py checks the updates' exactness.)"""
+    limit, effective = 64, 2003  # MiB; a prime E: no micro-batch divides it
+    env = dict(BFC, **{memory.CPU_LIMIT_ENV: str(limit)})
+    common = ("--engine=tf2", "--eval-every=0", "--reps=1", f"--data-dir={mnist_quick_dir}")
+    direct = run_cli(*common, f"--batch-size={effective}", "--iterations=1", env=env)
+    assert direct.returncode == 1 and "error: out of memory at N=1" in direct.stderr
+    results = tmp_path / "r.json"
+    proc = run_cli(*common, f"--effective-batch-size={effective}", "--batch-size=auto",
+                   "--iterations=30", f"--results={results}", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads(results.read_text())["config"]
+    b, n, last = record["batch-size"], record["average-gradients"], record["last-mini-batch"]
+    assert record["effective-batch-size"] == effective and record["batch-size-given"] == "auto"
+    assert 1 <= b < effective and n == math.ceil(effective / b)
+    assert (n - 1) * b + last == effective and 1 <= last <= b
+    assert proc.stdout.splitlines()[0].startswith(
+        f"effective batch {effective} = {n - 1} x {b} + {last}; largest mini-batch that "
+        f"fits: {b} (peak ")
