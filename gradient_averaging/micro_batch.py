@@ -292,7 +292,7 @@ def _nvidia_total(physical):
         return None
 
 
-def _statistics(devices):
+def check_statistics(devices):
     """Checks the devices' allocators keep statistics (the peak is measured there)."""
     for device in devices:
         try:
@@ -301,7 +301,7 @@ def _statistics(devices):
             raise ValueError(
                 f"{_short_name(device)}'s allocator keeps no statistics, so the micro-batch "
                 f"cannot be measured: on the CPU set {CPU_BFC_ENV}=true before TensorFlow "
-                "starts, or give micro_batch_size as an int") from None
+                "starts, or give the micro-batch size yourself") from None
 
 
 # ---------------------------------------------------------------- the search
@@ -351,23 +351,15 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
         devices = list(strategy.extended.worker_devices)
     except RuntimeError:  # the default strategy has none: the default device
         devices = [default_device()]
-    _statistics(devices)
+    check_statistics(devices)
     budget = check_budget(budget) or min(device_memory(d) for d in devices)
     if margin is None:
         margin = max(default_margin(d) for d in devices)
-    limit = budget * (1 - margin)
-    most = math.ceil(effective_batch / replicas)
     held = _sized(sample, effective_batch)  # one effective batch, as training holds it
     trials = _Trials(add, window, state, held, devices)
     try:
-        one = trials.peak(1)
-        if one is None or one > limit:
-            raise NothingFits(_nothing_fits("a mini-batch of one sample", one, budget, margin))
-        update_peak = trials.update()
-        if update_peak is None or update_peak > limit:
-            raise NothingFits(_nothing_fits("the update (the optimizer's apply)", update_peak,
-                                            budget, margin))
-        size, peak = _search(trials.peak, most, limit, one)
+        size, peak, update_peak = largest_that_fits(
+            trials.peak, trials.update, math.ceil(effective_batch / replicas), budget, margin)
     finally:
         trials.restore()
     found = plan(effective_batch, size, replicas, peak=max(peak, update_peak),
@@ -376,6 +368,50 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
                  seconds=time.perf_counter() - start)
     logging.info("%s", describe(found))
     return found
+
+
+def largest_that_fits(peak_at, update, most, budget, margin):
+    """The search, on any training path's trials: the largest size in [1, most] whose
+    peak_at(size) fits in the budget less its margin.
+
+    Args:
+      peak_at: size -> the peak bytes of one mini-batch's pass of that size added to
+        an empty window (None where it ran out of memory), leaving no trace.
+      update: () -> the peak bytes of the update (None where it ran out of memory).
+      most: the largest size worth trying (E, or a replica's share of it).
+      budget, margin: the device's memory to use in bytes, the fraction kept free.
+
+    Returns:
+      (size, its peak, the update's peak).
+
+    Raises:
+      NothingFits: one sample, or the update, needs more than the budget less its margin.
+    """
+    limit = budget * (1 - margin)
+    one = peak_at(1)
+    if one is None or one > limit:
+        raise NothingFits(_nothing_fits("a mini-batch of one sample", one, budget, margin))
+    update_peak = update()
+    if update_peak is None or update_peak > limit:
+        raise NothingFits(_nothing_fits("the update (the optimizer's apply)", update_peak,
+                                        budget, margin))
+    size, peak = _search(peak_at, most, limit, one)
+    return size, peak, update_peak
+
+
+def measured_peak(run, devices):
+    """run()'s peak in bytes over the devices (the largest), or None where it ran out of
+    memory (another error is raised)."""
+    for device in devices:
+        tf.config.experimental.reset_memory_stats(device)
+    try:
+        run()
+    except (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
+            tf.errors.UnknownError) as error:
+        if not is_out_of_memory(error):
+            raise
+        return None
+    return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
 
 
 def _workers(strategy):
@@ -472,17 +508,7 @@ class _Trials:
         self._warm = False
 
     def _measured(self, run):
-        """run()'s peak in bytes over the devices (the largest), or None on an OOM."""
-        for device in self.devices:
-            tf.config.experimental.reset_memory_stats(device)
-        try:
-            run()
-        except (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
-                tf.errors.UnknownError) as error:
-            if not is_out_of_memory(error):
-                raise
-            return None
-        return max(tf.config.experimental.get_memory_info(d)["peak"] for d in self.devices)
+        return measured_peak(run, self.devices)
 
     def _add(self, size):
         self.add(_sized(self.held, size))

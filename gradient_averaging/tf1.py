@@ -18,9 +18,12 @@ names they have without the wrapper, so checkpoints move between plain and wrapp
 
 import contextlib
 import functools
+import time
 
+import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging.window import accumulator_dtype
 from gradient_averaging.window import all_finite
 from gradient_averaging.window import check_average_gradients
@@ -508,3 +511,89 @@ class AveragingOptimizer(v1.train.Optimizer):
             finite = all_finite(checked.values())
             good = finite if good is None else tf.logical_and(good, finite)
         return apply() if good is None else tf.cond(good, apply, skip)
+
+
+def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget=None,
+                     margin=None, device=None):
+    """The largest micro-batch B whose run of `train_op` fits in the device's memory,
+    for updates of E samples cut into N = ceil(E / B) mini-batches (the last shorter).
+
+    The trials run `train_op` itself, on the first B samples of `feed`, into an empty
+    window (the update measured once: `flush_op` on a window of one sample); every
+    global and local variable of the graph (the weights, the optimizer's slots, the
+    window, batch-norm statistics) is read before and loaded back after, so training
+    goes on as if nothing ran. The search is micro_batch's (its docstring says how).
+    Train each update as found.average_gradients runs of the op, the last on
+    found.last samples, each mini-batch's samples as its `weight` (so that the shorter
+    one weighs by its samples), then `flush_op` (or build the op with
+    accumulate_gradients, which leaves the apply to flush_op whatever N).
+
+    Args:
+      session: the tf.compat.v1.Session that trains.
+      optimizer: the AveragingOptimizer whose op `train_op` is.
+      train_op: its minimize/apply_gradients op.
+      feed: the feed_dict of one batch: a value whose leading dimension is the batch's
+        samples is cut (repeated where it holds fewer than a trial needs), any other
+        (a `training` flag) fed as it is.
+      effective_batch: E, the samples of one update.
+      budget, margin: as micro_batch.find_micro_batch's.
+      device: where the graph trains ("GPU:0", "CPU:0"); None: the first GPU, else the
+        CPU.
+
+    Returns:
+      A micro_batch.MicroBatch.
+
+    Raises:
+      ValueError: bad arguments, a device whose memory or peak cannot be read.
+      micro_batch.NothingFits: one sample, or the update, needs more than the budget.
+    """
+    effective_batch = micro_batch_lib.check_effective_batch(effective_batch)
+    margin = micro_batch_lib.check_margin(margin)
+    start = time.perf_counter()
+    device = device or micro_batch_lib.default_device()
+    micro_batch_lib.check_statistics([device])
+    budget = micro_batch_lib.check_budget(budget) or micro_batch_lib.device_memory(device)
+    if margin is None:
+        margin = micro_batch_lib.default_margin(device)
+    with session.graph.as_default():
+        variables = v1.global_variables() + v1.local_variables()
+    saved = session.run(variables)
+    values = {key: np.asarray(value) for key, value in feed.items()}
+    samples = next((len(v) for v in values.values() if v.ndim), None)
+    if not samples:
+        raise ValueError("feed holds no batch: no value has a leading dimension of samples")
+    count, flush = optimizer.window_count, optimizer.flush_op()
+    done = []
+
+    def restore():
+        for variable, value in zip(variables, saved):
+            variable.load(value, session)
+
+    def run(size, open_mini_batches):
+        index = np.arange(size) % samples
+        count.load(open_mini_batches, session)
+        session.run(train_op, {key: value[index] if value.ndim and len(value) == samples
+                               else value for key, value in values.items()})
+
+    def peak_at(size):
+        try:
+            peak = micro_batch_lib.measured_peak(lambda: run(size, 0), [device])
+        finally:
+            restore()
+        done.append((size, peak))
+        return peak
+
+    def update():
+        try:
+            run(1, 0)
+            return micro_batch_lib.measured_peak(lambda: session.run(flush), [device])
+        finally:
+            restore()
+
+    peak_at(1)  # the first run sets the graph up (Grappler allocates): not a trial
+    done.clear()
+    size, peak, update_peak = micro_batch_lib.largest_that_fits(
+        peak_at, update, effective_batch, budget, margin)
+    return micro_batch_lib.plan(effective_batch, size, peak=max(peak, update_peak),
+                                update_peak=update_peak, budget=budget, margin=margin,
+                                trials=tuple(done), seconds=time.perf_counter() - start)

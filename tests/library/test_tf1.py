@@ -5,6 +5,7 @@ Every model here is tiny, dropout-free and float64 (unless the dtype is the poin
 """
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -21,6 +22,7 @@ from gradient_averaging.tf1 import FLUSH_OPS
 from gradient_averaging.window import all_finite
 from gradient_averaging.window import check_average_gradients
 from tests.helpers import ROOT
+from tests.library import tf1_micro_batch_run
 from tests.library.tf1_toys import B1
 from tests.library.tf1_toys import EMBEDDING
 from tests.library.tf1_toys import IDS
@@ -863,3 +865,26 @@ def test_window_whose_weights_sum_to_zero_or_less_is_skipped_and_counted(n, weig
             w = sess.run(model.variables[0])
     expected = -np.average(grads[n:], axis=0, weights=good_weights)
     np.testing.assert_allclose(w, expected, rtol=RTOL)
+
+
+def test_find_micro_batch_trains_a_graph_the_direct_batch_does_not_fit_in(tmp_path):
+    """tf1.find_micro_batch under a 48 MiB limit (a process of its own, the CPU as a BFC
+    device): the plain direct batch of a prime E runs out of memory there; the graph
+    finds B (no B divides E: the last mini-batch is shorter), the search leaves the
+    weights as they were, and two updates cut into mini-batches of B, each weighted by
+    its samples, reach the direct batch's weights (computed here, without the limit)."""
+    from tools import memory
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.library.tf1_micro_batch_run", f"--out={tmp_path}"],
+        cwd=ROOT, env=memory.probe_env(48), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    found, e = result["found"], tf1_micro_batch_run.E
+    assert result["direct"] == "out of memory" and result["unchanged"]
+    assert 1 < found["micro_batch_size"] < e and found["effective_batch"] == e
+    assert found["last"] < found["micro_batch_size"] and found["peak"] <= 48 << 20
+    with np.load(tmp_path / "tf1.npz") as saved:
+        got = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    want = tf1_micro_batch_run.direct()
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
