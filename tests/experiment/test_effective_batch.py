@@ -90,3 +90,28 @@ def test_the_run_says_how_e_is_cut_and_records_e_b_n_and_the_last(tmp_path, caps
             record["last-mini-batch"]) == (E, B, 5, 3)
     assert document["runs"][0]["updates"] == 2
     tf.keras.backend.clear_session()
+
+
+@pytest.mark.parametrize("engine, accumulate", [("tf2", "stack"), ("tf1", "fused")])
+def test_a_run_stopped_mid_window_resumes_where_e_left_off(tmp_path, mnist_quick, engine,
+                                                           accumulate):
+    """Stopped after 7 mini-batches (one window of 4 x 5 + 3, then 2 of the next): the
+    resumed run starts at sample 33 (config.samples_before), not 35, and ends with the
+    uninterrupted run's bits."""
+    cfg = config_lib.with_micro_batch(config_lib.Config(
+        engine=engine, accumulate=accumulate, effective_batch_size=E, batch_size=B,
+        iterations=15, eval_every=0), B)
+    uninterrupted = loop.train_once(cfg, mnist_quick, seed=1)
+    directory = str(tmp_path / "ckpt")
+    calls = [0]
+
+    def stop_after_seven():
+        calls[0] += 1
+        return "SIGINT" if calls[0] == 7 else None
+
+    with pytest.raises(loop.Stopped, match="2 mini-batches in the open window"):
+        loop.train_once(cfg, mnist_quick, seed=1, checkpoint_dir=directory,
+                        should_stop=stop_after_seven)
+    resumed = loop.train_once(cfg, mnist_quick, seed=1, checkpoint_dir=directory)
+    assert resumed["weights_sha256"] == uninterrupted["weights_sha256"]
+    assert resumed["updates"] == uninterrupted["updates"] == 3
