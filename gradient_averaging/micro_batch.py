@@ -575,6 +575,13 @@ class EffectiveWindows:
         self._add, self.window = add, window
         self.state = list({id(v): v for v in state}.values())
         self._discard = tf.function(window.discard)
+        self._read = tf.function(self._host_values)
+
+    def _host_values(self):
+        """The state's values, read in one call (a read each costs an eager op) onto the
+        host: the device holds nothing more for them."""
+        with tf.device("CPU:0"):
+            return [tf.identity(v) for v in self.state]
 
     def add(self, batch, found):
         """Adds `batch` to the open window as mini-batches of found's B.
@@ -597,7 +604,7 @@ class EffectiveWindows:
                 f"out of memory at micro-batch {found.micro_batch_size} per replica, under "
                 f"{found.replicas} replicas: not tried again (an out-of-memory error aborts "
                 "the replicas' collectives); give a smaller micro_batch_size")
-        saved = [np.array(v.numpy(), copy=True) for v in self.state]
+        saved = [np.array(value, copy=True) for value in self._read()]
         while True:
             try:
                 return self._added(batch, found), found
