@@ -601,6 +601,7 @@ class MiniBatchAccumulator(_Accumulator):
         """Adds one effective batch (x, y) to the open window as mini-batches of `size`
         samples per replica, one call each: (batch, size) -> mini-batches. The window is
         applied by the caller (fit_effective)."""
+        self.build(*signature)  # for batches shaped like the signature, in any axis it opens
         replicas = self.strategy.num_replicas_in_sync
 
         def add(batch, size):
