@@ -209,8 +209,7 @@ def _window_peak(config, batch_size):
         for iteration in range(1, cut.average_gradients + 1):
             engine.step(*_zeros(config_lib.mini_batch_size(cut, iteration)), iteration)
         return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
-    except (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
-            tf.errors.UnknownError) as error:
+    except micro_batch.DEVICE_ERRORS as error:
         if not micro_batch.is_out_of_memory(error):
             raise
         return None

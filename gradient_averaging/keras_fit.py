@@ -14,7 +14,9 @@ or, the batch you want and the micro-batch that fits found for you:
 
 The AccumulatingModel's train function trains a whole window of Keras's batches in one
 compiled call, on the one window step (gradient_averaging.window_step) that the TF2
-accumulators use too, with Keras's compiled loss and metrics.
+accumulators use too, with Keras's compiled loss and metrics. With a micro-batch size it
+takes each batch from Keras's iterator first, so that a window that runs out of memory
+can be trained again at half the micro-batch (micro_batch.EffectiveWindows).
 """
 
 import math
@@ -95,14 +97,17 @@ class AccumulatingModel(keras.Model):
     imported). Under Keras's jit_compile, XLA compiles each mini-batch's pass.
 
     With a micro_batch_size, each batch Keras makes is one window, an effective batch:
-    the call cuts it, on each replica, into mini-batches of that size.
+    the train function takes it from Keras's iterator, a call cuts it, on each replica,
+    into mini-batches of that size and adds them, and another applies the window. On one
+    replica, a window that runs out of memory is trained again at half the micro-batch,
+    which the rest of the run keeps (micro_batch.EffectiveWindows).
 
     Attributes:
       model: the wrapped Keras model.
       average_gradients: N (1 where each batch is an effective batch).
       micro_batch_size: None, "auto" or B per replica, as given.
       micro_batch: the micro_batch.MicroBatch fit cuts its batches by (found on fit's
-        first batch where "auto"), or None.
+        first batch where "auto"; B halved where a window ran out of memory), or None.
       skipped_windows: windows skipped for a non-finite loss or gradient so far.
     """
 
@@ -293,11 +298,9 @@ class AccumulatingModel(keras.Model):
             return window.add(gradients, moments, n_local, finite, activity)
 
         self._replica_mini_batch = replica_mini_batch  # the micro-batch search's pass
-        add_batch = replica_mini_batch
-        if self.micro_batch_size is not None:  # each batch an effective batch, cut here
-            def add_batch(data):
-                return window_lib.cut(data, self.micro_batch.micro_batch_size,
-                                      replica_mini_batch)
+        if self.micro_batch_size is not None:  # each batch an effective batch
+            self.train_function = self._effective_train_function(replica_mini_batch)
+            return self.train_function
 
         @tf.function
         def window_from(iterator):
@@ -305,7 +308,7 @@ class AccumulatingModel(keras.Model):
                 return tf.logical_and(i < average_gradients, optional.has_value())
 
             def body(i, optional):
-                added = strategy.run(add_batch, args=(optional.get_value(),))
+                added = strategy.run(replica_mini_batch, args=(optional.get_value(),))
                 # Never past the window's last: the next window's first stays queued.
                 return i + 1, step_lib.next_after(strategy, added, lambda: tf.cond(
                     i + 1 < average_gradients, iterator.get_next_as_optional,
@@ -329,6 +332,44 @@ class AccumulatingModel(keras.Model):
             return logs
 
         self.train_function = train_function
+        return train_function
+
+    def _effective_train_function(self, replica_mini_batch):
+        """The train function where each batch is an effective batch: it takes the batch
+        from Keras's iterator, eagerly, so that a window that runs out of memory can be
+        added again (micro_batch.EffectiveWindows: at half the micro-batch, on one
+        replica), then applies the window in a call of its own."""
+        window, strategy = self._window, self.distribute_strategy
+
+        def replica_add(data, size):
+            return window_lib.cut(data, size, replica_mini_batch)
+
+        def add(data, size):
+            added = strategy.run(replica_add, args=(data, size))
+            return strategy.experimental_local_results(added)[0]
+
+        @tf.function
+        def apply():
+            applied, single = window.apply()
+            self._skipped.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
+            self._single_values.assign_add(single)
+            return self.get_metrics_result()
+
+        state = self.non_trainable_variables + self.metrics_variables
+        traced = {}  # the iterator's element spec, and the EffectiveWindows traced for it
+
+        def train_function(iterator):
+            # `add` is traced once for the iterator's batches (any sizes) and every
+            # micro-batch (a tensor): halving it traces nothing again.
+            spec = iterator.element_spec
+            if traced.get("spec") != spec:
+                signature = [spec, tf.TensorSpec([], tf.int32)]
+                traced.update(spec=spec, windows=micro_batch_lib.EffectiveWindows(
+                    tf.function(add, input_signature=signature), window, state))
+            windows = traced["windows"]
+            _, self.micro_batch = windows.add(next(iterator), self.micro_batch)
+            return windows.apply(apply)
+
         return train_function
 
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,

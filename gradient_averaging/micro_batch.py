@@ -27,6 +27,10 @@ copied to the host first and assigned back after, bit for bit.
 
 Under a tf.distribute strategy B is the micro-batch of each replica: a mini-batch holds
 B samples per replica, K x B in all.
+
+In training (EffectiveWindows), a window that runs out of memory all the same (a batch of
+longer sequences than the search saw, fragmentation) is trained again at half B, on one
+replica: the update does not depend on how a window is cut.
 """
 
 import collections
@@ -54,6 +58,9 @@ CPU_BFC_ENV, CPU_LIMIT_ENV = "TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_I
 # How an allocation failure reads where it is not a ResourceExhaustedError (cuBLAS's,
 # cuDNN's and the CUDA driver's own, raised as InternalError or UnknownError).
 OUT_OF_MEMORY_TEXT = re.compile(r"\bOOM\b|out of memory|ALLOC_FAILED", re.IGNORECASE)
+# The errors an out-of-memory error comes as (is_out_of_memory tells which are).
+DEVICE_ERRORS = (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
+                 tf.errors.UnknownError)
 # The search stops when the smallest size that does not fit is within this fraction of
 # the largest that does (or one sample more), or after MOST_TRIALS trials.
 TOLERANCE = 0.05
@@ -64,14 +71,15 @@ MOST_TRIALS = 20
 class MicroBatch(collections.namedtuple(
         "MicroBatch", ["micro_batch_size", "average_gradients", "last", "effective_batch",
                        "replicas", "peak", "update_peak", "budget", "margin", "trials",
-                       "traces", "seconds"],
-        defaults=(1, None, None, None, None, (), None, None))):
+                       "traces", "seconds", "out_of_memory"],
+        defaults=(1, None, None, None, None, (), None, None, ()))):
     """How an effective batch is cut: B (`micro_batch_size`, per replica), N
     (`average_gradients`) and the last mini-batch's samples (`last`, all replicas'), for
-    E (`effective_batch`) on `replicas` replicas. Where B was found: the peak at B and the
-    update's (bytes), the budget and margin it was found under, the trials as (size, peak
-    bytes or None where it ran out of memory), the trial pass's traces and the search's
-    seconds. Its str is describe's line."""
+    E (`effective_batch`) on `replicas` replicas. Where B was found: the peak at the B
+    found and the update's (bytes), the budget and margin it was found under, the trials
+    as (size, peak bytes or None where it ran out of memory), the trial pass's traces and
+    the search's seconds. `out_of_memory`: the micro-batches that ran out of memory in
+    training, each then halved (EffectiveWindows). Its str is describe's line."""
 
     __slots__ = ()
 
@@ -81,6 +89,14 @@ class MicroBatch(collections.namedtuple(
 
 class NothingFits(ValueError):
     """Not even a micro-batch of one sample (or the update) fits in the budget."""
+
+
+class OutOfMemory(tf.errors.ResourceExhaustedError):
+    """The device ran out of memory where training does not try again (in a window's
+    update, or under several replicas); its message is one line that says why."""
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
 
 
 # ---------------------------------------------------------------- arguments
@@ -173,6 +189,9 @@ def describe(found):
     if found.replicas > 1:
         cut += f" ({found.micro_batch_size} per replica x {found.replicas} replicas)"
     line = f"effective batch {found.effective_batch} = {cut}"
+    if found.out_of_memory:
+        return (f"{line}; halved after running out of memory in training at "
+                + ", ".join(str(size) for size in found.out_of_memory))
     if found.peak is None:
         return line
     why = ("the whole effective batch fits" if mini_batch >= found.effective_batch
@@ -406,8 +425,7 @@ def measured_peak(run, devices):
         tf.config.experimental.reset_memory_stats(device)
     try:
         run()
-    except (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
-            tf.errors.UnknownError) as error:
+    except DEVICE_ERRORS as error:
         if not is_out_of_memory(error):
             raise
         return None
@@ -548,3 +566,118 @@ class _Trials:
         with self.strategy.scope():
             for variable, value in self._saved:
                 variable.assign(value)
+
+
+# ---------------------------------------------------------------- in training
+
+
+class EffectiveWindows:
+    """Each effective batch added to the open window as mini-batches of B (every path's
+    micro-batch training: Keras fit's and the TF2 accumulators'), tried again at half B
+    where it runs out of memory.
+
+    The update does not depend on how a window is cut, so on one replica a window whose
+    mini-batch runs out of memory (a batch of longer sequences than the search saw,
+    fragmentation) is discarded and added again at half B, which the rest of the run
+    keeps; one warning says so. A failed call keeps the side effects it had already run:
+    the variables a pass may change beside the window's own (`state`) are copied to the
+    host before each window and assigned back before the retry. The weights and the
+    optimizer's variables change only in the update, which is not tried again: an
+    out-of-memory error there, or under several replicas (where it aborts the
+    collectives), stops training with one line (OutOfMemory).
+    """
+
+    def __init__(self, add, window, state):
+        """
+        Args:
+          add: (batch, size) -> the mini-batches added (an int scalar tensor): adds the
+            effective batch `batch` to the open window as mini-batches of `size` samples
+            per replica, an int32 scalar tensor (halving it traces nothing again).
+          window: the window_step.WindowStep `add` adds to.
+          state: the variables a mini-batch's pass may change, beside the window's own:
+            the model's non-trainable variables (batch-norm statistics, seed
+            generators), metrics, running totals.
+        """
+        self._add, self.window = add, window
+        self.state = list({id(v): v for v in state}.values())
+        self._discard = tf.function(window.discard)
+        self._read = tf.function(self._host_values)
+
+    def _host_values(self):
+        """The state's values, read in one call (a read each costs an eager op) onto the
+        host: the device holds nothing more for them."""
+        with tf.device("CPU:0"):
+            return [tf.identity(v) for v in self.state]
+
+    def add(self, batch, found):
+        """Adds `batch` to the open window as mini-batches of found's B.
+
+        Returns:
+          (the mini-batches added, the MicroBatch that cut them: `found`, or found with B
+          halved, once or more, where a mini-batch ran out of memory).
+
+        Raises:
+          NothingFits: a mini-batch of one sample ran out of memory.
+          OutOfMemory: a mini-batch ran out of memory under several replicas.
+        """
+        if self.window.strategy.num_replicas_in_sync > 1:
+            try:
+                return self._added(batch, found), found
+            except DEVICE_ERRORS as error:
+                if not is_out_of_memory(error):
+                    raise
+            raise OutOfMemory(
+                f"out of memory at micro-batch {found.micro_batch_size} per replica, under "
+                f"{found.replicas} replicas: not tried again (an out-of-memory error aborts "
+                "the replicas' collectives); give a smaller micro_batch_size")
+        saved = [np.array(value, copy=True) for value in self._read()]
+        while True:
+            try:
+                return self._added(batch, found), found
+            except DEVICE_ERRORS as error:
+                if not is_out_of_memory(error):
+                    raise
+            self._discard()
+            with self.window.strategy.scope():
+                for variable, value in zip(self.state, saved):
+                    variable.assign(value)
+            found = _halved(found, batch)
+
+    def _added(self, batch, found):
+        return int(self._add(batch, tf.constant(found.micro_batch_size, tf.int32)))
+
+    def apply(self, apply):
+        """Runs `apply` (the window's update) and returns what it returns.
+
+        Raises:
+          OutOfMemory: it ran out of memory: weights and optimizer may be partly updated.
+        """
+        try:
+            return apply()
+        except DEVICE_ERRORS as error:
+            if not is_out_of_memory(error):
+                raise
+        raise OutOfMemory(
+            "out of memory in a window's update (the optimizer's apply), which does not "
+            "depend on the micro-batch: not tried again; the weights and the optimizer "
+            "may be partly updated (not saved by this package): free the device's memory")
+
+
+def _halved(found, batch):
+    """`found` with half the micro-batch that ran out of memory on `batch` (at most its
+    samples), said in one warning line; NothingFits where that was one sample."""
+    first = tf.nest.flatten(batch)[0]
+    samples = int(tf.shape(first)[0])
+    ran_out = min(found.micro_batch_size, samples)
+    if ran_out <= 1:
+        raise NothingFits(
+            f"a mini-batch of one sample (inputs shaped {list(first.shape[1:])}) ran out of "
+            "the device's memory in training: no micro-batch fits; free the device's "
+            "memory or give shorter samples")
+    size = ran_out // 2
+    cut = plan(found.effective_batch, size, found.replicas)
+    logging.warning("out of memory at micro-batch %d: this window and the rest train as "
+                    "micro-batches of %d (%s)", ran_out, size, describe(plan(samples, size)))
+    return found._replace(micro_batch_size=cut.micro_batch_size,
+                          average_gradients=cut.average_gradients, last=cut.last,
+                          out_of_memory=found.out_of_memory + (ran_out,))

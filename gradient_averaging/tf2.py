@@ -103,6 +103,8 @@ class _Accumulator:
         reset): the running sum of finite per-sample losses and their samples.
       statistics: the model's batch_statistics.BatchStatistics.
       step: the window_step.WindowStep.
+      apply_step: tf.function() -> (applied, single): applies the open window
+        (WindowStep.apply).
     """
 
     def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True,
@@ -153,6 +155,7 @@ class _Accumulator:
             summed_activity, lambda loss: self.loss_total.assign_add(tf.cast(loss, tf.float64)))
         self._pass = (tf.function(self._gradients, jit_compile=True)
                       if self.jit_compile else self._gradients)
+        self.apply_step = tf.function(self.step.apply)
         self.updates = 0
         self.skipped_windows = 0
 
@@ -227,18 +230,27 @@ class _Accumulator:
             n = tf.shape(tf.nest.flatten(batch)[0])[0]
             self.strategy.run(self._replica_mini_batch, args=(batch, n, n * replicas))
 
-        state = (self.model.trainable_variables + self.model.non_trainable_variables
-                 + list(self.optimizer.variables) + [self.loss_total, self.samples_total])
+        state = (self.model.trainable_variables + list(self.optimizer.variables)
+                 + self._pass_state())
         return add, self.step, state
+
+    def _pass_state(self):
+        """The variables a mini-batch's pass changes beside the window's: the model's
+        other state (batch-norm statistics, seed generators), the running totals."""
+        return self.model.non_trainable_variables + [self.loss_total, self.samples_total]
 
     def fit_effective(self, dataset, micro_batch_size="auto", callback=None, budget=None,
                       margin=None):
         """One pass over `dataset`, each of its batches an effective batch: one update
         each, trained as mini-batches of `micro_batch_size` samples per replica, one at a
-        time, the last one shorter.
+        time, the last one shorter. On one replica, a window that runs out of memory is
+        trained again at half the micro-batch, which the rest keeps
+        (micro_batch.EffectiveWindows).
 
         Args:
-          dataset: a tf.data.Dataset or an iterable of (x, y) batches, each one update.
+          dataset: a tf.data.Dataset or an iterable of (x, y) batches, each one update;
+            batches whose shapes differ beyond their samples (sequences padded per
+            batch) in a tf.data.Dataset, whose element spec says where.
           micro_batch_size: B per replica, or "auto": the largest that fits, found on the
             first batch (micro_batch.find_micro_batch, E its samples), within `budget`
             bytes (None: the device's memory) less `margin` (None: the device's default,
@@ -247,7 +259,13 @@ class _Accumulator:
             its update.
 
         Returns:
-          FitSummary; its micro_batch is the MicroBatch of the first batch.
+          FitSummary; its micro_batch is the MicroBatch found for the first batch, B
+          halved where a window ran out of memory.
+
+        Raises:
+          micro_batch.OutOfMemory: the device ran out of memory in an update, or under
+            several replicas.
+          micro_batch.NothingFits: a mini-batch of one sample ran out of memory.
         """
         size = micro_batch_lib.check_micro_batch_size(micro_batch_size)
         budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
@@ -261,12 +279,16 @@ class _Accumulator:
         found = (micro_batch_lib.find_micro_batch(self, first, samples, budget, margin)
                  if size == "auto"
                  else micro_batch_lib.plan(samples, size, self.strategy.num_replicas_in_sync))
-        window = self._effective_window(
-            tf.nest.map_structure(lambda t: _spec(t, 1), first),
-            found.micro_batch_size * found.replicas)
+        # A dataset's batches may differ in more than their samples (sequences padded
+        # per batch): its element spec says in which axes.
+        spec = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else first
+        windows = micro_batch_lib.EffectiveWindows(
+            self._effective_add(tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))),
+            self.step, self._pass_state())
         for batch in itertools.chain([first], batches):
-            count, applied, single = window(tuple(batch))
-            count, applied = int(count), self._counted(bool(applied), single.numpy())
+            count, found = windows.add(tuple(batch), found)
+            applied, single = windows.apply(self.apply_step)
+            applied = self._counted(bool(applied), single.numpy())
             counts.mini_batches += count
             counts.window(applied, count)
             if callback is not None:
@@ -410,18 +432,18 @@ class WindowAccumulator(_Accumulator):
         self.build_window(xs, ys, sizes)
         return self._counted(*(v.numpy() for v in self.window_step(xs, ys, sizes)))
 
-    def _effective_window(self, signature, size):
-        """The tf.function training one effective batch (x, y) as mini-batches of `size`
-        samples (all replicas'), one at a time, then its update: -> (mini-batches,
-        applied, single); one trace for every batch size."""
+    def _effective_add(self, signature):
+        """The tf.function adding one effective batch (x, y) to the open window as
+        mini-batches of `size` samples per replica, one at a time: (batch, size) ->
+        mini-batches; one trace for every batch size and micro-batch."""
         self._build_statistics(signature[0])
+        replicas = self.strategy.num_replicas_in_sync
 
-        @tf.function(input_signature=[signature])
-        def window(batch):
-            count = window_lib.cut(batch, size, self._add)
-            return (count, *self.step.apply())
+        @tf.function(input_signature=[signature, tf.TensorSpec([], tf.int32)])
+        def add(batch, size):
+            return window_lib.cut(batch, size * replicas, self._add)
 
-        return window
+        return add
 
     def _iterator_step(self, average_gradients, element_spec):
         """The tf.function that pulls one window of up to N mini-batches from an
@@ -530,7 +552,6 @@ class MiniBatchAccumulator(_Accumulator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.mini_batch_step = None  # compiled on the first batch, with its shapes
-        self.apply_step = tf.function(self.step.apply)
         self.window = 0
 
     @property
@@ -576,19 +597,26 @@ class MiniBatchAccumulator(_Accumulator):
         self.window = 0
         return self._counted(*(v.numpy() for v in self.apply_step()))
 
-    def _effective_window(self, signature, size):
-        """Trains one effective batch (x, y) as mini-batches of `size` samples (all
-        replicas'), one call each, then its update: -> (mini-batches, applied, single)."""
-        def window(batch):
+    def _effective_add(self, signature):
+        """Adds one effective batch (x, y) to the open window as mini-batches of `size`
+        samples per replica, one call each: (batch, size) -> mini-batches. The window is
+        applied by the caller (fit_effective)."""
+        self.build(*signature)  # for batches shaped like the signature, in any axis it opens
+        replicas = self.strategy.num_replicas_in_sync
+
+        def add(batch, size):
+            size = int(size) * replicas
             samples = int(tf.shape(tf.nest.flatten(batch)[0])[0])
             count = max(1, -(-samples // size))
-            for i in range(count):
-                self.accumulate(*tf.nest.map_structure(
-                    lambda t, i=i: t[i * size:(i + 1) * size], batch))
-            self.window = 0
-            return (count, *self.apply_step())
+            try:
+                for i in range(count):
+                    self.accumulate(*tf.nest.map_structure(
+                        lambda t, i=i: t[i * size:(i + 1) * size], batch))
+            finally:
+                self.window = 0  # applied, or discarded, by the caller
+            return count
 
-        return window
+        return add
 
     def fit(self, dataset, average_gradients=None, callback=None, warn_partial=True):
         """One pass over `dataset`, one call per mini-batch, an update every N.

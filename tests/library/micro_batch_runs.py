@@ -2,7 +2,7 @@
 (tools.memory.probe_env), under a memory limit or without one.
 
     python -m tests.library.micro_batch_runs --limit-mb=64 --out=DIR   # the trainings
-    python -m tests.library.micro_batch_runs --out=DIR                 # the direct batch
+    python -m tests.library.micro_batch_runs --out=DIR                 # the direct batches
 
 Prints one JSON line: what each run found (the direct batch: its peak) and the CPU
 seconds it took; the weights go to DIR as .npz files. The limited process has two
@@ -10,6 +10,10 @@ logical CPUs, for MirroredStrategy (logical devices must be set before TensorFlo
 starts); they share one allocator. The model's activations dominate its memory and its
 OOM comes from a matmul: Dense layers on every step of a sequence, so a mini-batch's
 peak grows with its samples while the weights stay small.
+
+The sequence runs train on token sequences padded per batch: the micro-batch is found on
+a first batch of short ones; the later batches are twice as long, so its mini-batches run
+out of memory there, and the window is trained again at half the micro-batch.
 """
 
 import argparse
@@ -25,6 +29,14 @@ SMALL_E = 24  # the effective batch of the searches that check the state they le
 # Keras builds a model under a strategy from its first batch, which must split evenly
 # across the replicas: two replicas' effective batch is 2 x 53, 53 a prime.
 MIRRORED_E = 106
+# Token sequences: the effective batches' samples and padded lengths (the first, which
+# the search sees, half as long as the others).
+SEQUENCE_BATCHES = ((E, STEPS), (E, 2 * STEPS), (SAMPLES - E, 2 * STEPS))
+VOCABULARY = 500
+# The search's budget there, under the limit: it finds the micro-batch from below, without
+# an out-of-memory error (each costs the allocator's 10 s wait), and the device runs out
+# of memory at that micro-batch on the sequences twice as long (not at half of it).
+SEQUENCE_BUDGET = 40 << 20
 
 
 def data():
@@ -49,15 +61,61 @@ def model(batch_norm=False):
         keras.layers.Dense(CLASSES, kernel_initializer=init(3))])
 
 
+def sequences():
+    """The effective batches of token sequences, (tokens, labels) each: every sequence
+    at least half its batch's length, zero-padded to it."""
+    import numpy as np
+    rng = np.random.default_rng(1)
+    batches = []
+    for samples, steps in SEQUENCE_BATCHES:
+        lengths = rng.integers(steps // 2, steps + 1, samples)
+        lengths[0] = steps
+        tokens = rng.integers(1, VOCABULARY, (samples, steps)).astype(np.int32)
+        tokens[np.arange(steps) >= lengths[:, None]] = 0
+        batches.append((tokens, rng.integers(0, CLASSES, samples).astype(np.int32)))
+    return batches
+
+
+def sequence_dataset():
+    """sequences() as a dataset of its batches, of any length."""
+    import functools
+
+    import tensorflow as tf
+    return functools.reduce(tf.data.Dataset.concatenate,
+                            [tf.data.Dataset.from_tensors(batch) for batch in sequences()])
+
+
+def sequence_model():
+    """Embedded tokens, a wide Dense layer on every step, pooled: no dropout, no batch
+    norm (the update is the direct batch's however the window is cut)."""
+    import keras
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((None,), dtype="int32"),
+        keras.layers.Embedding(VOCABULARY, FEATURES,
+                               embeddings_initializer=keras.initializers.RandomUniform(seed=4)),
+        keras.layers.Dense(UNITS, activation="relu", kernel_initializer=init(5)),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(CLASSES, kernel_initializer=init(6))])
+
+
 def loss(reduction="sum_over_batch_size"):
     import keras
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
 
 
-def compiled(net):
+def compiled(net, optimizer=None):
     import keras
-    net.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss())
+    net.compile(optimizer=optimizer or keras.optimizers.Adam(1e-3), loss=loss())
     return net
+
+
+def sequence_optimizer():
+    """SGD for the sequences: the window applies an Embedding's gradient dense, and
+    Keras's Adam squares a sparse one's rows before it sums a token's repeats (another
+    second moment than the direct batch's dense one)."""
+    import keras
+    return keras.optimizers.SGD(0.2)
 
 
 def save(out, name, variables):
@@ -89,6 +147,68 @@ def direct(out, effective_batch, name):
     net.fit(x, y, batch_size=effective_batch, shuffle=False, verbose=0)
     save(out, name, net.trainable_variables)
     return {"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+
+
+def direct_sequences(out):
+    """Keras fit on the effective batches of sequences, without a limit."""
+    net = compiled(sequence_model(), sequence_optimizer())
+    net.fit(sequence_dataset(), verbose=0)
+    save(out, "direct_sequences", net.trainable_variables)
+
+
+def out_of_memory_said(run):
+    """run()'s result, or {"error": its line that says OOM} where it ran out of memory
+    all the same: the sequence tests fail on it, the runs after it still run."""
+    import tensorflow as tf
+    try:
+        return run()
+    except tf.errors.ResourceExhaustedError as error:
+        lines = str(error).splitlines()
+        return {"error": next((line for line in lines if "OOM" in line), lines[0])}
+
+
+class Warnings:
+    """The warning lines logged while it is open."""
+
+    def __enter__(self):
+        import logging
+        self.lines = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        logging.getLogger().addHandler(self.handler)
+        return self.lines
+
+    def __exit__(self, *unused):
+        import logging
+        logging.getLogger().removeHandler(self.handler)
+
+
+def keras_sequences(out):
+    """Keras fit, micro_batch_size="auto", on the sequences: a window run out of memory
+    is trained again at half the micro-batch."""
+    from gradient_averaging import keras_fit
+    net = sequence_model()
+    accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto",
+                                                     budget=SEQUENCE_BUDGET),
+                            sequence_optimizer())
+    with Warnings() as lines:
+        accumulating.fit(sequence_dataset(), verbose=0)
+    save(out, "keras_sequences", net.trainable_variables)
+    return {"found": found(accumulating.micro_batch), "warnings": lines,
+            "updates": int(accumulating.optimizer.iterations)}
+
+
+def tf2_sequences(out):
+    """fit_accumulated, micro_batch_size="auto", on the sequences."""
+    from gradient_averaging import tf2
+    net = sequence_model()
+    with Warnings() as lines:
+        summary = tf2.fit_accumulated(net, sequence_dataset(), sequence_optimizer(),
+                                      loss(None), micro_batch_size="auto",
+                                      budget=SEQUENCE_BUDGET)
+    save(out, "tf2_sequences", net.trainable_variables)
+    return {"found": found(summary.micro_batch), "warnings": lines,
+            "updates": summary.updates, "mini_batches": summary.mini_batches}
 
 
 def keras_auto(out):
@@ -182,15 +302,21 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not args.limit_mb:
-        print(json.dumps({"direct": direct(args.out, E, "direct"),
-                          "direct_mirrored": direct(args.out, MIRRORED_E, "direct_mirrored")}))
+        results = {"direct": direct(args.out, E, "direct"),
+                   "direct_mirrored": direct(args.out, MIRRORED_E, "direct_mirrored")}
+        direct_sequences(args.out)
+        print(json.dumps(results))
         return
     import keras
     import tensorflow as tf
     cpu = tf.config.list_physical_devices("CPU")[0]
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     two = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    runs = {"keras": lambda: keras_auto(args.out), "tf2": lambda: tf2_auto(args.out),
+    # The sequence runs first: their search's budget is less than the device's memory,
+    # and the later runs leave some of their inputs in use (the sequences are small).
+    runs = {"keras_sequences": lambda: out_of_memory_said(lambda: keras_sequences(args.out)),
+            "tf2_sequences": lambda: out_of_memory_said(lambda: tf2_sequences(args.out)),
+            "keras": lambda: keras_auto(args.out), "tf2": lambda: tf2_auto(args.out),
             "trials": trials_leave_the_state, "mirrored": lambda: mirrored(args.out, two),
             "nothing_fits": nothing_fits}
     results, seconds = {}, {}

@@ -7,13 +7,18 @@ side): the direct batch needs more than the limit; Keras fit (accumulate with
 micro_batch_size="auto") and fit_accumulated find a micro-batch, train without an OOM
 and reach the direct batch's weights, on a prime effective batch (no micro-batch divides
 it) and on two mirrored replicas; the searches leave every variable as they found it; a
-budget too small for one sample is one clear error. In this process: the plan's
+budget too small for one sample is one clear error; on sequences padded per batch, a
+window of longer ones than the search saw runs out of memory and is trained again at
+half the micro-batch, to the direct batches' weights. In this process: the plan's
 arithmetic, the search on synthetic peaks (out-of-memory errors included), a given
-micro-batch's exactness, and bad input refused before any training.
+micro-batch's exactness, a window trained again after an out-of-memory error (raised
+here) to the weights, metrics and state of a run that never had one, what is not tried
+again, and bad input refused before any training.
 """
 
 import concurrent.futures
 import json
+import logging
 import math
 import os
 import subprocess
@@ -28,6 +33,8 @@ from gradient_averaging import keras_fit
 from gradient_averaging import micro_batch
 from gradient_averaging import tf2
 from tests.library import micro_batch_runs as runs_lib
+from tests.library.toys import CLASSES
+from tests.library.toys import FEATURES
 from tests.library.toys import compiled
 from tests.library.toys import data
 from tests.library.toys import fit
@@ -134,6 +141,38 @@ def test_a_budget_one_sample_exceeds_is_one_line_naming_its_peak(runs):
     assert line and "\n" not in line
     assert line.startswith("a mini-batch of one sample peaks at ") and "MiB" in line
     assert "budget" in line, line
+
+
+def assert_halved(result):
+    """The micro-batch the search found ran out of memory on the longer sequences, and
+    was halved (once or more), each time said in one warning line."""
+    assert "error" not in result, result["error"]
+    found = result["found"]
+    limit = found["budget"] * (1 - found["margin"])
+    searched = max(size for size, peak in found["trials"]
+                   if peak is not None and peak <= limit)
+    halvings = found["out_of_memory"]
+    assert halvings and halvings[0] == searched, found
+    assert found["micro_batch_size"] == halvings[-1] // 2
+    assert list(halvings[1:]) == [size // 2 for size in halvings[:-1]]
+    assert len(result["warnings"]) == len(halvings), result["warnings"]
+    for line, size in zip(result["warnings"], halvings):
+        assert line.startswith(f"out of memory at micro-batch {size}: this window and the "
+                               f"rest train as micro-batches of {size // 2} (effective "
+                               "batch "), line
+    assert result["updates"] == len(runs_lib.SEQUENCE_BATCHES)
+
+
+def test_keras_fit_trains_a_window_that_ran_out_of_memory_again_at_half_the_micro_batch(runs):
+    limited, _, out = runs
+    assert_halved(limited["keras_sequences"])
+    assert_direct_weights(out, "keras_sequences", reference="direct_sequences")
+
+
+def test_fit_accumulated_trains_a_window_that_ran_out_of_memory_again_at_half(runs):
+    limited, _, out = runs
+    assert_halved(limited["tf2_sequences"])
+    assert_direct_weights(out, "tf2_sequences", reference="direct_sequences")
 
 
 # ---------------------------------------------------------------- in this process
@@ -332,3 +371,155 @@ def test_out_of_memory_errors_are_recognized():
         tf.errors.InternalError(None, None, "CUBLAS_STATUS_ALLOC_FAILED"))
     assert not micro_batch.is_out_of_memory(tf.errors.InternalError(None, None, "bad kernel"))
     assert not micro_batch.is_out_of_memory(ValueError("OOM"))
+
+
+# ---------------------------------------------------------------- out of memory in training
+
+
+def stateful_model():
+    """Batch norm and seeded dropout: state a mini-batch's pass changes (the moving
+    statistics, with bn_statistics="mini_batch"; the seed generator)."""
+    init = keras.initializers.GlorotUniform
+    return keras.Sequential([
+        keras.Input((FEATURES,)), keras.layers.BatchNormalization(),
+        keras.layers.Dense(16, activation="relu", kernel_initializer=init(1)),
+        keras.layers.Dropout(0.3, seed=2),
+        keras.layers.Dense(CLASSES, kernel_initializer=init(2))])
+
+
+def run_out_of_memory_above(monkeypatch, size):
+    """Windows added as mini-batches of more than `size` samples run out of memory,
+    after their passes ran (a failed call keeps what it already did). Returns the
+    functions that added them, as they come."""
+    added, adds = micro_batch.EffectiveWindows._added, []  # noqa: SLF001 (where a window is added)
+
+    def added_or_out_of_memory(windows, batch, found):
+        adds.append(windows._add)  # noqa: SLF001 (the function that adds a window)
+        count = added(windows, batch, found)
+        if found.micro_batch_size > size:
+            raise tf.errors.ResourceExhaustedError(
+                None, None, f"OOM when allocating tensor with shape[{found.micro_batch_size},16]")
+        return count
+
+    monkeypatch.setattr(micro_batch.EffectiveWindows, "_added", added_or_out_of_memory)
+    return adds
+
+
+def traces(adds):
+    """How often each of the tf.functions among `adds` was traced."""
+    return {add.experimental_get_tracing_count() for add in adds
+            if hasattr(add, "experimental_get_tracing_count")}
+
+
+def out_of_memory_lines(caplog):
+    return [record.getMessage() for record in caplog.records
+            if record.getMessage().startswith("out of memory")]
+
+
+HALVED_LINE = ("out of memory at micro-batch 8: this window and the rest train as "
+               "micro-batches of 4 (effective batch 36 = 9 x 4)")
+
+
+def test_a_window_that_ran_out_of_memory_trains_as_if_it_never_had(monkeypatch, caplog):
+    """Keras fit and both TF2 accumulators, each batch of 36 as mini-batches of 8, which
+    run out of memory: the first window is discarded, every variable its passes changed
+    put back (batch-norm statistics stepped per mini-batch, dropout's seed generator,
+    Keras's metrics, the running totals), and trained again at 4, as is the rest. The
+    weights, statistics, logs and totals are those of a run at 4 from the start; the
+    function that adds a window was traced once (B is a tensor)."""
+    x, y = data(3 * 36)
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(36)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+
+    def keras_run(size):
+        model = compiled(keras_fit.accumulate(stateful_model(), micro_batch_size=size,
+                                              bn_statistics="mini_batch"),
+                         keras.optimizers.Adam(0.05))
+        return model, fit(model, x, y, 36, epochs=1).history
+
+    def tf2_run(size, one_call):
+        model = stateful_model()
+        accumulator = (tf2.WindowAccumulator if one_call else tf2.MiniBatchAccumulator)(
+            model, keras.optimizers.Adam(0.05), loss, bn_statistics="mini_batch")
+        summary = accumulator.fit_effective(batches, size)
+        return model, accumulator.loss_totals(), summary
+
+    want_keras, want_history = keras_run(4)
+    want_tf2 = {one_call: tf2_run(4, one_call) for one_call in (True, False)}
+    adds = run_out_of_memory_above(monkeypatch, 4)
+    with caplog.at_level(logging.WARNING):
+        model, history = keras_run(8)
+    assert out_of_memory_lines(caplog) == [HALVED_LINE]  # once: the rest keeps 4
+    assert traces(adds) == {1}
+    assert model.micro_batch[:3] == (4, 9, 4) and model.micro_batch.out_of_memory == (8,)
+    assert str(model.micro_batch) == ("effective batch 36 = 9 x 4; halved after running out "
+                                      "of memory in training at 8")
+    assert_same_state(model, want_keras)
+    assert history.keys() == want_history.keys()
+    for name, values in history.items():
+        assert values == pytest.approx(want_history[name], rel=1e-6), name
+    for one_call in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            model, totals, summary = tf2_run(8, one_call)
+        want_model, want_totals, want_summary = want_tf2[one_call]
+        assert out_of_memory_lines(caplog) == [HALVED_LINE]
+        assert traces(adds[-1:]) == ({1} if one_call else set())
+        assert summary.micro_batch.out_of_memory == (8,)
+        assert summary._replace(micro_batch=None) == want_summary._replace(micro_batch=None)
+        assert_same_state(model, want_model)
+        assert totals == pytest.approx(want_totals, rel=1e-9)
+
+
+def assert_same_state(model, reference):
+    """Every variable of the model (weights, batch-norm statistics, seed generator)."""
+    for got, want in zip(model.variables, reference.variables, strict=True):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7,
+                                   err_msg=got.path)
+
+
+class _Window:
+    """A window step that holds nothing, on a strategy of `replicas` replicas."""
+
+    def __init__(self, replicas=1):
+        self.strategy = tf.distribute.get_strategy()
+        if replicas > 1:
+            self.strategy = type("Strategy", (), {"num_replicas_in_sync": replicas})()
+
+    def discard(self):
+        pass
+
+
+def out_of_memory(*unused):
+    raise tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+
+
+def test_what_is_not_tried_again_stops_in_one_line(caplog):
+    """A mini-batch of one sample that runs out of memory (after halving down to it), an
+    update that does, and one under several replicas: each one line, after which nothing
+    is tried again. Other errors go through as they are."""
+    sample = (tf.zeros([6, 3]), tf.zeros([6]))
+    windows = micro_batch.EffectiveWindows(out_of_memory, _Window(), [])
+    with caplog.at_level(logging.WARNING), pytest.raises(micro_batch.NothingFits) as error:
+        windows.add(sample, micro_batch.plan(6, 5))
+    assert str(error.value).startswith(
+        "a mini-batch of one sample (inputs shaped [3]) ran out of the device's memory")
+    assert "\n" not in str(error.value)
+    assert [line.split(":")[0] for line in out_of_memory_lines(caplog)] == [
+        "out of memory at micro-batch 5", "out of memory at micro-batch 2"]
+    with pytest.raises(micro_batch.OutOfMemory, match="^out of memory in a window's update"
+                       ) as error:
+        windows.apply(out_of_memory)
+    assert isinstance(error.value, tf.errors.ResourceExhaustedError)
+    assert "\n" not in str(error.value)
+    several = micro_batch.EffectiveWindows(out_of_memory, _Window(replicas=2), [])
+    with pytest.raises(micro_batch.OutOfMemory,
+                       match="under 2 replicas: not tried again.*smaller micro_batch_size"):
+        several.add(sample, micro_batch.plan(6, 2, replicas=2))
+
+    def bad_kernel(*unused):
+        raise tf.errors.InternalError(None, None, "bad kernel")
+
+    with pytest.raises(tf.errors.InternalError, match="^bad kernel$"):
+        micro_batch.EffectiveWindows(bad_kernel, _Window(), []).add(sample,
+                                                                    micro_batch.plan(6, 2))
