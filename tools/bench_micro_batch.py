@@ -34,12 +34,13 @@ class MicroBatch(Section):
         return rows
 
     def _row(self, model, effective, limit, log):
-        """One model and limit: the direct batch, the found B, then the bisection."""
+        """One model and limit: the direct batch, the found B, then the bisection up from
+        it (from it, not from 1: the OOM edge need not be monotone in B)."""
         def probe(path, micro_batch=None, timed=0):
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
                              micro_batch=micro_batch, timed=timed)
             log(f"micro-batch: {model}, E={effective} under {limit} MiB, {path} "
-                f"B={micro_batch or effective}: " + (
+                f"B={r.get('micro_batch_size') or micro_batch or effective}: " + (
                     r.get("error") or ("OOM" if r["oom"] else f"fits (peak "
                                        f"{r['peak_mb']:.1f} MiB, {r['update_ms']:.0f} ms)")))
             return r
@@ -48,13 +49,20 @@ class MicroBatch(Section):
         direct = probe("direct")
         row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
                          else "fits")
-        found = probe("accumulate", "auto", self.settings["timed"])
+        found = probe("accumulate", "auto")
         if found.get("error") or found["oom"]:
             return dict(row, error=found.get("error") or "OOM at the found B")
         lo = found["micro_batch_size"]
-        row.update(found=lo, search_s=found["search_s"], search_trials=len(found["trials"]),
-                   found_ms=found["update_ms"], largest_ms=found["update_ms"],
-                   epoch_s=math.ceil(EPOCH / effective) * found["update_ms"] / 1e3)
+        # The found B given to a fresh process: whether it fits without the search's
+        # history in the allocator, and its time as the bisection's trials are timed.
+        given = probe("accumulate", lo, self.settings["timed"])
+        if given.get("error"):
+            return dict(row, error=given["error"])
+        found_ms = (found if given["oom"] else given)["update_ms"]
+        row.update(found=lo, given="OOM" if given["oom"] else "fits",
+                   search_s=found["search_s"], search_trials=len(found["trials"]),
+                   found_ms=found_ms, largest_ms=found_ms,
+                   epoch_s=math.ceil(EPOCH / effective) * found_ms / 1e3)
         # B = E holds the direct batch's activations and the accumulators: where the
         # direct batch runs out of memory, so does it.
         hi = effective if row["direct"] == "OOM" else effective + 1
@@ -89,25 +97,33 @@ class MicroBatch(Section):
                              r["error"]] + ["–"] * 8)
                 continue
             over = f" ({r['over']}: OOM)" if r["over"] else ""
-            rows.append([r["model"], r["effective"], r["limit_mb"], r["direct"], r["found"],
-                         f"{r['largest']}{over}", f"{r['found'] / r['largest']:.2f}",
+            rows.append([r["model"], r["effective"], r["limit_mb"], r["direct"],
+                         f"{r['found']} ({r['given']})", f"{r['largest']}{over}",
+                         f"{r['found'] / r['largest']:.2f}",
                          f"{r['search_s']:.1f} ({r['search_trials']})", f"{r['epoch_s']:.0f}",
                          f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
                          f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"])
         return [f"## {self.title}", "",
                 "Each update is one effective batch of E samples under a CPU device of the "
                 "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
-                "process each). `found`: the micro-batch B that `accumulate(model, "
+                "process each). `B found`: the micro-batch `accumulate(model, "
                 "micro_batch_size=\"auto\")` finds on fit's first batch, with the default "
-                "margin; `largest`: the largest B whose fit of E runs two updates without an "
-                f"OOM, by bisection between the found B and E to {TOLERANCE:.0%} (one "
-                "process per trial; the OOM edge moves a little from process to process). "
-                f"The epoch is estimated: {EPOCH:,} samples in updates of E, each at the "
-                "found B's time. Times per update are the median of "
-                f"{self.settings['timed'] + 1} updates, each process's own.", "",
-                *table(["model", "E", "limit MiB", "direct batch", "B found", "largest B",
-                        "found / largest", "search s (trials)", "epoch s", "search / epoch",
-                        "ms per update at found", "at largest", "found / largest"], rows)]
+                "margin, and in brackets whether a fresh process given that B fits; `largest "
+                "B`: the largest B whose fit of E runs two updates without an OOM, by "
+                f"bisection up from the found B to {TOLERANCE:.0%} of it (one fresh process "
+                "per trial; the OOM edge moves from process to process, and need not be "
+                "monotone in B). The epoch is estimated: "
+                f"{EPOCH:,} samples in updates of E at the found B's time. Times per update: "
+                f"the median of {self.settings['timed'] + 1} updates of a fresh process given "
+                "B (the finder's own process's one update where that ran out of memory). "
+                "Where the direct batch fits (a model whose own memory, its weights, "
+                "optimizer slots, accumulators and update, outweighs a batch's activations, "
+                "so that the finder's margin needs a limit the direct batch fits in), a row "
+                "measures what that margin costs.", "",
+                *table(["model", "E", "limit MiB", "direct batch", "B found (fresh)",
+                        "largest B", "found / largest", "search s (trials)", "epoch s",
+                        "search / epoch", "ms per update at found", "at largest",
+                        "found / largest"], rows)]
 
 
 def _where(row):
