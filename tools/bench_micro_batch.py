@@ -49,7 +49,7 @@ class MicroBatch(Section):
         direct = probe("direct")
         row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
                          else "fits")
-        found = probe("accumulate", "auto")
+        found = probe("accumulate", "auto", self.settings["timed"])
         if found.get("error") or found["oom"]:
             return dict(row, error=found.get("error") or "OOM at the found B")
         lo = found["micro_batch_size"]
@@ -113,9 +113,10 @@ class MicroBatch(Section):
                 f"bisection up from the found B to {TOLERANCE:.0%} of it (one fresh process "
                 "per trial; the OOM edge moves from process to process, and need not be "
                 "monotone in B). The epoch is estimated: "
-                f"{EPOCH:,} samples in updates of E at the found B's time. Times per update: "
-                f"the median of {self.settings['timed'] + 1} updates of a fresh process given "
-                "B (the finder's own process's one update where that ran out of memory). "
+                f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
+                "shortest). Times per update: "
+                f"the fastest of {self.settings['timed'] + 1} updates of a fresh process given "
+                "B (of the finder's own process where that ran out of memory). "
                 "Where the direct batch fits (a model whose own memory, its weights, "
                 "optimizer slots, accumulators and update, outweighs a batch's activations, "
                 "so that the finder's margin needs a limit the direct batch fits in), a row "

@@ -83,8 +83,8 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
       micro_batch: the accumulate path only: each update one effective batch of N*B
         samples, cut into micro-batches of this size ("auto": found by fit; the result
         gives it, its search's seconds and trials).
-      timed: updates timed after the measured one; `update_ms` is the median of all
-        their times and the measured update's.
+      timed: updates timed after the measured one; `update_ms` is the fastest of them
+        and the measured update (on a shared machine, a neighbour slows some of them).
 
     Returns:
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
@@ -520,7 +520,7 @@ def run_probe(spec):
         message = next((line for line in lines if "OOM" in line), lines[0])
         return dict(spec, oom=True, phase=phase, message=message.strip()[:300])
     return dict(spec, oom=False, device=device, peak_mb=peak / MIB, current_mb=current / MIB,
-                update_ms=statistics.median(times),
+                update_ms=min(times),
                 **_sizes(weights, trainable), **(more[0]() if more else {}))
 
 
