@@ -18,7 +18,9 @@ TOLERANCE = 0.02  # the bisection stops when the sizes either side are this clos
 
 class MicroBatch(Section):
     name, title = "micro_batch", "The micro-batch found against the largest that fits"
-    # (model, E, limits in MiB): E prime, so that no B divides it.
+    # (model, E, limits in MiB): E prime, so that no B divides it. The convnet's limits
+    # are under its direct batch's peak; the mlp's just over the least at which the
+    # finder's margin leaves its update room, and a step above.
     FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800))), timed=2)
     QUICK = None  # minutes of probes: see test_bench for its targets and markdown
 
