@@ -29,6 +29,7 @@ from experiment import progress
 from experiment import results
 from tools import bench_device
 from tools import bench_memory
+from tools import bench_micro_batch
 from tools import bench_speed
 from tools import bench_tensor_memory
 from tools import bench_tf1_wrapper
@@ -39,9 +40,9 @@ from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
 
-SECTIONS = (bench_tensor_memory.TensorMemory, bench_speed.Speed, bench_speed.KerasPlain,
-            bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper,
-            bench_device.Device)
+SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatch, bench_speed.Speed,
+            bench_speed.KerasPlain, bench_speed.Kernels, bench_memory.HostGrowth,
+            bench_tf1_wrapper.Wrapper, bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")

@@ -69,7 +69,8 @@ def probe_env(limit_mb=None, gpu=False):
     return env
 
 
-def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, save=None):
+def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, save=None,
+          micro_batch=None, timed=0):
     """One measurement in a fresh process.
 
     Args:
@@ -79,18 +80,25 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
       gpu: measure GPU:0 (the GPU visible to the probe) instead of the CPU.
       save: a .npz file for the trainable weights after the two updates (a test
         compares paths by them), or None.
+      micro_batch: the accumulate path only: each update one effective batch of N*B
+        samples, cut into micro-batches of this size ("auto": found by fit; the result
+        gives it, its search's seconds and trials).
+      timed: updates timed after the measured one; `update_ms` is the fastest of them
+        and the measured update (on a shared machine, a neighbour slows some of them).
 
     Returns:
-      The probe's dict: its spec (model, path, n, b, limit_mb, gpu), `seconds` (the
+      The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
       process's wall time), and either peak_mb, current_mb (before the measured update),
-      weights_mb, largest_mb, accumulators_mb, oom=False; or oom=True, phase ("warm-up"
+      update_ms, weights_mb, largest_mb, accumulators_mb, oom=False (and with
+      micro_batch: micro_batch_size, search_s, trials); or oom=True, phase ("warm-up"
       or "update") and message; or `error` (a crash, a timeout: one line).
     """
     if model not in MODELS or path not in PATHS + REFERENCES:
         raise ValueError(f"model must be one of {MODELS} and path one of {PATHS}. "
                          f"Received: model={model!r}, path={path!r}")
     spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu),
-                save=None if save is None else str(save))
+                save=None if save is None else str(save), micro_batch=micro_batch,
+                timed=int(timed))
     if path.startswith("tf1") and model not in TF1_MODELS:
         return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
     start = time.perf_counter()
@@ -306,7 +314,8 @@ def _fit(model, x, y, batch_size):
 
 
 # Each path: (model name, n, b, x, y) -> (one update, the model's weights, its trainable
-# weights, a function giving the trainable weights' values). x, y hold N*B samples.
+# weights, a function giving the trainable weights' values[, a function giving more of
+# the result]). x, y hold N*B samples.
 
 
 def _values(variables):
@@ -332,11 +341,21 @@ def _path_keras(model, n, b, x, y):
             _values(net.trainable_weights))
 
 
-def _path_accumulate(model, n, b, x, y):
+def _path_accumulate(model, n, b, x, y, micro_batch=None):
     from gradient_averaging.keras_fit import accumulate
     net = _keras_model(model)
-    return (_fit(_compiled(accumulate(net, n)), x, y, b), net.weights, net.trainable_weights,
-            _values(net.trainable_weights))
+    if micro_batch is None:
+        return (_fit(_compiled(accumulate(net, n)), x, y, b), net.weights,
+                net.trainable_weights, _values(net.trainable_weights))
+    cut = _compiled(accumulate(net, micro_batch_size=micro_batch))
+
+    def found():  # the micro-batch fit cut the effective batch by, and its search
+        m = cut.micro_batch
+        return dict(micro_batch_size=m.micro_batch_size, search_s=m.seconds,
+                    trials=[(size, peak and peak / MIB) for size, peak in m.trials])
+
+    return (_fit(cut, x, y, n * b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights), found)
 
 
 def _dataset(x, y, b):
@@ -457,6 +476,12 @@ def _sizes(weights, trainable):
                 accumulators_mb=sum(elements(v) * accumulated(v) for v in trainable) / MIB)
 
 
+def _milliseconds(run):
+    start = time.perf_counter()
+    run()
+    return 1e3 * (time.perf_counter() - start)
+
+
 def run_probe(spec):
     """One measurement in this process (started with probe_env's environment): the
     warm-up update, the peak's reset, the measured update; returns probe's dict."""
@@ -474,26 +499,29 @@ def run_probe(spec):
                 tf.config.LogicalDeviceConfiguration(memory_limit=int(spec["limit_mb"]))])
         device = "GPU:0"
     phase = "warm-up"
+    cut = {"micro_batch": spec["micro_batch"]} if spec.get("micro_batch") else {}
     try:
         x, y = _data(spec["model"], spec["n"] * spec["b"])
-        update, weights, trainable, values = _PATHS[spec["path"]](
-            spec["model"], spec["n"], spec["b"], x, y)
+        update, weights, trainable, values, *more = _PATHS[spec["path"]](
+            spec["model"], spec["n"], spec["b"], x, y, **cut)
         update()
         phase = "update"
         gc.collect()  # the warm-up's garbage (cycles hold tensors) is not the update's
         current = tf.config.experimental.get_memory_info(device)["current"]
         tf.config.experimental.reset_memory_stats(device)
-        update()
+        times = [_milliseconds(update)]
         peak = tf.config.experimental.get_memory_info(device)["peak"]
         if spec.get("save"):  # the trainable weights after the two updates
             import numpy as np
             np.savez(spec["save"], *values())
+        times += [_milliseconds(update) for _ in range(spec.get("timed", 0))]
     except tf.errors.ResourceExhaustedError as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         message = next((line for line in lines if "OOM" in line), lines[0])
         return dict(spec, oom=True, phase=phase, message=message.strip()[:300])
     return dict(spec, oom=False, device=device, peak_mb=peak / MIB, current_mb=current / MIB,
-                **_sizes(weights, trainable))
+                update_ms=min(times),
+                **_sizes(weights, trainable), **(more[0]() if more else {}))
 
 
 # ---------------------------------------------------------------- the command line

@@ -138,6 +138,58 @@ def test_tensor_memory_targets_take_the_worst_path_against_bound_keras_and_growt
     assert flat.status == "missed" and "1.040 (accumulate)" in flat.measured
 
 
+def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_search(
+        monkeypatch):
+    from tools import bench_micro_batch
+    from tools import memory
+    # A fake device: the direct batch fits the mlp only; B fits up to `edge`, but the
+    # convnet's found B not in a fresh process; the search finds `found` in `search`
+    # seconds; an update is slower at a smaller B.
+    edge, found, search = {"convnet": 100, "mlp": 4093}, {"convnet": 84, "mlp": 3600}, {
+        "convnet": 20.0, "mlp": 60.0}
+    sizes = []
+
+    def _ms(size):
+        return 100 + 1e4 / size
+
+    def probe(model, path, n, b, limit_mb=None, micro_batch=None, timed=0):
+        size = found[model] if micro_batch == "auto" else micro_batch
+        if path == "direct":
+            return dict(oom=model == "convnet", peak_mb=1.0, update_ms=1.0)
+        sizes.append(size)
+        if size > edge[model] or (model, micro_batch) == ("convnet", 84):
+            return dict(oom=True)
+        return dict(oom=False, peak_mb=1.0, update_ms=_ms(size), micro_batch_size=size,
+                    search_s=search[model], trials=[(1, 1.0)] * 9)
+
+    monkeypatch.setattr(memory, "probe", probe)
+    section = bench_micro_batch.MicroBatch()
+    section.settings = dict(section.settings, runs=(("convnet", 257, (150,)),
+                                                    ("mlp", 4093, (700,))))
+    convnet, mlp = result = section.measure(Run(log=lambda line: None))
+    # The found B, then given to a fresh process (OOM); the direct batch ran out of
+    # memory: B = E is not tried; bisection up from 84 to 2%.
+    assert sizes[:9] == [84, 84, 170, 127, 105, 94, 99, 102, 100] and convnet["probes"] == 7
+    assert convnet["given"] == "OOM" and convnet["found_ms"] == _ms(84)  # the finder's
+    assert (convnet["largest"], convnet["over"], convnet["largest_ms"]) == (100, 102, _ms(100))
+    # The direct batch fits: B = E first, and it fits.
+    assert sizes[9:] == [3600, 3600, 4093] and (mlp["largest"], mlp["over"]) == (4093, None)
+    assert mlp["given"] == "fits"
+    assert mlp["epoch_s"] == pytest.approx(15 * _ms(3600) / 1e3)  # 60,000 / 4093: 15
+    share, speed = section.targets(result)
+    assert share == Target("micro-batch found >= 80% of the largest that fits",
+                           "worst 0.84x convnet under 150 MiB", "met")
+    assert speed.status == "missed"
+    assert speed.measured == f"worst {60 / mlp['epoch_s']:.2f}x mlp under 700 MiB"
+    text = "\n".join(section.markdown(result))
+    assert "| convnet | 257 | 150 | OOM | 84 (OOM) | 100 (102: OOM) | 0.84 | 20.0 (9) |" in text
+    assert "| mlp | 4093 | 700 | fits | 3600 (fits) | 4093 | 0.88 |" in text
+    failed = section.targets([dict(mlp, error="probe failed (exit 1): boom")])
+    assert [t.status for t in failed] == ["missed", "missed"]
+    assert "| probe failed (exit 1): boom |" in "\n".join(section.markdown(
+        [dict(mlp, error="probe failed (exit 1): boom")]))
+
+
 def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps():
     advanced, lines = [], []
     run = Run(log=lines.append, advance=advanced.append)

@@ -51,6 +51,17 @@ def test_a_crash_comes_back_as_one_line(monkeypatch):
         memory.probe("mlp", "sideways", 2, 8)
 
 
+def test_the_accumulate_path_with_a_micro_batch_trains_and_says_how_fit_cut_the_batch():
+    """In this process (the probe's own process would run it under a limit)."""
+    x, y = memory._data("convnet", 9)  # noqa: SLF001 (the probe's own pieces, run here)
+    path = memory._path_accumulate  # noqa: SLF001 (the probe's own pieces, run here)
+    update, _, _, values, found = path("convnet", 1, 9, x, y, micro_batch=4)
+    before = values()
+    update()
+    assert found() == {"micro_batch_size": 4, "search_s": None, "trials": []}
+    assert all((a != b).any() for a, b in zip(before, values()))
+
+
 def test_the_bound_is_alone_plus_accumulators_plus_the_largest_variable_plus_a_margin():
     assert memory.bound_mb(300.0, 76.0, 64.0) == pytest.approx(440.0 * 1.05)
     assert memory.bound_mb(50.0, 0.5, 0.25) == pytest.approx(50.75 + 4.0)  # 4 MiB at least

@@ -1,0 +1,133 @@
+"""The micro-batch finder against bisection: for each model and device limit, the
+micro-batch accumulate(model, micro_batch_size="auto") finds for an effective batch E,
+against the largest that fits (bisection, one tools.memory probe per trial), the search's
+seconds against an epoch's, and the time per update at each.
+"""
+
+import math
+
+from tools import memory
+from tools.bench_section import Section
+from tools.bench_section import table
+from tools.bench_section import worst
+
+EPOCH = 60_000  # the bench's run: an epoch of MNIST's size, in the model's inputs
+FOUND_SHARE, SEARCH_SHARE = 0.8, 0.1  # the targets: B found / largest, search / epoch
+TOLERANCE = 0.02  # the bisection stops when the sizes either side are this close
+
+
+class MicroBatch(Section):
+    name, title = "micro_batch", "The micro-batch found against the largest that fits"
+    # (model, E, limits in MiB): E prime, so that no B divides it. The convnet's limits
+    # are under its direct batch's peak; the mlp's just over the least at which the
+    # finder's margin leaves its update room, and a step above.
+    FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800))), timed=2)
+    QUICK = None  # minutes of probes: see test_bench for its targets and markdown
+
+    def steps(self):
+        return sum(len(limits) for _, _, limits in self.settings["runs"])
+
+    def measure(self, run):
+        rows = []
+        for model, effective, limits in self.settings["runs"]:
+            for limit in limits:
+                rows.append(self._row(model, effective, limit, run.log))
+                run.step()
+        return rows
+
+    def _row(self, model, effective, limit, log):
+        """One model and limit: the direct batch, the found B, then the bisection up from
+        it (from it, not from 1: the OOM edge need not be monotone in B)."""
+        def probe(path, micro_batch=None, timed=0):
+            r = memory.probe(model, path, 1, effective, limit_mb=limit,
+                             micro_batch=micro_batch, timed=timed)
+            log(f"micro-batch: {model}, E={effective} under {limit} MiB, {path} "
+                f"B={r.get('micro_batch_size') or micro_batch or effective}: " + (
+                    r.get("error") or ("OOM" if r["oom"] else f"fits (peak "
+                                       f"{r['peak_mb']:.1f} MiB, {r['update_ms']:.0f} ms)")))
+            return r
+
+        row = dict(model=model, effective=effective, limit_mb=limit, probes=0, error=None)
+        direct = probe("direct")
+        row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
+                         else "fits")
+        found = probe("accumulate", "auto", self.settings["timed"])
+        if found.get("error") or found["oom"]:
+            return dict(row, error=found.get("error") or "OOM at the found B")
+        lo = found["micro_batch_size"]
+        # The found B given to a fresh process: whether it fits without the search's
+        # history in the allocator, and its time as the bisection's trials are timed.
+        given = probe("accumulate", lo, self.settings["timed"])
+        if given.get("error"):
+            return dict(row, error=given["error"])
+        found_ms = (found if given["oom"] else given)["update_ms"]
+        row.update(found=lo, given="OOM" if given["oom"] else "fits",
+                   search_s=found["search_s"], search_trials=len(found["trials"]),
+                   found_ms=found_ms, largest_ms=found_ms,
+                   epoch_s=math.ceil(EPOCH / effective) * found_ms / 1e3)
+        # B = E holds the direct batch's activations and the accumulators: where the
+        # direct batch runs out of memory, so does it.
+        hi = effective if row["direct"] == "OOM" else effective + 1
+        while hi - lo > max(1, TOLERANCE * lo):
+            size = effective if hi > effective else (lo + hi) // 2
+            trial = probe("accumulate", size, self.settings["timed"])
+            row["probes"] += 1
+            if trial.get("error"):
+                return dict(row, error=trial["error"])
+            if trial["oom"]:
+                hi = size
+            else:
+                lo, row["largest_ms"] = size, trial["update_ms"]
+        return dict(row, largest=lo, over=hi if hi <= effective else None)
+
+    def targets(self, result):
+        failed = any(row["error"] for row in result)
+        done = [row for row in result if not row["error"]]
+        return [
+            worst(f"micro-batch found >= {FOUND_SHARE:.0%} of the largest that fits",
+                  {_where(r): r["found"] / r["largest"] for r in done}, FOUND_SHARE,
+                  at_least=True, failed=failed),
+            worst(f"micro-batch search < {SEARCH_SHARE:.0%} of an epoch ({EPOCH:,} samples)",
+                  {_where(r): r["search_s"] / r["epoch_s"] for r in done}, SEARCH_SHARE,
+                  failed=failed)]
+
+    def markdown(self, result):
+        rows = []
+        for r in result:
+            if r["error"]:
+                rows.append([r["model"], r["effective"], r["limit_mb"], r["direct"],
+                             r["error"]] + ["–"] * 8)
+                continue
+            over = f" ({r['over']}: OOM)" if r["over"] else ""
+            rows.append([r["model"], r["effective"], r["limit_mb"], r["direct"],
+                         f"{r['found']} ({r['given']})", f"{r['largest']}{over}",
+                         f"{r['found'] / r['largest']:.2f}",
+                         f"{r['search_s']:.1f} ({r['search_trials']})", f"{r['epoch_s']:.0f}",
+                         f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
+                         f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"])
+        return [f"## {self.title}", "",
+                "Each update is one effective batch of E samples under a CPU device of the "
+                "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
+                "process each). `B found`: the micro-batch `accumulate(model, "
+                "micro_batch_size=\"auto\")` finds on fit's first batch, with the default "
+                "margin, and in brackets whether a fresh process given that B fits; `largest "
+                "B`: the largest B whose fit of E runs two updates without an OOM, by "
+                f"bisection up from the found B to {TOLERANCE:.0%} of it (one fresh process "
+                "per trial; the OOM edge moves from process to process, and need not be "
+                "monotone in B). The epoch is estimated: "
+                f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
+                "shortest). Times per update: "
+                f"the fastest of {self.settings['timed'] + 1} updates of a fresh process given "
+                "B (of the finder's own process where that ran out of memory). "
+                "Where the direct batch fits (a model whose own memory, its weights, "
+                "optimizer slots, accumulators and update, outweighs a batch's activations, "
+                "so that the finder's margin needs a limit the direct batch fits in), a row "
+                "measures what that margin costs.", "",
+                *table(["model", "E", "limit MiB", "direct batch", "B found (fresh)",
+                        "largest B", "found / largest", "search s (trials)", "epoch s",
+                        "search / epoch", "ms per update at found", "at largest",
+                        "found / largest"], rows)]
+
+
+def _where(row):
+    return f"{row['model']} under {row['limit_mb']} MiB"
