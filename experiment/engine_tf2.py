@@ -199,22 +199,15 @@ def _window_peak(config, batch_size):
     (None where it ran out of memory), on a model of its own, let go after."""
     cut = config_lib.with_micro_batch(config, batch_size)
     engine = Engine(cut, seed=0)
-    try:
-        devices = list(engine.strategy.extended.worker_devices)
-    except RuntimeError:  # the default strategy has none: the default device
-        devices = [micro_batch.default_device()]
-    try:
-        for device in devices:
-            tf.config.experimental.reset_memory_stats(device)
+
+    def window():
         for iteration in range(1, cut.average_gradients + 1):
             engine.step(*_zeros(config_lib.mini_batch_size(cut, iteration)), iteration)
-        return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
-    except micro_batch.DEVICE_ERRORS as error:
-        if not micro_batch.is_out_of_memory(error):
-            raise
-        return None
+
+    try:
+        return micro_batch.measured_peak(window, micro_batch.devices_of(engine.strategy))
     finally:
-        del engine
+        engine = None  # let go (the closure holds it too) before the run builds its own
         gc.collect()
 
 

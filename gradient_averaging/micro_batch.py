@@ -366,10 +366,7 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
             "its own, where all must cut a batch alike (and a trial that runs out of "
             "memory aborts the collectives); give micro_batch_size as an int")
     replicas = strategy.num_replicas_in_sync
-    try:
-        devices = list(strategy.extended.worker_devices)
-    except RuntimeError:  # the default strategy has none: the default device
-        devices = [default_device()]
+    devices = devices_of(strategy)
     check_statistics(devices)
     budget = check_budget(budget) or min(device_memory(d) for d in devices)
     if margin is None:
@@ -416,6 +413,14 @@ def largest_that_fits(peak_at, update, most, budget, margin):
                                         budget, margin))
     size, peak = _search(peak_at, most, limit, one)
     return size, peak, update_peak
+
+
+def devices_of(strategy):
+    """The devices `strategy`'s replicas train on (the default device without one)."""
+    try:
+        return list(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy has none
+        return [default_device()]
 
 
 def measured_peak(run, devices):
