@@ -32,9 +32,16 @@ run: install
 
 # Two test processes, one per core of the 2-core machine; worksteal hands each a
 # contiguous half (module fixtures built once), then lets the idle one take the other's
-# remaining tests.
+# remaining tests. `make test` is every test but those marked slow (each starts
+# TensorFlow in fresh processes: a whole tool, a device memory limit, a kill, several
+# workers); `make test-slow` runs those. CI runs both.
+PYTEST := $(PY) -m pytest -q -n 2 --dist worksteal
 test: install
-	$(PY) -m pytest -q -n 2 --dist worksteal tests
+	$(PYTEST) -m "not slow" tests
+
+.PHONY: test-slow
+test-slow: install
+	$(PYTEST) -m slow tests
 
 # The linter: ruff (its rules, and why each, in pyproject.toml), pinned in
 # requirements-dev.txt and installed into .venv beside the pins. A noqa also gives its

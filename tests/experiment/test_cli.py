@@ -28,6 +28,7 @@ def final_accuracies(stdout):
     return [float(m.group(3)) for m in RUN_LINE.finditer(stdout)]
 
 
+@pytest.mark.slow
 def test_posts_command_line_end_to_end(tmp_path):
     """The post's second line (fewer iterations), two reps, the packaged data: all real."""
     results = tmp_path / "r.json"

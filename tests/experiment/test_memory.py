@@ -70,6 +70,7 @@ def training_peaks(tmp_path_factory, mnist_dir):
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_evaluation_fits_under_a_limit_training_fits_under(tmp_path, mnist, mnist_dir,
                                                            training_peaks, engine):
@@ -88,6 +89,7 @@ def test_evaluation_fits_under_a_limit_training_fits_under(tmp_path, mnist, mnis
     assert [e["iteration"] for e in evaluations] == [config.iterations]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_batch_that_does_not_fit_gives_one_line_and_keeps_the_checkpoint(
         tmp_path, mnist_quick, mnist_quick_dir, engine):
@@ -177,6 +179,7 @@ def test_the_chunk_is_a_multiple_of_b_and_at_most_max_chunk_without_statistics()
     assert memory.evaluation_chunk(memory.MAX_CHUNK * 3, "convnet") == memory.MAX_CHUNK * 3
 
 
+@pytest.mark.slow
 def test_effective_batch_auto_trains_under_a_limit_the_direct_batch_does_not_fit(
         tmp_path, mnist_quick_dir):
     """--effective-batch-size=E --batch-size=auto under a limit: the micro-batch is found

@@ -162,6 +162,7 @@ def uninterrupted(tmp_path_factory, mnist_quick_dir):
     return json.loads(path.read_text())["runs"]
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, uninterrupted,
                                                          mnist_quick_dir):
     """Ctrl-C in the second rep of a real process, then the same command again.

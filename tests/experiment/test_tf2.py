@@ -362,6 +362,7 @@ def single_process_accuracy(distributed_args):
     return accuracy
 
 
+@pytest.mark.slow
 def test_two_mirrored_replicas_end_like_one(single_process_accuracy, distributed_args):
     proc = run_cli(*distributed_args, "--distribute=mirrored", "--replicas=2", "--verbose",
                    env=CPU_ONLY)
@@ -370,6 +371,7 @@ def test_two_mirrored_replicas_end_like_one(single_process_accuracy, distributed
     assert final_accuracies(proc.stdout) == [single_process_accuracy]
 
 
+@pytest.mark.slow
 def test_two_workers_train_together_and_end_like_one_process(single_process_accuracy,
                                                              distributed_args):
     codes, outputs = launch_workers.launch([*distributed_args[1:], "--verbose"], workers=2,

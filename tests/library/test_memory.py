@@ -14,6 +14,8 @@ import pytest
 
 from tools import memory
 
+pytestmark = pytest.mark.slow  # a dozen probe processes: make test-slow
+
 MODEL, N, B = "convnet", 8, 16
 # Between a path's peak (B alone's, about 45 MiB here, plus a little) and the direct
 # batch's (well above 100 MiB): the direct batch must not fit, every path must.

@@ -94,11 +94,13 @@ def assert_found(found, effective_batch, replicas=1):
     assert size == max(fitted)
 
 
+@pytest.mark.slow
 def test_the_direct_batch_needs_more_than_the_limit(runs):
     _, reference, _ = runs
     assert reference["direct"]["peak"] > LIMIT_MB * MIB, reference
 
 
+@pytest.mark.slow
 def test_keras_fit_trains_each_batch_as_micro_batches_that_fit(runs):
     limited, _, out = runs
     result = limited["keras"]
@@ -108,6 +110,7 @@ def test_keras_fit_trains_each_batch_as_micro_batches_that_fit(runs):
     assert_direct_weights(out, "keras")
 
 
+@pytest.mark.slow
 def test_fit_accumulated_trains_each_batch_as_micro_batches_that_fit(runs):
     limited, _, out = runs
     result = limited["tf2"]
@@ -119,6 +122,7 @@ def test_fit_accumulated_trains_each_batch_as_micro_batches_that_fit(runs):
     assert_direct_weights(out, "tf2")
 
 
+@pytest.mark.slow
 def test_under_two_mirrored_replicas_the_micro_batch_is_each_replicas(runs):
     limited, _, out = runs
     found = limited["mirrored"]["found"]
@@ -127,6 +131,7 @@ def test_under_two_mirrored_replicas_the_micro_batch_is_each_replicas(runs):
     assert_direct_weights(out, "mirrored", reference="direct_mirrored")
 
 
+@pytest.mark.slow
 def test_trials_leave_every_variable_as_they_found_it(runs):
     limited, _, _ = runs
     result = limited["trials"]
@@ -135,6 +140,7 @@ def test_trials_leave_every_variable_as_they_found_it(runs):
         assert len(found["trials"]) > 2  # they did train mini-batches, and the update
 
 
+@pytest.mark.slow
 def test_a_budget_one_sample_exceeds_is_one_line_naming_its_peak(runs):
     limited, _, _ = runs
     line = limited["nothing_fits"]
@@ -163,12 +169,14 @@ def assert_halved(result):
     assert result["updates"] == len(runs_lib.SEQUENCE_BATCHES)
 
 
+@pytest.mark.slow
 def test_keras_fit_trains_a_window_that_ran_out_of_memory_again_at_half_the_micro_batch(runs):
     limited, _, out = runs
     assert_halved(limited["keras_sequences"])
     assert_direct_weights(out, "keras_sequences", reference="direct_sequences")
 
 
+@pytest.mark.slow
 def test_fit_accumulated_trains_a_window_that_ran_out_of_memory_again_at_half(runs):
     limited, _, out = runs
     assert_halved(limited["tf2_sequences"])

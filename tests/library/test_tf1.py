@@ -867,6 +867,7 @@ def test_window_whose_weights_sum_to_zero_or_less_is_skipped_and_counted(n, weig
     np.testing.assert_allclose(w, expected, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_find_micro_batch_trains_a_graph_the_direct_batch_does_not_fit_in(tmp_path):
     """tf1.find_micro_batch under a 48 MiB limit (a process of its own, the CPU as a BFC
     device): the plain direct batch of a prime E runs out of memory there; the graph

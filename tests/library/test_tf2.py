@@ -345,6 +345,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     """Logical devices must be set before TensorFlow starts: a fresh process. Both paths,
     one call per window and a call per mini-batch: the same bits, one all-reduce per

@@ -222,6 +222,7 @@ def test_a_probe_refused_under_determinism_is_measured_again_without_it(monkeypa
                       "determinism_error": line}
 
 
+@pytest.mark.slow
 def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     committed = os.path.join(ROOT, "BENCHMARKS.md")
     before = open(committed).read() if os.path.exists(committed) else None

@@ -20,6 +20,7 @@ def measured():
                           dict(model="mlp", path="alone", n=2, b=8, limit_mb=48)], jobs=2)
 
 
+@pytest.mark.slow
 def test_a_probe_measures_a_peak_above_what_it_held_before(measured):
     result = measured[0]
     assert not result.get("error") and result["oom"] is False, result
@@ -31,6 +32,7 @@ def test_a_probe_measures_a_peak_above_what_it_held_before(measured):
     assert result["largest_mb"] * memory.MIB == 4 * CONVNET_LARGEST
 
 
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_comes_back_as_an_oom(measured):
     result = measured[1]
     assert result["oom"] is True and "peak_mb" not in result, result
@@ -51,6 +53,7 @@ def test_a_crash_comes_back_as_one_line(monkeypatch):
         memory.probe("mlp", "sideways", 2, 8)
 
 
+@pytest.mark.slow
 def test_the_accumulate_path_with_a_micro_batch_trains_and_says_how_fit_cut_the_batch():
     """In this process (the probe's own process would run it under a limit)."""
     x, y = memory._data("convnet", 9)  # noqa: SLF001 (the probe's own pieces, run here)

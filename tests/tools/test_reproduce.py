@@ -247,6 +247,7 @@ def made(tmp_path_factory):
     return results_dir, process.stdout
 
 
+@pytest.mark.slow
 def test_make_reproduce_writes_runs_results_table_and_events(made):
     results_dir, stdout = made
     labels = ["n1-b100-it1", "n5-b20-it5", "n10-b10-it10", "n20-b5-it20"]
@@ -276,6 +277,7 @@ def test_make_reproduce_writes_runs_results_table_and_events(made):
                    for name in (reproduce.CURVES_PNG, reproduce.BEST_PNG))
 
 
+@pytest.mark.slow
 def test_resume_runs_only_what_is_missing(made, tmp_path):
     results_dir = str(tmp_path / "results")
     shutil.copytree(made[0], results_dir)
