@@ -316,9 +316,9 @@ def test_tf2_cli_aborts_on_a_nonfinite_window_with_one_line(capsys):
     assert len(errors) == 1 and "iterations 6-10 and on_nonfinite=abort" in errors[0]
 
 
-def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path, capsys, mnist_dir):
+def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path, capsys, mnist_quick_dir):
     results = tmp_path / "tf2.json"
-    common = ("--engine=tf2", "--dropout=0", "--eval-every=0", f"--data-dir={mnist_dir}")
+    common = ("--engine=tf2", "--dropout=0", "--eval-every=0", f"--data-dir={mnist_quick_dir}")
     run_main_in_process(*common, "--average-gradients=12", "--batch-size=10",
                         "--iterations=360", "--eval-every-updates=15", f"--results={results}",
                         f"--logdir={tmp_path / 'events'}")

@@ -181,7 +181,7 @@ def test_every_averager_ends_with_the_same_bits_with_dropout_on(mnist_quick):
     """
     digests = {}
     for averager in averagers.AVERAGERS:
-        config = config_lib.Config(average_gradients=4, batch_size=10, iterations=42,
+        config = config_lib.Config(average_gradients=4, batch_size=10, iterations=18,
                                    eval_every=0, dropout=0.5, accumulate=averager)
         digests[averager] = loop.train_once(config, mnist_quick, seed=5)["weights_sha256"]
     assert len(set(digests.values())) == 1, digests

@@ -199,6 +199,7 @@ def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps()
     assert _First(quick=True).settings is None and _Second(quick=True).settings == {}
 
 
+@pytest.mark.slow
 def test_a_probe_runs_in_a_fresh_process_and_a_failure_is_one_line():
     ok, failed = bench_probe.probe_all(echo_probe, [{"x": 1}, {"fail": True}], jobs=2)
     assert ok["x"] == 1 and ok["deterministic"] is True and ok["pid"] != os.getpid()
