@@ -32,9 +32,9 @@ run: install
 
 # Two test processes, one per core of the 2-core machine; worksteal hands each a
 # contiguous half (module fixtures built once), then lets the idle one take the other's
-# remaining tests. `make test` is every test but those marked slow (each starts
-# TensorFlow in fresh processes: a whole tool, a device memory limit, a kill, several
-# workers); `make test-slow` runs those. CI runs both.
+# remaining tests. `make test` is every test but those marked slow (8 s or more each
+# here: most start TensorFlow in fresh processes, for a whole tool, a device memory limit,
+# a kill or several workers); `make test-slow` runs those. CI runs both.
 PYTEST := $(PY) -m pytest -q -n 2 --dist worksteal
 test: install
 	$(PYTEST) -m "not slow" tests

@@ -42,7 +42,14 @@ def repository_files():
                                     os.listdir(os.path.join(ROOT, "examples"))}
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[os.path.basename(p) for p in EXAMPLES])
+def _marked(path):
+    """An example that starts tf-keras (legacy Keras) in a process of its own is slow."""
+    with open(path) as f:
+        slow = "TF_USE_LEGACY_KERAS" in f.read()
+    return pytest.param(path, id=os.path.basename(path), marks=[pytest.mark.slow] if slow else [])
+
+
+@pytest.mark.parametrize("path", [_marked(p) for p in EXAMPLES])
 def test_example_runs_in_a_fresh_directory(path, tmp_path, monkeypatch):
     before = repository_files()
     if runs_alone(path):

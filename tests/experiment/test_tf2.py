@@ -248,6 +248,7 @@ def stop_after(iteration, reason):
     return should_stop
 
 
+@pytest.mark.slow
 def test_tf2_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist_quick):
     cfg = tf2_config()  # dropout on: the resumed run must draw the masks it would have
     uninterrupted = loop.train_once(cfg, mnist_quick, seed=4)
@@ -316,6 +317,7 @@ def test_tf2_cli_aborts_on_a_nonfinite_window_with_one_line(capsys):
     assert len(errors) == 1 and "iterations 6-10 and on_nonfinite=abort" in errors[0]
 
 
+@pytest.mark.slow
 def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path, capsys, mnist_quick_dir):
     results = tmp_path / "tf2.json"
     common = ("--engine=tf2", "--dropout=0", "--eval-every=0", f"--data-dir={mnist_quick_dir}")

@@ -174,6 +174,7 @@ def test_rejects_n_below_one_and_unknown_averagers():
             averagers.make_averager("magic", loss, v1.train.GradientDescentOptimizer(1.0), 2)
 
 
+@pytest.mark.slow
 def test_every_averager_ends_with_the_same_bits_with_dropout_on(mnist_quick):
     """Same samples, same stateless dropout masks, sums in the same order: same weights.
 
@@ -181,7 +182,7 @@ def test_every_averager_ends_with_the_same_bits_with_dropout_on(mnist_quick):
     """
     digests = {}
     for averager in averagers.AVERAGERS:
-        config = config_lib.Config(average_gradients=4, batch_size=10, iterations=18,
+        config = config_lib.Config(average_gradients=4, batch_size=10, iterations=42,
                                    eval_every=0, dropout=0.5, accumulate=averager)
         digests[averager] = loop.train_once(config, mnist_quick, seed=5)["weights_sha256"]
     assert len(set(digests.values())) == 1, digests

@@ -216,6 +216,7 @@ def checkpointed(engine, tmp_path, mnist_quick_dir):
     return part, ck / "rep-0", command
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_in_one_line_and_the_same_command_resumes_exactly(
         uninterrupted, tmp_path, capsys, monkeypatch, mnist_quick_dir):
     engine, expected = uninterrupted

@@ -428,6 +428,7 @@ HALVED_LINE = ("out of memory at micro-batch 8: this window and the rest train a
                "micro-batches of 4 (effective batch 36 = 9 x 4)")
 
 
+@pytest.mark.slow
 def test_a_window_that_ran_out_of_memory_trains_as_if_it_never_had(monkeypatch, caplog):
     """Keras fit and both TF2 accumulators, each batch of 36 as mini-batches of 8, which
     run out of memory: the first window is discarded, every variable its passes changed

@@ -512,6 +512,7 @@ print("legacy ok")
 """
 
 
+@pytest.mark.slow
 def test_legacy_v1_behavior():
     """Under disable_v2_behavior (a separate process: it is global)."""
     env = dict(os.environ, PYTHONPATH=ROOT)

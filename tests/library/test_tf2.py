@@ -111,6 +111,7 @@ def test_fit_in_one_call_per_window_equals_fit_per_mini_batch(mnist, source):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("one_call", [True, False], ids=["window", "per_mini_batch"])
 def test_fit_accumulated_under_xla_equals_the_direct_batch(mnist, one_call):
     """jit_compile=True: 75 samples in mini-batches of 8, N=4: windows of 32, 32 and a
