@@ -26,7 +26,8 @@ EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 # Calls whose effect outlives the example, or absl flags of its own: a process of its own.
 PROCESS_WIDE = ("disable_v2_behavior", "disable_eager_execution", "enable_v2_behavior",
                 "tf.config.", "set_global_policy", "set_floatx", "set_random_seed",
-                "set_seed", "app.run(", "flags.DEFINE", "TF_CONFIG", "TF_USE_LEGACY_KERAS")
+                "set_seed", "app.run(", "flags.DEFINE", "TF_CONFIG", "TF_USE_LEGACY_KERAS",
+                "TF_CPU_ALLOCATOR_USE_BFC")
 TIMEOUT = 300  # seconds for an example in a process of its own
 
 
