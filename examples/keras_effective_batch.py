@@ -19,10 +19,10 @@ import os
 
 os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")  # before TensorFlow starts
 
-import keras  # noqa: E402 (after the allocator's setting)
-import numpy as np  # noqa: E402 (after the allocator's setting)
+import keras
+import numpy as np
 
-from gradient_averaging import accumulate  # noqa: E402 (after the allocator's setting)
+from gradient_averaging import accumulate
 
 E, SAMPLES, BUDGET = 1000, 1800, 16 << 20  # an epoch: one batch of 1,000 and one of 800
 rng = np.random.default_rng(0)
