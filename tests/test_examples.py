@@ -31,10 +31,13 @@ PROCESS_WIDE = ("disable_v2_behavior", "disable_eager_execution", "enable_v2_beh
 TIMEOUT = 300  # seconds for an example in a process of its own
 
 
-def runs_alone(path):
+def source(path):
     with open(path) as f:
-        source = f.read()
-    return any(call in source for call in PROCESS_WIDE)
+        return f.read()
+
+
+def runs_alone(path):
+    return any(call in source(path) for call in PROCESS_WIDE)
 
 
 def repository_files():
@@ -45,8 +48,7 @@ def repository_files():
 
 def _marked(path):
     """An example that starts tf-keras (legacy Keras) in a process of its own is slow."""
-    with open(path) as f:
-        slow = "TF_USE_LEGACY_KERAS" in f.read()
+    slow = "TF_USE_LEGACY_KERAS" in source(path)
     return pytest.param(path, id=os.path.basename(path), marks=[pytest.mark.slow] if slow else [])
 
 
