@@ -41,8 +41,10 @@ class MicroBatch(Section):
         def probe(path, micro_batch=None, timed=0):
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
                              micro_batch=micro_batch, timed=timed)
+            # Halved in training (EffectiveWindows): an OOM at the B it began with.
+            r = dict(r, oom=r.get("oom") or bool(r.get("halved")))
             log(f"micro-batch: {model}, E={effective} under {limit} MiB, {path} "
-                f"B={r.get('micro_batch_size') or micro_batch or effective}: " + (
+                f"B={micro_batch or effective}: " + (
                     r.get("error") or ("OOM" if r["oom"] else f"fits (peak "
                                        f"{r['peak_mb']:.1f} MiB, {r['update_ms']:.0f} ms)")))
             return r
@@ -52,9 +54,9 @@ class MicroBatch(Section):
         row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
                          else "fits")
         found = probe("accumulate", "auto", self.settings["timed"])
-        if found.get("error") or found["oom"]:
-            return dict(row, error=found.get("error") or "OOM at the found B")
-        lo = found["micro_batch_size"]
+        if found.get("error") or "micro_batch_size" not in found:
+            return dict(row, error=found.get("error") or "OOM in the search")
+        lo = (found.get("halved") or [found["micro_batch_size"]])[0]
         # The found B given to a fresh process: whether it fits without the search's
         # history in the allocator, and its time as the bisection's trials are timed.
         given = probe("accumulate", lo, self.settings["timed"])

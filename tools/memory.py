@@ -352,7 +352,8 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None):
     def found():  # the micro-batch fit cut the effective batch by, and its search
         m = cut.micro_batch
         return dict(micro_batch_size=m.micro_batch_size, search_s=m.seconds,
-                    trials=[(size, peak and peak / MIB) for size, peak in m.trials])
+                    trials=[(size, peak and peak / MIB) for size, peak in m.trials],
+                    halved=list(m.out_of_memory))
 
     return (_fit(cut, x, y, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights), found)
