@@ -43,7 +43,8 @@ class TensorMemory(Section):
             run.log(f"Tensor memory as N grows: {s['growth_model']}, B={s['b']}")
             growth = memory.growth({n: memory.table(
                 s["growth_model"], n, s["b"], paths=s["growth_paths"], repeats=s["repeats"],
-                jobs=s["jobs"], gpu=self.gpu, log=run.log) for n in s["growth_ns"]})
+                jobs=s["jobs"], gpu=self.gpu, log=run.log, held=max(s["growth_ns"]) * s["b"])
+                for n in s["growth_ns"]})
             run.step()
         return dict(tables=tables, growth=growth)
 

@@ -70,7 +70,7 @@ def probe_env(limit_mb=None, gpu=False):
 
 
 def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, save=None,
-          micro_batch=None, timed=0):
+          micro_batch=None, timed=0, held=None):
     """One measurement in a fresh process.
 
     Args:
@@ -85,6 +85,8 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
         gives it, its search's seconds and trials).
       timed: updates timed after the measured one; `update_ms` is the fastest of them
         and the measured update (on a shared machine, a neighbour slows some of them).
+      held: the samples the process holds on the device as its input, at least N*B (the
+        default): the same at every N where the peak's growth in N is measured.
 
     Returns:
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
@@ -98,7 +100,7 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
                          f"Received: model={model!r}, path={path!r}")
     spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu),
                 save=None if save is None else str(save), micro_batch=micro_batch,
-                timed=int(timed))
+                timed=int(timed), held=held)
     if path.startswith("tf1") and model not in TF1_MODELS:
         return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
     start = time.perf_counter()
@@ -193,13 +195,13 @@ def with_ratios(rows):
 
 
 def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
-          log=None):
+          log=None, held=None):
     """Every path's peak at N x B, each the median of `repeats` probes.
 
     The probes take turns (each repeat runs every path once). Returns a list of dicts,
     one per path in `paths`' order: summarize's row with with_ratios' bound and ratios.
     """
-    specs = [dict(model=model, path=path, n=n, b=b, limit_mb=limit_mb, gpu=gpu)
+    specs = [dict(model=model, path=path, n=n, b=b, limit_mb=limit_mb, gpu=gpu, held=held)
              for _ in range(repeats) for path in paths]
     results = probes(specs, jobs, log)
     return with_ratios([summarize([r for r in results if r["path"] == path])
@@ -309,8 +311,9 @@ def _compiled(model, optimizer=None):
     return model
 
 
-def _fit(model, x, y, batch_size):
-    return lambda: model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+def _fit(model, x, y, batch_size, samples):
+    dataset = _dataset(x, y, batch_size, samples)
+    return lambda: model.fit(dataset, epochs=1, verbose=0)
 
 
 # Each path: (model name, n, b, x, y) -> (one update, the model's weights, its trainable
@@ -325,19 +328,19 @@ def _path_alone(model, n, b, x, y):
     # Plain fit at batch B over the same N*B samples: N updates, and the input pipeline
     # runs beside the steps as it does beside a window's mini-batches.
     net = _compiled(_keras_model(model))
-    return _fit(net, x, y, b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return _fit(net, x, y, b, n * b), net.weights, net.trainable_weights, _values(net.trainable_weights)
 
 
 def _path_direct(model, n, b, x, y):
     net = _compiled(_keras_model(model))
-    return (_fit(net, x, y, n * b), net.weights, net.trainable_weights,
+    return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
 
 def _path_keras(model, n, b, x, y):
     import keras
     net = _compiled(_keras_model(model), keras.optimizers.Adam(gradient_accumulation_steps=n))
-    return (_fit(net, x, y, b), net.weights, net.trainable_weights,
+    return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
 
@@ -345,7 +348,7 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None):
     from gradient_averaging.keras_fit import accumulate
     net = _keras_model(model)
     if micro_batch is None:
-        return (_fit(_compiled(accumulate(net, n)), x, y, b), net.weights,
+        return (_fit(_compiled(accumulate(net, n)), x, y, b, n * b), net.weights,
                 net.trainable_weights, _values(net.trainable_weights))
     cut = _compiled(accumulate(net, micro_batch_size=micro_batch))
 
@@ -355,13 +358,15 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None):
                     trials=[(size, peak and peak / MIB) for size, peak in m.trials],
                     halved=list(m.out_of_memory))
 
-    return (_fit(cut, x, y, n * b), net.weights, net.trainable_weights,
+    return (_fit(cut, x, y, n * b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights), found)
 
 
-def _dataset(x, y, b):
+def _dataset(x, y, b, samples):
+    """The update's first `samples` of x and y (the device tensors the probe holds) in
+    batches of b, sliced as the pipeline runs: the steps' input is a batch at a time."""
     import tensorflow as tf
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(b)
+    return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
 
 
 def _path_window(model, n, b, x, y):
@@ -374,7 +379,7 @@ def _path_window(model, n, b, x, y):
     net = _keras_model(model)
     accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None),
                                     average_gradients=n)
-    dataset = _dataset(x, y, b)
+    dataset = _dataset(x, y, b, n * b)
     return (functools.partial(accumulator.fit, dataset), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
@@ -385,7 +390,7 @@ def _path_mini_batch(model, n, b, x, y):
     from gradient_averaging.tf2 import MiniBatchAccumulator
     net = _keras_model(model)
     accumulator = MiniBatchAccumulator(net, keras.optimizers.Adam(), _loss(None))
-    dataset = _dataset(x, y, b)
+    dataset = _dataset(x, y, b, n * b)
 
     def update():
         for mini_x, mini_y in dataset:
@@ -443,6 +448,7 @@ def _path_tf1(model, n, b, x, y, averaging=True):
     graph.finalize()
     session = v1.Session(graph=graph, config=v1.ConfigProto(inter_op_parallelism_threads=1))
     session.run(init)
+    x, y = x.numpy()[:n * b], y.numpy()[:n * b]
     feeds = ([{images: x[i * b:(i + 1) * b], labels: y[i * b:(i + 1) * b]} for i in range(n)]
              if averaging else [{images: x, labels: y}])
 
@@ -502,7 +508,11 @@ def run_probe(spec):
     phase = "warm-up"
     cut = {"micro_batch": spec["micro_batch"]} if spec.get("micro_batch") else {}
     try:
-        x, y = _data(spec["model"], spec["n"] * spec["b"])
+        # Held on the device before the warm-up, as a dataset a run reads from; `held`
+        # (at least N*B samples) the same at every N, so that the peak's growth in N is
+        # the path's, not its input's.
+        x, y = (tf.constant(a) for a in _data(spec["model"], max(
+            spec["n"] * spec["b"], spec.get("held") or 0)))
         update, weights, trainable, values, *more = _PATHS[spec["path"]](
             spec["model"], spec["n"], spec["b"], x, y, **cut)
         update()
@@ -563,7 +573,8 @@ def main(argv):
     tables = {}
     for n in sorted(set(FLAGS.n)):
         tables[n] = table(FLAGS.model, n, FLAGS.b, FLAGS.paths, FLAGS.repeats,
-                          FLAGS["limit-mb"].value, FLAGS.jobs, FLAGS.gpu, log)
+                          FLAGS["limit-mb"].value, FLAGS.jobs, FLAGS.gpu, log,
+                          held=max(FLAGS.n) * FLAGS.b)
         print(markdown(tables[n]), flush=True)
     if len(tables) > 1:
         print(f"Growth in N at B={FLAGS.b}, peak MiB:\n")
