@@ -14,7 +14,10 @@ A measurement that needs a fresh process is a probe (bench_probe.py).
 """
 
 import collections
+import datetime
 import time
+
+from tools import common
 
 Target = collections.namedtuple("Target", "target measured status")
 
@@ -97,6 +100,13 @@ def table(header, rows):
     """A markdown table: the header's cells, then each row's."""
     return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
         "| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def header(title, command, elapsed):
+    """A report's opening lines: its title, the command that wrote it, when, the machine."""
+    when = datetime.datetime.now()
+    return [f"# {title}", "", f"Written by `{command}` on {when:%Y-%m-%d %H:%M} in "
+            f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", ""]
 
 
 def targets_table(targets):
