@@ -30,19 +30,6 @@ MARKED_POINTS = 30  # curves with this few evaluations get a marker at each (one
 JITTER = 0.08  # half-width of the strip of per-run points, in category widths
 SEED = 0       # the strip's jitter is drawn the same every time
 BENCH_INCHES = (8.0, 4.6)  # the bench figure as it reads at README width (~900 px)
-# What each bench contender is, named on the figure (bench_speed.py races them).
-CONTENDERS = {
-    "direct": "direct: one batch of N*B",
-    "stack": "stack: the post's, numpy",
-    "running": "running: numpy running sum",
-    "graph": "graph: window in variables",
-    "optimizer": "optimizer: AveragingOptimizer",
-    "fused": "fused: one call per update",
-    "keras": "keras: Keras, steps_per_execution=N",
-    "keras_long": "keras_long: Keras, steps_per_execution=N*U",
-    "tf2": "tf2: --engine=tf2",
-    "keras_fit": "keras_fit: accumulate(model, N) + fit",
-}
 
 
 def runs_to_inputs(pairs):
@@ -240,7 +227,7 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
     return _save(fig, path)
 
 
-def bench_figure(speed):
+def bench_figure(speed, names):
     """The bench's speed ratios, not saved: time per update against the direct batch,
     a bar per contender (named in words in a legend outside the data) per (N, B).
 
@@ -248,6 +235,7 @@ def bench_figure(speed):
       speed: bench_speed.Speed's rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
         "q3"}}, ...}], "direct" among the labels; bars are the medians of the paired
         per-round ratios, whiskers their quartiles.
+      names: {label: the contender in words}.
 
     Returns:
       (Figure, its axes).
@@ -267,10 +255,10 @@ def bench_figure(speed):
         ratio = np.array([v["ratio"] for v in r])
         quartiles = np.array([[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]])
         ax.bar(np.arange(len(speed)) - 0.4 + (i + 0.5) * width, ratio, width,
-               yerr=np.maximum(quartiles, 0), capsize=2, label=CONTENDERS.get(label, label),
+               yerr=np.maximum(quartiles, 0), capsize=2, label=f"{label}: {names[label]}",
                color=f"C{i % 10}", error_kw={"linewidth": 0.8})
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--",
-               label=CONTENDERS["direct"] + " (= 1)")
+               label=f"direct: {names['direct']} (= 1)")
     ax.set_ylim(0, 1.08 * max(max(v["q3"], v["ratio"]) for row in speed
                               for v in row["vs_direct"].values()))
     ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])

@@ -165,7 +165,8 @@ def speed_rows():
 
 def test_bench_figure_reads_at_readme_width_shows_every_bar_and_names_every_contender(
         tmp_path):
-    fig, ax = figures.bench_figure(speed_rows())
+    from tools.bench_speed import CONTENDERS  # the names the bench draws
+    fig, ax = figures.bench_figure(speed_rows(), CONTENDERS)
     path = tmp_path / "bench.png"
     path.write_bytes(figures.png_bytes(fig))
     assert_png(path)
@@ -178,7 +179,7 @@ def test_bench_figure_reads_at_readme_width_shows_every_bar_and_names_every_cont
         assert any(name.startswith(label + ":") for name in names), (label, names)
     assert_legends_off_the_axes(fig, [ax])
     with pytest.raises(ValueError, match="no speed rows"):
-        figures.bench_figure([])
+        figures.bench_figure([], CONTENDERS)
 
 
 @pytest.mark.parametrize("scale", [1, 10])
