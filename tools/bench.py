@@ -68,8 +68,7 @@ def render(command, sections, run, targets, elapsed, figure=None):
 
 def write(output, text, figure=None, png=None):
     """Writes BENCHMARKS.md (`text` at `output`) and its figure (`png` bytes at `figure`)
-    as a pair: neither is replaced unless both are written, so a full disk leaves the
-    previous pair, never a new half beside an old one.
+    as a pair: a full disk leaves the previous pair, never a new half beside an old one.
 
     Raises:
       results.WriteError: naming both files, the cause, and that the previous ones stay.

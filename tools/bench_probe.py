@@ -1,13 +1,8 @@
-"""The tools' probe: a measurement in a fresh process, given a JSON spec, returning JSON.
-
-Where a measurement must not see this process's state (a peak RSS, a device allocator's
-peak) or needs a setting TensorFlow reads only at start (TF_ENABLE_ONEDNN_OPTS, the BFC
-allocator's), spawn(function, spec, env) runs `python -m tools.bench_probe MODULE:FUNCTION
-JSON`: TensorFlow imported quietly, op determinism on where the spec says
-`deterministic`, function(spec)'s dict printed as one JSON line. The result gains
-`seconds`, the process's wall time; a failure (an error, a crash, a timeout) comes back as
-the spec with one `error` line, never raised. The bench's probes and tools.memory's are
-this one protocol.
+"""The tools' one probe protocol (the bench's and tools.memory's): a measurement in a
+fresh process, for what must not see this process's state (a peak) or needs a setting
+TensorFlow reads at start. spawn(function, spec, env) runs `python -m tools.bench_probe
+MODULE:FUNCTION JSON`, which prints function(spec)'s dict as JSON; the result gains
+`seconds`; a failure (an error, a crash, a timeout) is the spec with one `error` line.
 """
 
 import concurrent.futures

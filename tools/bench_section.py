@@ -1,16 +1,6 @@
 """The bench's one contract: a section measures, judges its targets and writes its part.
-
-Adding a section to BENCHMARKS.md is a subclass and a line in bench.SECTIONS:
-
-    class Mine(bench_section.Section):
-        name, title = "mine", "What it measures"
-        FULL, QUICK = dict(...), dict(...)  # its settings; QUICK None: --quick leaves it out
-
-        def measure(self, run): ...         # -> its result, what the two below read
-        def targets(self, result): ...      # -> [Target] (default: none)
-        def markdown(self, result): ...     # -> its lines of BENCHMARKS.md
-
-A measurement that needs a fresh process is a probe (bench_probe.py).
+A new section is a subclass and a line in bench.SECTIONS; a measurement that needs a
+fresh process is a probe (bench_probe.py).
 """
 
 import collections
@@ -24,7 +14,7 @@ Target = collections.namedtuple("Target", "target measured status")
 
 class Section:
     name = title = ""
-    FULL = QUICK = {}
+    FULL = QUICK = {}  # its settings; QUICK None: --quick leaves it out
 
     def __init__(self, quick=False):
         self.settings = self.QUICK if quick else self.FULL
@@ -34,12 +24,15 @@ class Section:
         return 1
 
     def measure(self, run):
+        """Its result, what the two below read."""
         raise NotImplementedError
 
     def targets(self, result):
+        """[Target], met or missed."""
         return []
 
     def markdown(self, result):
+        """Its lines of BENCHMARKS.md."""
         raise NotImplementedError
 
 
