@@ -4,13 +4,10 @@ N x B against the direct batch of N*B, on MNIST.
     python -m tools.batch_norm            # a few minutes
     python -m tools.batch_norm --quick    # a smoke test (a few updates)
 
-A small ConvNet with three normalization layers (after each conv and the first dense
-layer), Adam 1e-3, Keras's default momentum 0.99, every configuration trained on the same
-samples in the same order (the experiment's sample stream: N mini-batches of B hold the
-samples of one batch of N*B) for the same number of updates. For each: test accuracy in
-inference mode (what the moving statistics give) and how far its moving statistics end
-from the direct batch's. It rewrites the table of docs/batch-norm.md, with the command,
-the machine and the date.
+A small ConvNet with three normalization layers, Adam 1e-3, momentum 0.99, every
+configuration on the same samples in the same order for the same updates. For each: test
+accuracy in inference mode and how far its moving statistics end from the direct batch's,
+into docs/batch-norm.md's table.
 """
 
 import datetime

@@ -2,17 +2,17 @@
 
     python -m tools.bench            # the full benchmark (README gives how long)
     python -m tools.bench --quick    # a smoke test: every section scaled down, some left out
+    python -m tools.bench --sections=wrapper --output=wrapper.md   # one section alone
 
 Accumulation exists to save memory, so it must not cost speed: the sections measure both.
-Each is a bench_section.Section (what it measures, its targets, its part of the markdown);
-SECTIONS lists them in the order of BENCHMARKS.md, which opens with every target, met or
-missed, and the speed ratios drawn into a PNG beside it (BENCHMARKS.png). On a terminal, stderr
-shows a bar of the measurements done and the time left.
+Each is a bench_section.Section; SECTIONS lists them in the order of BENCHMARKS.md, which
+opens with every target, met or missed, and the speed ratios drawn beside it
+(BENCHMARKS.png). On a terminal, stderr shows a bar of the measurements done.
 """
 
-import datetime
 import os
 import shlex
+import sys
 import time
 
 from experiment import cli
@@ -33,9 +33,9 @@ from tools import bench_micro_batch
 from tools import bench_speed
 from tools import bench_tensor_memory
 from tools import bench_tf1_wrapper
-from tools import common
 from tools import figures
 from tools.bench_section import Run
+from tools.bench_section import header
 from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
@@ -46,16 +46,16 @@ SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatch, benc
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")
+cli.define("list", "sections", None, "Only these sections, by name: " + ", ".join(
+    cls.name for cls in SECTIONS))
 
 
 def render(command, sections, run, targets, elapsed, figure=None):
     """BENCHMARKS.md: what made it, the targets, the figure (`figure`: its file name beside
     the markdown, or None), then each section's part."""
-    lines = ["# Benchmarks: gradient accumulation, speed and memory", "",
-             f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
-             f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
-             "Ratios are within this one run; CPU timings on a shared machine are noisy, so "
-             "compare ratios, not times across runs.", "", *targets_table(targets)]
+    lines = header("Benchmarks: gradient accumulation, speed and memory", command, elapsed) + [
+        "Ratios are within this one run; CPU timings on a shared machine are noisy, so "
+        "compare ratios, not times across runs.", "", *targets_table(targets)]
     if figure:
         lines += ["", f"![Speed ratios]({figure})", "",
                   "Time per update against the direct batch of N*B (the median of the per-round "
@@ -68,8 +68,7 @@ def render(command, sections, run, targets, elapsed, figure=None):
 
 def write(output, text, figure=None, png=None):
     """Writes BENCHMARKS.md (`text` at `output`) and its figure (`png` bytes at `figure`)
-    as a pair: neither is replaced unless both are written, so a full disk leaves the
-    previous pair, never a new half beside an old one.
+    as a pair: a full disk leaves the previous pair, never a new half beside an old one.
 
     Raises:
       results.WriteError: naming both files, the cause, and that the previous ones stay.
@@ -93,14 +92,17 @@ def main_bench(argv):
         results.check_writable(output, "--output")
     except results.ResultsError as e:
         cli.fail(str(e))
-    command = "python -m tools.bench" + (" --quick" if FLAGS.quick else "") + (
-        f" --output={shlex.quote(output)}" if output != "BENCHMARKS.md" else "")
+    unknown = set(FLAGS.sections or ()) - {cls.name for cls in SECTIONS}
+    if unknown:
+        cli.fail(f"--sections: no section {', '.join(sorted(unknown))}")
+    command = shlex.join(["python", "-m", "tools.bench", *sys.argv[1:]])
     start = time.perf_counter()
     try:
         datasets = data.load_mnist()
     except data.DataError as e:
         cli.fail(str(e))
-    sections = [s for s in (cls(FLAGS.quick) for cls in SECTIONS) if s.settings is not None]
+    sections = [s for s in (cls(FLAGS.quick) for cls in SECTIONS) if s.settings is not None
+                and s.name in (FLAGS.sections or [s.name])]
     # The bar counts steps: a (N, B) of the speed section, one for each other section.
     with progress.Bar(sum(s.steps() for s in sections), "bench", unit="measurement") as bar, \
             bar.printing_through():
@@ -111,7 +113,8 @@ def main_bench(argv):
         print(f"  {t.status:>13}: {t.target} -- {t.measured}")
     figure = os.path.splitext(output)[0] + ".png"
     try:
-        png = figures.png_bytes(figures.bench_figure(run.results.get("speed"))[0])
+        fig, _ = figures.bench_figure(run.results.get("speed"), bench_speed.CONTENDERS)
+        png = figures.png_bytes(fig)
         drawn = os.path.basename(figure)
     except ValueError as e:  # nothing measured that a figure could show
         png = drawn = None

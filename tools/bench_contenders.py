@@ -1,9 +1,8 @@
 """What the bench races, how they take turns against the clock, and where their time goes.
 
-Every contender trains the post's ConvNet on real MNIST through `train(updates)`: the
-engines as `main.py` trains them, Keras 3's built-in accumulation, Keras `fit` through
-`accumulate`. Keras loads only inside the Keras and tf2 contenders, so that a memory
-probe, which imports this module, measures TensorFlow alone.
+Every contender trains the post's ConvNet on real MNIST through `train(updates)`. Keras
+loads only inside the Keras and tf2 contenders: a probe importing this module without
+them measures TensorFlow alone.
 """
 
 import collections
@@ -57,12 +56,10 @@ class SessionContender:
 
 
 class KerasContender:
-    """Keras 3's built-in accumulation, Adam(gradient_accumulation_steps=N), on the tf2
-    engine's ConvNet, or with `accumulate` gradient_averaging's `accumulate(model, N)` with
-    plain Adam: `fit` on a tf.data pipeline of B-sized batches, `steps_per_execution`
-    mini-batches per compiled call (Keras's own way to cut per-step overhead), or with None
-    `train_on_batch`, a call per mini-batch. No XLA: under op determinism (on in main.py
-    and here) Keras turns jit_compile off."""
+    """Keras 3's Adam(gradient_accumulation_steps=N) on the tf2 engine's ConvNet, or with
+    `accumulate` our accumulate(model, N) with plain Adam: `fit` on B-sized batches,
+    `steps_per_execution` mini-batches per compiled call (None: `train_on_batch`). No XLA:
+    Keras turns it off under op determinism."""
 
     def __init__(self, label, n, b, datasets, steps_per_execution=1, accumulate=False):
         import keras
@@ -95,10 +92,8 @@ class KerasContender:
 
 
 def contender(label, n, b, datasets, updates=1):
-    """The contender of that label at N x B: "direct" (one batch of N*B, the post's
-    `minimize`), a tf1 averager, "tf2", "tf2_direct" (the tf2 engine on N*B), "keras" and
-    "keras_long" (Keras's accumulation, one call per update or per block of `updates`),
-    "keras_fit"."""
+    """The contender of that label at N x B (bench_speed.CONTENDERS says what each is;
+    "tf2_direct": the tf2 engine on N*B)."""
     if label == "direct":
         return SessionContender(label, 1, n * b, datasets.train)
     if label == "tf2_direct":

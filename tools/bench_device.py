@@ -1,10 +1,7 @@
-"""Peak device memory and speed on a GPU: the section `make bench` and `make gpu-check`
-add; without a GPU it says "no GPU" and measures nothing.
-
-Accumulation exists for a GPU's memory: the device's peak is the number that matters.
-The post's ConvNet where activations dominate (N=8 x B=256): each tf1 averager and the tf2
-engine at N x B against its engine's direct batch and B alone, a probe each (one untimed
-update, the peak reset, `updates` updates); speed: every contender in one probe.
+"""Peak device memory and speed on a GPU (make bench, make gpu-check); without a GPU it
+says "no GPU" and measures nothing. The post's ConvNet where activations dominate: each
+tf1 averager and the tf2 engine against its engine's direct batch and B alone, a probe
+each; speed: every contender in one probe.
 """
 
 import functools
@@ -29,9 +26,7 @@ DEVICE_VS_ALONE, DEVICE_VS_DIRECT = 1.1, 0.3
 DEVICE_SPEED, DEVICE_SPEED_MIN_B = 1.1, 32
 LABELS = ("direct", *averagers.AVERAGERS, "tf2", "tf2_direct")  # the speed probe's
 REFS = ("alone", "direct")  # what each memory probe is set against
-NO_GPU = ("no GPU: TensorFlow sees no GPU on this machine, so peak device memory and "
-          "speed on a device were not measured; `make gpu-check` measures them where there "
-          "is one.")
+NO_GPU = "no GPU: not measured here; `make gpu-check` measures it where there is one."
 
 
 @functools.cache
@@ -151,11 +146,9 @@ class Device(Section):
         if d is None:
             return lines + [NO_GPU]
         s = self.settings
-        lines += [f"On {', '.join(g['device_name'] for g in d['gpu'])}, the post's ConvNet. "
-                  f"Peak device memory (`get_memory_info('{GPU}')['peak']`) while training "
-                  f"{s['updates']} updates, after one untimed update and `reset_memory_stats`; "
-                  "a probe each; \"before\" is the device memory in use when the peak was "
-                  "reset (weights, optimizer slots).", ""]
+        lines += [f"On {', '.join(g['device_name'] for g in d['gpu'])}: the peak of "
+                  f"`get_memory_info('{GPU}')` over {s['updates']} updates after an untimed "
+                  "one; \"before\": in use at the reset (weights, optimizer slots).", ""]
         refs = {(p["engine"], p["role"]): p for p in d["memory"]}
 
         def memory_row(p):
@@ -173,11 +166,9 @@ class Device(Section):
             lines += ["", "Measured without op determinism (TensorFlow refused it): " + "; ".join(
                 f"{describe(p)} ({p['determinism_error']})" for p in refused) + "."]
         lines += ["", "### Speed on the device", "",
-                  f"Milliseconds per update, median of {s['repeats']} interleaved rounds of "
-                  f"{s['speed_updates']} updates after one untimed block; the ratio is the "
-                  "median of the per-round ratios to `direct` (tf1, one batch of N*B). "
-                  "`tf2_direct`: the tf2 engine at N=1 on N*B, the tf2 window's own direct "
-                  "batch.", ""]
+                  f"ms per update, median of {s['repeats']} interleaved rounds of "
+                  f"{s['speed_updates']} updates, as the speed section; `tf2_direct`: the tf2 "
+                  "engine's own direct batch of N*B.", ""]
         return lines + table(("N x B", *LABELS, "tf2 / tf2_direct"), [
             (f"{p['n']} x {p['b']}", *([p["error"]] if "error" in p else [
                 f"{p['median_ms'][k]:.1f} ms, {p['vs_direct'][k]['ratio']:.2f}x" for k in LABELS

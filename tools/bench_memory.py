@@ -1,9 +1,7 @@
-"""Host memory as N grows: the peak RSS of a probe while it trains one update.
-
-RSS counts the host, not a device, beside TensorFlow's own floor of several hundred MB;
-it is here for what a device's allocator does not see: the numpy windows of the `stack`
-and `running` averagers. On a model whose gradients dominate memory (the MLP), an averager
-that keeps the window's gradients grows by at least one gradient per added mini-batch.
+"""Host memory as N grows: the peak RSS of a probe while it trains one update. RSS is
+here for what a device's allocator does not see, the numpy windows of the `stack` and
+`running` averagers: on the MLP, keeping the window's gradients costs at least one
+gradient per added mini-batch.
 """
 
 import numpy as np
@@ -34,8 +32,7 @@ def _proc_mb(path, field):
 
 def rss_probe(spec):
     """Peak RSS in this probe process while it trains `updates` updates, against its RSS
-    just before. It keeps only the samples it trains on, so that the 55,000 training
-    images (170 MB as float32) do not hide what the averagers change."""
+    just before; only the samples it trains on kept (MNIST's 170 MB would hide them)."""
     datasets = data.load_mnist()
     idx = data.SampleStream(len(datasets.train.labels), SEED).next_indices(
         spec["n"] * spec["b"] * spec["updates"])

@@ -1,27 +1,20 @@
 """The bench's one contract: a section measures, judges its targets and writes its part.
-
-Adding a section to BENCHMARKS.md is a subclass and a line in bench.SECTIONS:
-
-    class Mine(bench_section.Section):
-        name, title = "mine", "What it measures"
-        FULL, QUICK = dict(...), dict(...)  # its settings; QUICK None: --quick leaves it out
-
-        def measure(self, run): ...         # -> its result, what the two below read
-        def targets(self, result): ...      # -> [Target] (default: none)
-        def markdown(self, result): ...     # -> its lines of BENCHMARKS.md
-
-A measurement that needs a fresh process is a probe (bench_probe.py).
+A new section is a subclass and a line in bench.SECTIONS; a measurement that needs a
+fresh process is a probe (bench_probe.py).
 """
 
 import collections
+import datetime
 import time
+
+from tools import common
 
 Target = collections.namedtuple("Target", "target measured status")
 
 
 class Section:
     name = title = ""
-    FULL = QUICK = {}
+    FULL = QUICK = {}  # its settings; QUICK None: --quick leaves it out
 
     def __init__(self, quick=False):
         self.settings = self.QUICK if quick else self.FULL
@@ -31,12 +24,15 @@ class Section:
         return 1
 
     def measure(self, run):
+        """Its result, what the two below read."""
         raise NotImplementedError
 
     def targets(self, result):
+        """[Target], met or missed."""
         return []
 
     def markdown(self, result):
+        """Its lines of BENCHMARKS.md."""
         raise NotImplementedError
 
 
@@ -97,6 +93,13 @@ def table(header, rows):
     """A markdown table: the header's cells, then each row's."""
     return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + [
         "| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def header(title, command, elapsed):
+    """A report's opening lines: its title, the command that wrote it, when, the machine."""
+    when = datetime.datetime.now()
+    return [f"# {title}", "", f"Written by `{command}` on {when:%Y-%m-%d %H:%M} in "
+            f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", ""]
 
 
 def targets_table(targets):

@@ -16,29 +16,31 @@ KERAS_SPEEDUP = 2.0  # fused against Keras's accumulation, where it accumulates 
 TF2_VS_FUSED = 1.15  # the tf2 window against tf1's fused, at the FUSED_LIMITS configs
 KERAS_FIT_CONFIG = (5, 20)  # fit with accumulate no slower than Keras's own here
 KERAS = ("keras", "keras_long")  # Keras's accumulation, one call per update or per block
+# Each contender in words: the section's list and the figure's legend.
+CONTENDERS = {
+    "direct": "one batch of N*B, the post's minimize",
+    "stack": "the post's averager (numpy)",
+    "running": "a numpy running sum",
+    "graph": "the window in variables",
+    "fused": "one compiled call per update",
+    "optimizer": "AveragingOptimizer",
+    "keras": "Keras's, steps_per_execution=N",
+    "keras_long": "Keras's, steps_per_execution=N*U",
+    "tf2": "--engine=tf2, a window per call",
+    "keras_fit": "accumulate(model, N) + fit",
+}
 LABELS = ("direct", *averagers.AVERAGERS, *KERAS, "tf2", "keras_fit")
 
 ABOUT = """\
 Each update trains N*B samples of real MNIST (the post's ConvNet, dropout on, Adam 1e-3). \
 Every contender is built once, trained one untimed block, then timed in {repeats} rounds in \
 which each trains a block of {updates} updates, the order rotating every round; the ratio \
-is the median of the per-round ratios to `direct`. Data: the post's sample stream through \
-the engines' `step`, as `main.py`'s loop trains, or tf.data (Keras); no evaluation.
-
-- `direct`: one batch of N*B, the post's `minimize`; `{averagers}`: the tf1 averagers \
-(`--accumulate`, docs/averagers.md). At N=1 each is that same `minimize`: their spread \
-there is this run's noise.
-- `keras`, `keras_long`: the ConvNet as a Keras 3 model, \
-`Adam(1e-3, gradient_accumulation_steps=N)`, `model.fit` on B-sized batches with \
-`steps_per_execution` N (one call per update, as `fused`) or N*U (one per block): Keras's \
-fastest (the plain ways are below). At N=1 Keras does not accumulate.
-- `tf2`: `--engine=tf2`: the engine buffers N mini-batches and trains the window in one \
-compiled call.
-- `keras_fit`: `accumulate(model, N)` compiled with plain `Adam(1e-3)`, fitted on the same \
-batches, one compiled call per window.
-- Everything runs under op determinism, as `main.py` does: Keras compiles no XLA, and \
-`--jit-compile` is not timed (TensorFlow has no deterministic XLA gradient of max \
-pooling; docs/tf2-engine.md has its speed)."""
+is the median of the per-round ratios to `direct`. The engines train through their `step` \
+as `main.py`'s loop does (the tf1 averagers are its `--accumulate`, docs/averagers.md), \
+Keras on tf.data (Keras's fastest ways: the plain ones are below); no evaluation; all \
+under op determinism, as `main.py` runs, so no XLA (docs/tf2-engine.md has its speed). \
+At N=1 each tf1 averager is `direct`'s graph (their spread there is this run's noise), \
+and Keras does not accumulate."""
 
 
 def keras_best(row):
@@ -105,21 +107,18 @@ class Speed(Section):
         def cell(r, k):
             return f"{r['median_ms'][k]:.1f} ms, {r['vs_direct'][k]['ratio']:.2f}x"
 
-        lines = [f"## {self.title}", "",
-                 ABOUT.format(averagers="`, `".join(averagers.AVERAGERS), **self.settings), ""]
+        lines = [f"## {self.title}", "", ABOUT.format(**self.settings), ""]
+        lines += [f"- `{k}`: {CONTENDERS[k]}" for k in LABELS] + [""]
         lines += table(("N x B", *LABELS, "faster Keras / fused"), [
             (f"{r['n']} x {r['b']}", *(cell(r, k) for k in LABELS),
              f"{bc.paired_ratio(r['times'], keras_best(r), 'fused')['ratio']:.2f}x") for r in rows])
         noise = noise_floor(rows)
         if noise is not None:
-            lines += ["", f"This run's noise: at N=1 the averagers' ratios to `direct`, the same "
-                      f"graph, came out up to {noise:.0%} away from 1. A target \"never slower "
-                      f"than stack\" missed by less, or met in a quarter of the rounds, is "
-                      f"\"within noise\"."]
+            lines += ["", f"This run's noise (the averagers at N=1 against `direct`): {noise:.0%}."
+                      " A miss by less, or met in a quarter of the rounds, is \"within noise\"."]
         lines += ["", "## Profile: where one update's time goes", "",
-                  "tf.profiler over one block of updates per contender, after the timed "
-                  "rounds; kernel milliseconds per update, summed over threads (so they can "
-                  "exceed the wall time), by op class. Tracing slows the small ops most."]
+                  "tf.profiler over one block per contender, after the timed rounds: kernel ms "
+                  "per update by op class, summed over threads (so above the wall time)."]
         for r in rows:
             p = r["profiles"]
             classes = sorted({c for profile in p.values() for c in profile["kernel_ms"]})
@@ -181,10 +180,8 @@ class Kernels(Section):
                 f"{x['median_ms'][k]:.1f} ms" for k in ("direct", "fused") for x in (one, eigen)]
                 + [f"{x['vs_direct']['fused']['ratio']:.2f}x" for x in (one, eigen)])))
         return [f"## {self.title}", "",
-                "`direct` and `fused` again, interleaved as above, in a probe process started "
-                "with `TF_ENABLE_ONEDNN_OPTS=0`: TensorFlow's Eigen kernels instead of "
-                "oneDNN's (`main.py` keeps oneDNN on). Where fused / direct is near 1 here "
-                "and above it with oneDNN, fused's gap is oneDNN's cost per kernel call, which "
-                "does not shrink with the mini-batch.", ""] + table(
+                "`direct` and `fused` again, interleaved as above, in a probe process with "
+                "`TF_ENABLE_ONEDNN_OPTS=0` (`main.py` keeps oneDNN on): a gap that closes here "
+                "is oneDNN's cost per kernel call.", ""] + table(
             ("N x B", "direct, oneDNN", "direct, Eigen", "fused, oneDNN", "fused, Eigen",
              "fused / direct, oneDNN", "fused / direct, Eigen"), body)

@@ -1,7 +1,5 @@
 """What AveragingOptimizer's train op costs against the plain optimizer's, per mini-batch.
 
-    python -m tools.bench_tf1_wrapper [--quick]    # this section of make bench alone
-
 At the same B, one run of the wrapper's train op (add the mini-batch; every Nth run also
 apply the mean) against one of the plain optimizer's (apply every run), on the post's
 ConvNet (dense gradients, Adam) and on an embedding table (sparse gradients, Momentum);
@@ -11,7 +9,6 @@ fed a few fixed random batches (these ops' speed does not depend on the values).
 
 import contextlib
 import statistics
-import sys
 from unittest import mock
 
 import numpy as np
@@ -22,7 +19,6 @@ from gradient_averaging import AveragingOptimizer
 from gradient_averaging import tf1
 from tools.bench_contenders import interleaved
 from tools.bench_contenders import paired_ratio
-from tools.bench_section import Run
 from tools.bench_section import Section
 from tools.bench_section import table
 from tools.bench_section import worst
@@ -138,13 +134,10 @@ class Wrapper(Section):
             return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
 
         return [f"## {self.title}", "",
-                "Per mini-batch run at the same B (`python -m tools.bench_tf1_wrapper` "
-                "measures this alone): the ConvNet with Adam (dense gradients) and a "
-                f"{ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per run; "
-                "ratios paired per round (median, quartiles). Per run the wrapper adds the "
-                "mini-batch's gradient (sparse: a scatter-add of its rows into the "
-                "table-sized accumulator), the count, the weight sum and the cond; "
-                "`unlocked`: without the lock that makes concurrent runs atomic.", ""] + table(
+                "Per mini-batch run at the same B: the ConvNet with Adam (dense gradients) and "
+                f"a {ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per "
+                "run; ratios paired per round (median, quartiles). `unlocked`: without the "
+                "lock that makes concurrent runs atomic.", ""] + table(
             ("model", "N x B", "plain ms", "wrapped ms", "wrapped / plain", "unlocked / plain",
              "N=1 / plain", "the lock: wrapped / unlocked"),
             [(name, f"{row['n']} x {row['b']}", f"{row['ms']['plain']:.2f}",
@@ -152,13 +145,3 @@ class Wrapper(Section):
                   "wrapped", "unlocked", "wrapped N=1")), fmt(row["lock"]))
              for name, row in result.items()])
 
-
-if __name__ == "__main__":
-    quick = "--quick" in sys.argv[1:]
-    if any(a != "--quick" for a in sys.argv[1:]):
-        sys.exit(f"usage: python -m tools.bench_tf1_wrapper [--quick]; got {sys.argv[1:]}")
-    section = Wrapper(quick)
-    result = section.measure(Run())
-    for t in section.targets(result):
-        print(f"{t.status}: {t.target} -- {t.measured}")
-    print("\n" + "\n".join(section.markdown(result)))

@@ -1,11 +1,8 @@
 """The figures of `make reproduce` and `make bench`, as PNG files.
 
-Each function takes plain data (numbers in dicts and lists, shapes in its docstring), writes
-one PNG and returns its path; the directory must exist. A PNG is written whole or not at all
-(through a temp file and a rename), so a full disk leaves the previous figure, never a
-0-byte one. matplotlib draws through its Agg canvas directly, without pyplot, so no display
-is needed and no global figure state is kept. Accuracies are in percent, as main.py records
-them.
+Each function takes plain data (shapes in its docstring). A PNG is written whole or not at
+all (a full disk leaves the previous figure). matplotlib draws on its Agg canvas, without
+pyplot: no display, no global figure state. Accuracies are in percent, as main.py records.
 """
 
 import io
@@ -30,34 +27,12 @@ MARKED_POINTS = 30  # curves with this few evaluations get a marker at each (one
 JITTER = 0.08  # half-width of the strip of per-run points, in category widths
 SEED = 0       # the strip's jitter is drawn the same every time
 BENCH_INCHES = (8.0, 4.6)  # the bench figure as it reads at README width (~900 px)
-# What each bench contender is, named on the figure (bench_speed.py races them).
-CONTENDERS = {
-    "direct": "direct: one batch of N*B",
-    "stack": "stack: the post's, numpy",
-    "running": "running: numpy running sum",
-    "graph": "graph: window in variables",
-    "optimizer": "optimizer: AveragingOptimizer",
-    "fused": "fused: one call per update",
-    "keras": "keras: Keras, steps_per_execution=N",
-    "keras_long": "keras_long: Keras, steps_per_execution=N*U",
-    "tf2": "tf2: --engine=tf2",
-    "keras_fit": "keras_fit: accumulate(model, N) + fit",
-}
 
 
 def runs_to_inputs(pairs):
-    """The inputs of `accuracy_curves` and `best_accuracy_spread` from result records.
-
-    Args:
-      pairs: (N, run) pairs; a run is a dict as main.py writes into a results file's "runs"
-        list: "best_accuracy", and "evaluations": [{"iteration", "updates", "accuracy"}]
-        (runs recorded before evaluations were kept have none: they count in the spread of
-        the best accuracies, not in the curves).
-
-    Returns:
-      (curves_by_n, best_by_n): {N: [[(updates, accuracy), ...] per run with evaluations]}
-      and {N: [best accuracy per run]}, both with N in increasing order.
-    """
+    """From (N, run) pairs, runs as main.py records them, the inputs of the two figures:
+    ({N: [[(updates, accuracy), ...] per run with evaluations]}, {N: [best per run]}), N
+    in increasing order. Runs recorded before evaluations were kept count in the bests."""
     curves_by_n, best_by_n = {}, {}
     for n, run in sorted(pairs, key=lambda pair: pair[0]):
         best_by_n.setdefault(n, []).append(run["best_accuracy"])
@@ -84,34 +59,23 @@ def common_grid(curves):
 
 
 def accuracy_curves(curves_by_n, post_accuracy, path):
-    """Test accuracy against updates applied, one panel per N (two panels a row).
-
-    Each panel: the mean over the runs (on the common grid of `common_grid`) and a band from
-    the lowest to the highest run at each point (no band for a single run), and the post's
-    accuracy for that N as a dashed line. N with no run with evaluations get no panel. Every
-    panel has the same y-limits, and every point is inside them: the upper part of a panel
-    starts just below the lowest value after the first CURVE_ZOOM_FROM of the updates, so
-    the end of training is readable; when earlier points lie lower by more than that part
-    spans, they are drawn in a lower part under a marked break (//), on its own compressed
-    scale (otherwise the one axis reaches down to them).
-
-    Args:
-      curves_by_n: {N: [[(updates, accuracy), ...] per run]}, as `runs_to_inputs` gives.
-      post_accuracy: {N: the post's accuracy}: its table's mean of the per-run best (the
-        post reports no other accuracy per N); N missing, or None for all: no line (a
-        scaled-down reproduction has nothing of the post's to compare with).
-      path: the PNG to write.
-
-    Raises:
-      ValueError: no run has evaluations.
-    """
+    """Test accuracy against updates applied, a panel per N, written to `path`."""
     fig, _ = curves_figure(curves_by_n, post_accuracy)
     return _save(fig, path)
 
 
 def curves_figure(curves_by_n, post_accuracy):
-    """The figure of `accuracy_curves`, not saved: (Figure, {N: the panel's axes, the upper
-    part first}), for a caller that saves it elsewhere or checks what it shows."""
+    """Test accuracy against updates applied: (Figure, {N: its panel's axes, upper first}).
+
+    Per N with evaluations (`curves_by_n` as `runs_to_inputs` gives): the mean over the
+    runs on `common_grid`, a band from the lowest to the highest run, the post's accuracy
+    (`post_accuracy`: {N: its mean best}, or None) dashed. One y-range for all panels,
+    starting below the values after the first CURVE_ZOOM_FROM of the updates; earlier
+    points lower than that go under a marked break (//), on a compressed scale.
+
+    Raises:
+      ValueError: no run has evaluations.
+    """
     panels = []
     for n, curves in sorted(curves_by_n.items()):
         if curves:
@@ -194,16 +158,9 @@ def _mark_break(upper, lower):
 
 
 def best_accuracy_spread(best_by_n, post_mean_std, path):
-    """Each N's per-run best accuracies beside the post's mean +/- std.
-
-    Per N: our runs as a jittered strip of points with their mean as a short bar, and the
-    post's mean with its std as an error bar to the right.
-
-    Args:
-      best_by_n: {N: [best accuracy of each run]}, as `runs_to_inputs` gives.
-      post_mean_std: {N: (mean, std)} of the post's table (its std is the population std
-        of its 10 runs); N missing or None: none drawn.
-      path: the PNG to write.
+    """Each N's per-run best accuracies (`best_by_n`), a jittered strip with their mean
+    as a bar, beside the post's mean +/- population std (`post_mean_std`: {N: (mean, std)}
+    or None), written to `path`.
 
     Raises:
       ValueError: no N has a run.
@@ -240,17 +197,10 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
     return _save(fig, path)
 
 
-def bench_figure(speed):
-    """The bench's speed ratios, not saved: time per update against the direct batch,
-    a bar per contender (named in words in a legend outside the data) per (N, B).
-
-    Args:
-      speed: bench_speed.Speed's rows: [{"n", "b", "vs_direct": {label: {"ratio", "q1",
-        "q3"}}, ...}], "direct" among the labels; bars are the medians of the paired
-        per-round ratios, whiskers their quartiles.
-
-    Returns:
-      (Figure, its axes).
+def bench_figure(speed, names):
+    """The bench's speed ratios, not saved: (Figure, its axes). Per (N, B) of `speed`
+    (bench_speed.Speed's rows: {"n", "b", "vs_direct": {label: paired ratio}}) a bar per
+    contender, the median ratio to direct with its quartiles; `names`: {label: words}.
 
     Raises:
       ValueError: no rows.
@@ -267,10 +217,10 @@ def bench_figure(speed):
         ratio = np.array([v["ratio"] for v in r])
         quartiles = np.array([[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]])
         ax.bar(np.arange(len(speed)) - 0.4 + (i + 0.5) * width, ratio, width,
-               yerr=np.maximum(quartiles, 0), capsize=2, label=CONTENDERS.get(label, label),
+               yerr=np.maximum(quartiles, 0), capsize=2, label=f"{label}: {names[label]}",
                color=f"C{i % 10}", error_kw={"linewidth": 0.8})
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--",
-               label=CONTENDERS["direct"] + " (= 1)")
+               label=f"direct: {names['direct']} (= 1)")
     ax.set_ylim(0, 1.08 * max(max(v["q3"], v["ratio"]) for row in speed
                               for v in row["vs_direct"].values()))
     ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])

@@ -1,23 +1,17 @@
-"""make gpu-check: the GPU tests and the device section of the bench, into GPU.md.
+"""make gpu-check: the GPU tests and the device sections of the bench, into GPU.md.
 
     python -m tools.gpu_check                 # writes GPU.md
     python -m tools.gpu_check --quick         # the device section scaled down
 
-On a GPU it runs, with the GPU visible (GPU_TESTS=1; the rest of the suite hides it), the
-tests that are about a GPU: tests/experiment/test_gpu.py (both engines, --jit-compile and
---distribute=mirrored through main.py, determinism run to run, Keras fit under the XLA
-Keras turns on there) and tests/library/test_keras_fit.py (accumulate against the direct
-batch, under that XLA). Then the bench's device section (bench_device.Device: peak
-device memory and speed, and its targets) and its tensor-memory table (every path against
-B alone, the direct batch and Keras's accumulation) read from the GPU's own allocator.
-GPU.md records the device, its driver, TensorFlow's build, each test's outcome, every
-number and each target met or missed.
-
+On a GPU: GPU_TESTS under pytest with the GPU visible (GPU_TESTS=1; the rest of the suite
+hides it), then the bench's device section (bench_device.Device) and its tensor-memory
+table read from the GPU's own allocator. GPU.md records the device, its driver,
+TensorFlow's build, each test's outcome, every number and each target met or missed.
 Without a GPU it measures nothing, in seconds, and GPU.md says so.
 """
 
-import datetime
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -38,10 +32,13 @@ from tools import bench_device
 from tools import bench_tensor_memory
 from tools import common
 from tools.bench_section import Run
+from tools.bench_section import header
 from tools.bench_section import table
 from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
+# Both engines, --jit-compile and --distribute=mirrored through main.py, determinism run to
+# run; Keras fit with accumulate against the direct batch, under the XLA Keras turns on.
 GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")
 TESTS_TIMEOUT = 1200
 
@@ -83,19 +80,14 @@ def render(tests, section, device, targets, command, elapsed, tensor_memory=None
     """GPU.md's text; `device`: the device section's result (None: no GPU);
     `tensor_memory`: the tensor-memory section's, measured on the GPU (or None)."""
     build = tf.sysconfig.get_build_info()
-    lines = ["# GPU check", "",
-             f"Written by `{command}` on {datetime.datetime.now():%Y-%m-%d %H:%M} in "
-             f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", "",
-             "TensorFlow's build (`tf.sysconfig.get_build_info()`): "
-             + ", ".join(f"{k}={v}" for k, v in build.items()) + ".", ""]
+    lines = header("GPU check", command, elapsed) + [
+        "TensorFlow's build (`tf.sysconfig.get_build_info()`): "
+        + ", ".join(f"{k}={v}" for k, v in build.items()) + ".", ""]
     if device is None:
         return "\n".join(lines + [
-            "**No GPU was found**: TensorFlow sees no GPU on this machine, so nothing here is "
-            "measured on a GPU. The GPU paths (both engines, `--jit-compile`, "
-            "`--distribute=mirrored` on GPUs, op determinism on a GPU, peak device memory "
-            "and speed on a device) are not yet measured on a GPU. `make gpu-check` on a "
-            "machine with one runs the GPU tests and the bench's device section and "
-            "rewrites this file with what it measured.", ""] + targets_table(targets)) + "\n"
+            "**No GPU was found** here: the GPU paths are not yet measured on a GPU. `make "
+            "gpu-check` on a machine with one rewrites this file.", "",
+            *targets_table(targets)]) + "\n"
     lines += ["## Device", ""] + table(
         ("device", "name", "compute capability", "driver", "memory"),
         [[g[k] for k in ("name", "device_name", "compute_capability", "driver", "memory")]
@@ -138,8 +130,7 @@ def main_check(argv):
         results.check_writable(FLAGS.output, "--output")
     except results.ResultsError as e:
         cli.fail(str(e))
-    command = "python -m tools.gpu_check" + (" --quick" if FLAGS.quick else "") + (
-        f" --output={FLAGS.output}" if FLAGS.output != "GPU.md" else "")
+    command = shlex.join(["python", "-m", "tools.gpu_check", *sys.argv[1:]])
     try:
         check(FLAGS.output, FLAGS.quick, command)
     except OSError as e:  # the disk filled or the directory went since the check

@@ -3,13 +3,10 @@
     python -m tools.launch_workers --workers=2 -- --average-gradients=5 --batch-size=20 ...
 
 Each worker is `main.py --engine=tf2 --distribute=multi_worker ARGS` with its own TF_CONFIG
-on 127.0.0.1 (free ports picked here). They train together: every worker reads the same
-global mini-batches and trains on its slice, gradients are all-reduced once per update.
-Before they start, one line per worker gives its address and role. Worker 0 (the chief)
-writes to this terminal as it trains: its lines, and on a terminal its progress bar; only
-worker 0 writes `--results` and `--logdir`. The other workers' output is shown if one
-fails. If a worker fails or the job runs past --timeout, the others are stopped, so
-nothing is left waiting for a peer.
+on 127.0.0.1 (free ports): each trains its slice of the same global mini-batches. Worker 0
+(the chief) writes to this terminal and alone writes `--results` and `--logdir`; another
+worker's output is shown if it fails. If a worker fails or the job runs past --timeout,
+the others are stopped, so nothing is left waiting for a peer.
 """
 
 import argparse

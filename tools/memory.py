@@ -21,18 +21,16 @@ The parent imports no TensorFlow: only the probes do.
 
 import concurrent.futures
 import functools
-import json
 import os
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
 from absl import flags
 
 from experiment import cli
+from tools import bench_probe
 from tools import common
 
 FLAGS = flags.FLAGS
@@ -103,25 +101,7 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
                 timed=int(timed), held=held)
     if path.startswith("tf1") and model not in TF1_MODELS:
         return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "tools.memory", "--probe=" + json.dumps(spec)],
-            cwd=common.ROOT, env=probe_env(limit_mb, gpu), capture_output=True, text=True,
-            timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(spec, error=f"probe timed out after {timeout} s",
-                    seconds=time.perf_counter() - start)
-    seconds = time.perf_counter() - start
-    if done.returncode in (-signal.SIGSEGV, 128 + signal.SIGSEGV):
-        return dict(spec, error="segmentation fault (exit 139)", seconds=seconds)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        why = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
-               else f"exit {done.returncode}")
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return dict(spec, error=f"probe failed ({why}): {tail}", seconds=seconds)
-    return dict(json.loads(lines[-1]), seconds=seconds)
+    return bench_probe.spawn(run_probe, spec, probe_env(limit_mb, gpu), timeout)
 
 
 def probes(specs, jobs=1, log=None):
@@ -550,17 +530,11 @@ def define_flags():
     cli.define("list", "paths", list(PATHS), "Paths to measure, of: " + ", ".join(PATHS))
     cli.define("integer", "jobs", 1, "Probes at a time.", lower_bound=1)
     cli.define("bool", "gpu", False, "Measure the GPU's allocator (GPU:0), not the CPU's.")
-    cli.define("string", "probe", None, "Internal: one measurement's spec as JSON; prints "
-               "the result as JSON.")
 
 
 def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    if FLAGS.probe:
-        cli.import_tensorflow_quietly()
-        print(json.dumps(run_probe(json.loads(FLAGS.probe))))
-        return 0
     unknown = [p for p in FLAGS.paths if p not in PATHS]
     if unknown:
         cli.fail(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")

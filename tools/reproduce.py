@@ -2,17 +2,12 @@
 
     python -m tools.reproduce --reps=10 --results-dir=results   # what `make reproduce` runs
 
-Every run is its own `main.py --reps=1 --seed=S --results=FILE` process, so the table
-comes from the real command line. Runs go to JOBS processes at a time, with TensorFlow's
-thread pools split between them. Each finished run is a file of its own, written
-atomically by main.py and keyed by configuration and seed: a stopped reproduction keeps
-its finished runs, and the same command carries on from there. At the end it writes one
-results JSON per configuration, two figures (tools/figures.py) and `table.md` (the table,
-a verdict generated from the numbers: tools/reproduce_table.py, and links to the figures)
-and prints it. On a terminal, stderr shows a bar of the runs done and the time left.
-
-This driver never imports TensorFlow; its flags are defined only when it runs as a
-script, so tests can import it beside main.py's flags.
+Every run is its own `main.py --reps=1 --seed=S --results=FILE` process (the real
+command line), JOBS at a time with TensorFlow's threads split between them. Each finished
+run is a file keyed by configuration and seed, so a stopped reproduction carries on where
+it stopped. At the end: a results JSON per configuration, two figures (tools/figures.py)
+and `table.md` (tools/reproduce_table.py), printed. This driver never imports TensorFlow;
+its flags are defined only when it runs as a script (tests import it beside main.py's).
 """
 
 import collections
@@ -43,13 +38,10 @@ from tools.reproduce_table import FAIR_EVAL_EVERY_UPDATES
 from tools.reproduce_table import POST_TABLE
 
 # The averager every run uses: fused is the fastest and ends with the same weights, bit for
-# bit, as the post's stack (tests/experiment/test_trainer.py checks it); ACCUMULATE=stack
-# for the post's.
+# bit, as the post's stack (tests/experiment/test_trainer.py checks it).
 DEFAULT_ACCUMULATE = "fused"
-
-# Everything else that shapes a run, pinned to the post's values (experiment/config.py marks them)
-# so that the table does not drift if main.py's defaults ever change; a stored run must
-# match all of it.
+# Everything else that shapes a run, pinned to the post's values (experiment/config.py marks
+# them), so that the table does not drift with main.py's defaults; a stored run must match.
 POST_FLAGS = experiment_config.POST_VALUES
 # The figures, written next to table.md (which links them by these names).
 CURVES_PNG, BEST_PNG = "accuracy_curves.png", "best_accuracy.png"
@@ -135,8 +127,7 @@ def load_run(spec):
     """The finished run stored for `spec`, or None if there is none yet.
 
     Raises:
-      ReproduceError: the file is unreadable, or was made with other settings (a results
-        directory is never silently reused for a different experiment).
+      ReproduceError: the file is unreadable, or was made with other settings.
     """
     document = read_document(spec.path)
     if document is None:
@@ -387,12 +378,8 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
 
 
 def _write(path, out_dir, write, content):
-    """write(path, content) (an atomic write: the previous file stays if it fails).
-
-    Raises:
-      ReproduceError: the file could not be written; the message says the finished runs
-        are kept.
-    """
+    """write(path, content), atomic; a failure is a ReproduceError that says the finished
+    runs are kept."""
     try:
         write(path, content)
     except OSError as e:
@@ -406,17 +393,9 @@ def _runs_kept(out_dir):
 
 
 def draw_figures(out_dir, pairs, with_post, log):
-    """The accuracy curves and the spread of the best accuracies, next to table.md.
-
-    A figure with nothing to draw (runs recorded before their evaluations were kept have
-    no curve) is left out with a note, not an error: the table does not need it.
-
-    Args:
-      pairs: (N, run) for every run of the table.
-      with_post: mark the post's numbers (not on a scaled-down reproduction).
-
-    Returns:
-      (drawn, notes): the file names written, and lines saying what was left out and why.
+    """The accuracy curves and the spread of the best accuracies of `pairs`, (N, run) for
+    every run, next to table.md; `with_post`: the post's numbers marked. A figure with
+    nothing to draw is left out with a note: (file names drawn, notes).
 
     Raises:
       ReproduceError: a figure could not be written.

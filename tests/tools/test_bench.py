@@ -203,7 +203,7 @@ def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps()
 def test_a_probe_runs_in_a_fresh_process_and_a_failure_is_one_line():
     ok, failed = bench_probe.probe_all(echo_probe, [{"x": 1}, {"fail": True}], jobs=2)
     assert ok["x"] == 1 and ok["deterministic"] is True and ok["pid"] != os.getpid()
-    assert failed["error"] == "probe failed (1): ValueError: boom"
+    assert failed["error"] == "probe failed (exit 1): ValueError: boom"
 
 
 def test_a_probe_refused_under_determinism_is_measured_again_without_it(monkeypatch):
@@ -216,7 +216,7 @@ def test_a_probe_refused_under_determinism_is_measured_again_without_it(monkeypa
             return dict(spec, error=line, determinism=True)
         return dict(spec, peak_mb=300.0)
 
-    monkeypatch.setattr(bench_probe, "_spawn", spawn)
+    monkeypatch.setattr(bench_probe, "spawn", spawn)
     result = bench_probe.probe(echo_probe, {"x": 1})
     assert calls == [True, False]
     assert result == {"x": 1, "deterministic": False, "peak_mb": 300.0,

@@ -165,7 +165,8 @@ def speed_rows():
 
 def test_bench_figure_reads_at_readme_width_shows_every_bar_and_names_every_contender(
         tmp_path):
-    fig, ax = figures.bench_figure(speed_rows())
+    from tools.bench_speed import CONTENDERS  # the names the bench draws
+    fig, ax = figures.bench_figure(speed_rows(), CONTENDERS)
     path = tmp_path / "bench.png"
     path.write_bytes(figures.png_bytes(fig))
     assert_png(path)
@@ -178,15 +179,14 @@ def test_bench_figure_reads_at_readme_width_shows_every_bar_and_names_every_cont
         assert any(name.startswith(label + ":") for name in names), (label, names)
     assert_legends_off_the_axes(fig, [ax])
     with pytest.raises(ValueError, match="no speed rows"):
-        figures.bench_figure([])
+        figures.bench_figure([], CONTENDERS)
 
 
 @pytest.mark.parametrize("scale", [1, 10])
-def test_table_captions_name_the_posts_marks_only_where_they_are_drawn(scale):
-    from tools import reproduce_table  # the captions of the figures above, in table.md
+def test_table_links_each_figure_and_says_where_the_posts_marks_are_not_drawn(scale):
+    from tools import reproduce_table  # the figures above, linked from table.md
 
     text = "\n".join(reproduce_table.figure_lines(
-        ["accuracy_curves.png", "best_accuracy.png"], [], scale))
-    assert ("post's mean best accuracy (dashed)" in text) == (scale == 1)
-    assert ("post's mean ± std" in text) == (scale == 1)
+        ["accuracy_curves.png", "best_accuracy.png"], ["x.png not drawn: why."], scale))
+    assert "![accuracy_curves.png](accuracy_curves.png)" in text and "- x.png not drawn" in text
     assert ("the post's numbers are not drawn" in text) == (scale > 1)
