@@ -308,7 +308,8 @@ def _path_alone(model, n, b, x, y):
     # Plain fit at batch B over the same N*B samples: N updates, and the input pipeline
     # runs beside the steps as it does beside a window's mini-batches.
     net = _compiled(_keras_model(model))
-    return _fit(net, x, y, b, n * b), net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
 
 
 def _path_direct(model, n, b, x, y):
