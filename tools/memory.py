@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 from absl import flags
 
 from experiment import cli
@@ -255,7 +256,6 @@ def growth_markdown(rows):
 
 def _data(model, samples):
     """Random inputs and labels of the model's shapes, the same for every path."""
-    import numpy as np
     rng = np.random.default_rng(SEED)
     x = rng.standard_normal((samples,) + INPUT_SHAPES[model]).astype(np.float32)
     return x, rng.integers(0, CLASSES, samples).astype(np.int32)
@@ -292,6 +292,9 @@ def _compiled(model, optimizer=None):
 
 
 def _fit(model, x, y, batch_size, samples):
+    if isinstance(x, np.ndarray):  # Keras's own pipeline, as a user's fit on arrays
+        return lambda: model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                                 verbose=0)
     dataset = _dataset(x, y, batch_size, samples)
     return lambda: model.fit(dataset, epochs=1, verbose=0)
 
@@ -429,7 +432,7 @@ def _path_tf1(model, n, b, x, y, averaging=True):
     graph.finalize()
     session = v1.Session(graph=graph, config=v1.ConfigProto(inter_op_parallelism_threads=1))
     session.run(init)
-    x, y = x.numpy()[:n * b], y.numpy()[:n * b]
+    x, y = np.asarray(x)[:n * b], np.asarray(y)[:n * b]
     feeds = ([{images: x[i * b:(i + 1) * b], labels: y[i * b:(i + 1) * b]} for i in range(n)]
              if averaging else [{images: x, labels: y}])
 
@@ -449,7 +452,6 @@ _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
 def _sizes(weights, trainable):
     """The model's weights, its largest trainable variable and the trainable variables
     in their accumulation dtype (float16 and bfloat16 are summed in float32), in MiB."""
-    import numpy as np
     import tensorflow as tf
 
     def elements(v):
@@ -489,11 +491,11 @@ def run_probe(spec):
     phase = "warm-up"
     cut = {"micro_batch": spec["micro_batch"]} if spec.get("micro_batch") else {}
     try:
-        # Held on the device before the warm-up, as a dataset a run reads from; `held`
-        # (at least N*B samples) the same at every N, so that the peak's growth in N is
-        # the path's, not its input's.
-        x, y = (tf.constant(a) for a in _data(spec["model"], max(
-            spec["n"] * spec["b"], spec.get("held") or 0)))
+        x, y = _data(spec["model"], max(spec["n"] * spec["b"], spec.get("held") or 0))
+        if spec.get("held"):
+            # Held on the device before the warm-up, the same samples at every N, read a
+            # batch at a time: the peak's growth in N is then the path's, not its input's.
+            x, y = tf.constant(x), tf.constant(y)
         update, weights, trainable, values, *more = _PATHS[spec["path"]](
             spec["model"], spec["n"], spec["b"], x, y, **cut)
         update()
@@ -504,7 +506,6 @@ def run_probe(spec):
         times = [_milliseconds(update)]
         peak = tf.config.experimental.get_memory_info(device)["peak"]
         if spec.get("save"):  # the trainable weights after the two updates
-            import numpy as np
             np.savez(spec["save"], *values())
         times += [_milliseconds(update) for _ in range(spec.get("timed", 0))]
     except tf.errors.ResourceExhaustedError as e:
