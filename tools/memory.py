@@ -84,8 +84,9 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
         gives it, its search's seconds and trials).
       timed: updates timed after the measured one; `update_ms` is the fastest of them
         and the measured update (on a shared machine, a neighbour slows some of them).
-      held: the samples the process holds on the device as its input, at least N*B (the
-        default): the same at every N where the peak's growth in N is measured.
+      held: where the peak's growth in N is measured, the samples (at least N*B) the
+        process holds on the device before the warm-up, the same at every N, and feeds
+        a batch at a time; None: N*B samples as arrays, through Keras's own pipeline.
 
     Returns:
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
@@ -347,7 +348,7 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None):
 
 
 def _dataset(x, y, b, samples):
-    """The update's first `samples` of x and y (the device tensors the probe holds) in
+    """The first `samples` of x and y (arrays, or the device tensors a probe holds) in
     batches of b, sliced as the pipeline runs: the steps' input is a batch at a time."""
     import tensorflow as tf
     return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
@@ -550,7 +551,7 @@ def main(argv):
     for n in sorted(set(FLAGS.n)):
         tables[n] = table(FLAGS.model, n, FLAGS.b, FLAGS.paths, FLAGS.repeats,
                           FLAGS["limit-mb"].value, FLAGS.jobs, FLAGS.gpu, log,
-                          held=max(FLAGS.n) * FLAGS.b)
+                          held=max(FLAGS.n) * FLAGS.b if len(set(FLAGS.n)) > 1 else None)
         print(markdown(tables[n]), flush=True)
     if len(tables) > 1:
         print(f"Growth in N at B={FLAGS.b}, peak MiB:\n")
