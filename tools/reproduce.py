@@ -29,7 +29,6 @@ from experiment import cli
 from experiment import config as experiment_config
 from experiment import progress
 from experiment import results
-from experiment import stats
 from tools import common
 from tools import figures
 from tools import reproduce_table
@@ -45,8 +44,9 @@ DEFAULT_ACCUMULATE = "fused"
 POST_FLAGS = experiment_config.POST_VALUES
 # The figures, written next to table.md (which links them by these names).
 CURVES_PNG, BEST_PNG = "accuracy_curves.png", "best_accuracy.png"
-# Rough single-thread seconds of one run on a 2-core machine, for the first ETA only:
-# process start-up, per mini-batch, per evaluation of the 10,000 test images.
+# Rough single-thread seconds of one run on a 2-core machine: process start-up, per
+# mini-batch, per evaluation of the 10,000 test images. Runs start longest first, and the
+# ETA weighs the runs left against those done by them.
 PRIOR_START, PRIOR_ITERATION, PRIOR_EVALUATION = 6.0, 0.004, 0.15
 
 Setting = collections.namedtuple("Setting", ["average_gradients", "batch_size", "iterations"])
@@ -147,61 +147,36 @@ def load_run(spec):
 # ---------------------------------------------------------------- running
 
 
+def prior(spec):
+    """A guess of a run's seconds from its size (runs differ in length)."""
+    n_eval = experiment_config.evaluations(spec.config)
+    return PRIOR_START + PRIOR_ITERATION * spec.setting.iterations + PRIOR_EVALUATION * n_eval
+
+
 class Progress:
-    """One line per finished run, with an ETA for the whole reproduction."""
+    """One line per finished run, with an ETA for the whole reproduction: the wall time so
+    far, scaled by the prior seconds of the runs left against those of the runs done."""
 
     def __init__(self, todo, jobs, log):
-        self.todo, self.jobs, self.log = list(todo), jobs, log
+        self.total, self.jobs, self.log = len(todo), jobs, log
         self.on_finished = None  # called after each finished run's line (a bar's update)
-        self.finished_count = 0
-        self.seconds = collections.defaultdict(list)  # label -> seconds of its runs
-        self.waiting = set(self.todo)
-        self.running = {}  # RunSpec -> perf_counter at launch
-        # Re-entrant: eta() takes it (the bar's thread asks for it) and so does finished(),
-        # which logs the ETA.
-        self.lock = threading.RLock()
-
-    @staticmethod
-    def prior(spec):
-        """A guess of a run's seconds from its size, before anything is measured."""
-        n_eval = experiment_config.evaluations(spec.config)
-        return (PRIOR_START + PRIOR_ITERATION * spec.setting.iterations
-                + PRIOR_EVALUATION * n_eval)
-
-    def estimate(self, spec):
-        """A run's seconds: the mean measured for its configuration, else the prior scaled
-        by how the configurations measured so far compared with their priors."""
-        if self.seconds[spec.label]:
-            return stats.mean(self.seconds[spec.label])
-        measured = [s for s in {s.label: s for s in self.todo}.values()
-                    if self.seconds[s.label]]
-        if not measured:
-            return self.prior(spec)
-        ratio = (sum(stats.mean(self.seconds[s.label]) for s in measured)
-                 / sum(self.prior(s) for s in measured))
-        return self.prior(spec) * ratio
+        self.left, self.done, self.count = sum(map(prior, todo)), 0.0, 0
+        self.start = time.perf_counter()
+        self.lock = threading.RLock()  # eta() is asked from the bar's thread too
 
     def eta(self):
         """Seconds left for the whole reproduction; safe to call from any thread."""
         with self.lock:
-            now = time.perf_counter()
-            left = sum(self.estimate(s) for s in self.waiting)
-            left += sum(max(0.0, self.estimate(s) - (now - t))
-                        for s, t in self.running.items())
-            return left / self.jobs
-
-    def launched(self, spec):
-        with self.lock:
-            self.waiting.discard(spec)
-            self.running[spec] = time.perf_counter()
+            if not self.done:
+                return self.left / self.jobs
+            return (time.perf_counter() - self.start) * self.left / self.done
 
     def finished(self, spec, run, seconds):
         with self.lock:
-            self.running.pop(spec, None)
-            self.finished_count += 1
-            self.seconds[spec.label].append(seconds)
-            width = len(str(len(self.todo)))
-            self.log(f"[{self.finished_count:{width}d}/{len(self.todo)}] "
+            self.count += 1
+            self.left -= prior(spec)
+            self.done += prior(spec)
+            self.log(f"[{self.count:{len(str(self.total))}d}/{self.total}] "
                      f"N={spec.setting.average_gradients} B={spec.setting.batch_size} "
                      f"rep {spec.rep + 1} (seed {spec.seed}): "
                      f"best {results.fmt_accuracy(run['best_accuracy'])} "
@@ -259,7 +234,6 @@ class Runner:
             process = subprocess.Popen(self.command(spec), cwd=common.ROOT, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.processes.add(process)
-        self.progress.launched(spec)
         tail = collections.deque(maxlen=20)
         prefix = f"  N={spec.setting.average_gradients} seed {spec.seed}: "
         for line in process.stdout:
@@ -294,7 +268,7 @@ class Runner:
 
     def run_all(self, todo):
         """Runs every spec of `todo`, longest first (the best packing of JOBS slots)."""
-        order = sorted(todo, key=Progress.prior, reverse=True)
+        order = sorted(todo, key=prior, reverse=True)
         with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
             futures = [pool.submit(self.run_one, spec) for spec in order]
             try:

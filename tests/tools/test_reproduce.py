@@ -232,6 +232,22 @@ def test_evaluation_counts_match_the_loop():
     assert (spec.config.average_gradients, count(spec.config)) == (20, 10)  # every 100 updates
 
 
+def test_the_eta_scales_the_time_so_far_by_the_prior_seconds_left(monkeypatch):
+    specs = reproduce.plan("out", reps=1, seed=0, scale=1, fair=False, accumulate="fused")
+    now = [0.0]
+    monkeypatch.setattr(reproduce.time, "perf_counter", lambda: now[0])
+    lines = []
+    tracker = reproduce.Progress(specs, 2, lines.append)
+    total = sum(map(reproduce.prior, specs))
+    assert tracker.eta() == pytest.approx(total / 2)  # nothing done: the priors, 2 at a time
+    now[0] = 120.0
+    run = {"best_accuracy": 0.9, "final_accuracy": 0.8}
+    tracker.finished(specs[0], run, 120.0)
+    done = reproduce.prior(specs[0])
+    assert tracker.eta() == pytest.approx(120.0 * (total - done) / done)
+    assert lines[0].startswith("[1/4] N=1 B=100 rep 1 (seed 0): ") and "ETA" in lines[0]
+
+
 # ---------------------------------------------------------------- make reproduce, resume
 
 
