@@ -389,17 +389,13 @@ class AccumulatingModel(keras.Model):
                     weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
                     sample_weight=sample_weight, training=True)
             loss = _keras_src.unscale_loss_for_distribution(loss)
-            value, _ = step_lib.scaled_objective(self.optimizer, loss * n, n_local)
-            return value, (loss, y_pred, non_trainable_values, metrics_after)
+            return (step_lib.scaled_objective(self.optimizer, loss * n, n_local),
+                    (loss, y_pred, non_trainable_values, metrics_after))
 
         step = window.mini_batch_gradients(self, weights, non_trainable, x, objective)
         window.no_gradient = step.no_gradient
         loss, y_pred, non_trainable_values, metrics_after = step.extra
-        _, multiplier = step_lib.scaled_objective(self.optimizer, loss * n, n_local)
-        gradients = step.gradients
-        if multiplier is not None:  # the LossScaleOptimizer unscales what it applies
-            gradients = [None if g is None else g * tf.cast(multiplier, g.dtype)
-                         for g in gradients]
+        gradients = step_lib.unscaled(self.optimizer, step.gradients, n_local)
         metrics = self.metrics_variables
         with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_after))) as scope:
             _keras_src.loss_tracker(self).update_state(loss, sample_weight=n_local)

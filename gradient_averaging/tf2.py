@@ -167,16 +167,11 @@ class _Accumulator:
 
         def objective(outputs, regularization, unused_state):
             loss_sum.append(_loss_sum(self.loss_fn, y, outputs, regularization, n_local))
-            value, _ = step_lib.scaled_objective(self.optimizer, loss_sum[0], n_local)
-            return value, None
+            return step_lib.scaled_objective(self.optimizer, loss_sum[0], n_local), None
 
         step = self.step.mini_batch_gradients(self.model, weights, state, x, objective)
         self.step.no_gradient = step.no_gradient
-        _, multiplier = step_lib.scaled_objective(self.optimizer, loss_sum[0], n_local)
-        gradients = step.gradients
-        if multiplier is not None:  # the LossScaleOptimizer unscales what it applies
-            gradients = [None if g is None else g * tf.cast(multiplier, g.dtype)
-                         for g in gradients]
+        gradients = step_lib.unscaled(self.optimizer, step.gradients, n_local)
         return (gradients, step.state, loss_sum[0], step_lib.pass_moments(self.statistics, step),
                 step.activity)
 

@@ -69,7 +69,7 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
         if records:
             activity_loss = tf.add_n([tf.cast(loss, tf.float32) for loss in records])
             # A sum weighed as it is (no mean to take), scaled as the loss is.
-            activity_value, _ = scaled_objective(optimizer, activity_loss, 1)
+            activity_value = scaled_objective(optimizer, activity_loss, 1)
     grads = tape.gradient(value, weights)
     activity = None
     if records:
@@ -96,17 +96,29 @@ def pass_moments(statistics, step):
 
 
 def scaled_objective(optimizer, loss_sum, n_local):
-    """The scalar to differentiate for a mini-batch's loss sum, and the factor its
-    gradients are multiplied by to be those of the sum.
+    """The scalar to differentiate for a mini-batch's loss sum (unscaled() makes its
+    gradients those of the sum).
 
     Under a LossScaleOptimizer (mixed precision) the scaled loss is the mini-batch's
     mean, as Keras scales a batch's: its float16 gradients keep the magnitude of a
     direct batch's; they are made gradients of the sum again in float32.
     """
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return loss_sum, None
-    mean_over = tf.maximum(tf.cast(n_local, tf.float32), 1.0)
-    return optimizer.scale_loss(loss_sum / mean_over), mean_over
+        return loss_sum
+    return optimizer.scale_loss(loss_sum / _mean_over(n_local))
+
+
+def unscaled(optimizer, gradients, n_local):
+    """The gradients of scaled_objective's scalar as those of the loss sum (the
+    LossScaleOptimizer unscales what it applies by its own scale)."""
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return gradients
+    mean_over = _mean_over(n_local)
+    return [None if g is None else g * tf.cast(mean_over, g.dtype) for g in gradients]
+
+
+def _mean_over(n_local):
+    return tf.maximum(tf.cast(n_local, tf.float32), 1.0)
 
 
 def next_after(strategy, added, fetch):
