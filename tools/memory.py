@@ -92,7 +92,8 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
       process's wall time), and either peak_mb, current_mb (before the measured update),
       update_ms, weights_mb, largest_mb, accumulators_mb, oom=False (and with
-      micro_batch: micro_batch_size, search_s, trials); or oom=True, phase ("warm-up"
+      micro_batch: micro_batch_size, search_s, trials, and halved: the sizes training
+      ran out of memory at and halved); or oom=True, phase ("warm-up"
       or "update") and message; or `error` (a crash, a timeout: one line).
     """
     if model not in MODELS or path not in PATHS + REFERENCES:

@@ -177,7 +177,9 @@ def figure_lines(drawn, notes, scale):
     if drawn and scale > 1:
         lines += ["", f"SCALE={scale}: the post's numbers are not drawn (its runs were not "
                   "scaled down)."]
-    return lines + [""] * bool(drawn and notes) + [f"- {note}" for note in notes]
+    if drawn and notes:
+        lines.append("")  # the notes apart from the figures
+    return lines + [f"- {note}" for note in notes]
 
 
 def table_document(rows, fair, scale, command, timing, drawn=(), notes=()):
