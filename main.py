@@ -60,6 +60,7 @@ def main(argv):
     from experiment import memory
     from experiment import results
     from experiment import runlock
+    from gradient_averaging import micro_batch
 
     config, runs = flags.train_config(), flags.runs()
     try:
@@ -81,6 +82,8 @@ def main(argv):
                 loop.train_reps(config, datasets, runs, record(config), stop)
             except checkpoint.CheckpointError as e:
                 cli.fail(str(e))
+            except micro_batch.NothingFits as e:  # one sample ran out of memory in training
+                cli.fail(str(e), code=1)
             except results.WriteError as e:  # a full disk, a lost permission
                 cli.fail(str(e), code=1)
             except loop.Stopped as e:

@@ -130,6 +130,10 @@ class Engine:
     def evaluate(self, split, chunk):
         return self.run_graph.evaluate(self.sess, split, chunk)
 
+    def out_of_memory(self):
+        """None: an out-of-memory error stops the run (main.py's one line)."""
+        return ()
+
     def weights_sha256(self):
         return checkpoint.digest_arrays(self.sess.run(
             self.run_graph.graph.get_collection(v1.GraphKeys.TRAINABLE_VARIABLES)))

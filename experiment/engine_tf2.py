@@ -215,9 +215,11 @@ class Engine:
     """One tf2 run (an interfaces.Engine): the Keras model, Adam and a WindowAccumulator,
     under the tf.distribute strategy, each mini-batch's pass compiled by XLA with jit_compile.
 
-    A window trains in one compiled call (WindowAccumulator.apply_stacked): `step`
-    copies each mini-batch into a window buffer, and the N-th runs the window. The open
-    window is therefore the buffered inputs, which a checkpoint saves as arrays.
+    `step` copies each mini-batch into a window buffer, and the N-th trains the window:
+    in one compiled call (WindowAccumulator.apply_stacked), or with an effective batch on
+    one replica as one effective batch (apply_effective), which trains again at half the
+    micro-batch where it runs out of memory. The open window is the buffered inputs,
+    which a checkpoint saves as arrays.
     """
 
     def __init__(self, config, seed):
@@ -235,8 +237,14 @@ class Engine:
         self._labels = np.zeros((n, b), data.LABEL_DTYPE)
         self._sizes = np.zeros(n, np.int32)
         self._open = 0  # mini-batches buffered in the open window
-        # Compiled now, out of the timed loop (and every worker must run it).
-        self.accumulator.build_window(self._images, self._labels, self._sizes)
+        # With an effective batch, on one replica: how windows are cut, B halved where one
+        # runs out of memory (apply_effective); else each window in one call as buffered.
+        self.micro_batch = (micro_batch.plan(config.effective_batch_size, b)
+                            if config.effective_batch_size
+                            and self.strategy.num_replicas_in_sync == 1 else None)
+        if self.micro_batch is None:  # compiled now, out of the timed loop (and every
+            # worker must run it)
+            self.accumulator.build_window(self._images, self._labels, self._sizes)
         # Everything a resumed run needs beside the buffered window: the weights with
         # dropout's seed-generator states (net.variables holds both), Adam's slots and
         # iterations, and the running loss totals (each replica's copy apart).
@@ -281,10 +289,32 @@ class Engine:
 
     def _train_window(self):
         open_ = self._open
-        applied = self.accumulator.apply_stacked(self._images[:open_], self._labels[:open_],
-                                                 self._sizes[:open_])
+        if self.micro_batch is None:
+            applied = self.accumulator.apply_stacked(
+                self._images[:open_], self._labels[:open_], self._sizes[:open_])
+        else:
+            applied = self._train_effective(open_)
         self._open = 0
         return Outcome.closed(applied)
+
+    def _train_effective(self, open_):
+        """Trains the open window as one effective batch, in mini-batches of
+        self.micro_batch's B: halved, for this window and the rest of the run, where one
+        runs out of memory (the library says so in one line)."""
+        sizes = self._sizes[:open_]
+        # Only a window's last mini-batch may be short: the buffer's rows, flattened, hold
+        # the window's samples in order.
+        assert (sizes[:-1] == self.config.batch_size).all(), sizes
+        samples = int(sizes.sum())
+        batch = (self._images[:open_].reshape((-1,) + data.IMAGE_SHAPE)[:samples],
+                 self._labels[:open_].reshape(-1)[:samples])
+        applied, _, self.micro_batch = self.accumulator.apply_effective(
+            batch, self.micro_batch)
+        return applied
+
+    def out_of_memory(self):
+        """The micro-batches that ran out of memory in training, each then halved."""
+        return self.micro_batch.out_of_memory if self.micro_batch else ()
 
     def flush(self):
         """Trains a trailing partial window, weighted by its samples."""

@@ -40,6 +40,9 @@ class Engine(typing.Protocol):
         """Accuracy on the whole split (data.Split), in percent, `chunk` images per call
         (memory.evaluation_chunk)."""
 
+    def out_of_memory(self) -> tuple[int, ...]:
+        """The mini-batch sizes that ran out of memory and were trained again at half."""
+
     def weights_sha256(self) -> str:
         """checkpoint.digest_arrays of the trainable weights, in a fixed order."""
 

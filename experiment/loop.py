@@ -191,7 +191,9 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
     Returns:
       dict with seed, best_accuracy, best_iteration, final_accuracy, updates,
       skipped_windows, train_seconds (evaluation excluded), eval_seconds,
-      weights_sha256, and evaluations: [{"iteration", "updates", "accuracy"}, ...].
+      weights_sha256, evaluations: [{"iteration", "updates", "accuracy"}, ...], and
+      out_of_memory: the mini-batch sizes that ran out of memory, each then halved (the
+      tf2 engine with an effective batch, on one replica).
 
     Raises:
       Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite).
@@ -383,7 +385,8 @@ class _Run:
                 "best_iteration": self.best_iteration, "final_accuracy": final_accuracy,
                 "updates": self.counts.updates, "skipped_windows": self.counts.skipped_windows,
                 "train_seconds": self.train_seconds, "eval_seconds": self.eval_seconds,
-                "weights_sha256": engine.weights_sha256(), "evaluations": self.evaluations}
+                "weights_sha256": engine.weights_sha256(), "evaluations": self.evaluations,
+                "out_of_memory": [int(b) for b in engine.out_of_memory()]}
 
     def close_window(self, closed):
         """Accounts for a window the engine just closed (Outcome.NONE: none was); stops

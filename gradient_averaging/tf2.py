@@ -156,6 +156,7 @@ class _Accumulator:
         self._pass = (tf.function(self._gradients, jit_compile=True)
                       if self.jit_compile else self._gradients)
         self.apply_step = tf.function(self.step.apply)
+        self._effective_windows = {}  # apply_effective's, by the batches' signature
         self.updates = 0
         self.skipped_windows = 0
 
@@ -276,14 +277,9 @@ class _Accumulator:
                  else micro_batch_lib.plan(samples, size, self.strategy.num_replicas_in_sync))
         # A dataset's batches may differ in more than their samples (sequences padded
         # per batch): its element spec says in which axes.
-        spec = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else first
-        windows = micro_batch_lib.EffectiveWindows(
-            self._effective_add(tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))),
-            self.step, self._pass_state())
+        spec = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else None
         for batch in itertools.chain([first], batches):
-            count, found = windows.add(tuple(batch), found)
-            applied, single = windows.apply(self.apply_step)
-            applied = self._counted(bool(applied), single.numpy())
+            applied, count, found = self.apply_effective(batch, found, spec)
             counts.mini_batches += count
             counts.window(applied, count)
             if callback is not None:
@@ -291,6 +287,38 @@ class _Accumulator:
                                         counts.mini_batches + 1):
                     callback(mini_batch)
         return counts.summary(False, applied)._replace(micro_batch=found)
+
+    def apply_effective(self, batch, found, spec=None):
+        """Trains the effective batch `batch` (x, y) as one update, in mini-batches of
+        found's micro-batch B per replica, the last one shorter: the window's mean is
+        that of the direct batch however it is cut, so on one replica a window that runs
+        out of memory is trained again at half B (micro_batch.EffectiveWindows).
+
+        Args:
+          found: a micro_batch.MicroBatch: micro_batch.plan's or find_micro_batch's.
+          spec: where batches differ beyond their samples (sequences padded per batch),
+            a structure of TensorSpecs that says in which axes (a tf.data element spec);
+            None: shaped like `batch`. One trace per spec, for any samples and any B.
+
+        Returns:
+          (applied: False where the window was skipped (check_finite), the mini-batches
+          trained, `found` with B halved where a mini-batch ran out of memory).
+
+        Raises:
+          micro_batch.OutOfMemory: the device ran out of memory in the update, or under
+            several replicas.
+          micro_batch.NothingFits: a mini-batch of one sample ran out of memory.
+        """
+        signature = tf.nest.map_structure(lambda t: _spec(t, 1),
+                                          tuple(batch if spec is None else spec))
+        key = repr(signature)
+        if key not in self._effective_windows:
+            self._effective_windows[key] = micro_batch_lib.EffectiveWindows(
+                self._effective_add(signature), self.step, self._pass_state())
+        windows = self._effective_windows[key]
+        count, found = windows.add(tuple(batch), found)
+        applied, single = windows.apply(self.apply_step)
+        return self._counted(bool(applied), single.numpy()), count, found
 
     def loss_totals(self):
         """(sum of per-sample training losses, samples) so far, over all replicas.

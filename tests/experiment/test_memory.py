@@ -203,3 +203,25 @@ def test_effective_batch_auto_trains_under_a_limit_the_direct_batch_does_not_fit
     assert proc.stdout.splitlines()[0].startswith(
         f"effective batch {effective} = {n - 1} x {b} + {last}; largest mini-batch that "
         f"fits: {b} (peak ")
+
+
+@pytest.mark.slow
+def test_a_given_micro_batch_that_runs_out_of_memory_is_halved_and_the_run_goes_on(tmp_path,
+                                                                                   mnist_quick_dir):
+    """--effective-batch-size=E with a --batch-size that does not fit (the tf2 engine, one
+    replica): the window is trained again at half B, one line each time, until it fits;
+    the run ends as usual and its record names the sizes that ran out of memory."""
+    limit, effective = 64, 2003
+    results = tmp_path / "r.json"
+    proc = run_cli("--engine=tf2", "--eval-every=0", "--reps=1", f"--data-dir={mnist_quick_dir}",
+                   f"--effective-batch-size={effective}", f"--batch-size={effective}",
+                   "--iterations=1", f"--results={results}",
+                   env=dict(BFC, **{memory.CPU_LIMIT_ENV: str(limit)}))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    halvings = re.findall(r"out of memory at micro-batch (\d+): this window and the rest "
+                          r"train as micro-batches of (\d+)", proc.stderr)
+    run = json.loads(results.read_text())["runs"][0]
+    assert halvings and halvings[0][0] == str(effective), proc.stderr[-2000:]
+    assert [int(ran_out) for ran_out, _ in halvings] == run["out_of_memory"]
+    assert all(int(half) == int(ran_out) // 2 for ran_out, half in halvings)
+    assert run["updates"] == 1

@@ -336,7 +336,8 @@ def test_tf2_engine_n_by_b_ends_like_one_batch_of_n_times_b(tmp_path, capsys, mn
     (run,) = doc["runs"]
     assert set(run) == {"seed", "best_accuracy", "best_iteration", "final_accuracy",
                         "updates", "skipped_windows", "train_seconds", "eval_seconds",
-                        "weights_sha256", "evaluations"}
+                        "weights_sha256", "evaluations", "out_of_memory"}
+    assert run["out_of_memory"] == []  # nothing was halved
     assert run["updates"] == 30 and run["best_iteration"] in (180, 360)
     assert run["skipped_windows"] == 0 and len(run["weights_sha256"]) == 64
     assert run["final_accuracy"] == final_accuracies(averaged_out)[0]
