@@ -15,7 +15,8 @@ FLAT_IN_N = 0.02  # N=32 within 2% of N=2 at the same B
 
 class TensorMemory(Section):
     name, title = "tensor_memory", "Tensor memory: peak of each path (BFC allocator)"
-    FULL = dict(models=memory.MODELS, paths=memory.PATHS, n=8, b=32, repeats=3,
+    FULL = dict(models=memory.MODELS, paths=memory.PATHS + memory.REFERENCES, n=8, b=32,
+                repeats=3,
                 growth_model="convnet",
                 growth_ns=(2, 32), growth_paths=("accumulate", "window", "mini_batch"),
                 jobs=2)
@@ -34,7 +35,8 @@ class TensorMemory(Section):
         tables = {}
         for model in s["models"]:
             run.log(f"Tensor memory: {model}, N={s['n']} x B={s['b']}")
-            paths = [p for p in s["paths"] if p != "tf1" or model in memory.TF1_MODELS]
+            paths = [p for p in s["paths"]
+                     if not p.startswith("tf1") or model in memory.TF1_MODELS]
             tables[model] = memory.table(model, s["n"], s["b"], paths, repeats=s["repeats"],
                                          jobs=s["jobs"], gpu=self.gpu, log=run.log)
             run.step()
@@ -84,7 +86,8 @@ class TensorMemory(Section):
                  "same N*B samples, `direct` the direct batch of N*B, `keras` Keras 3's "
                  "`gradient_accumulation_steps`, "
                  "`accumulate` Keras fit, `window` and `mini_batch` the TF2 accumulators, "
-                 "`tf1` AveragingOptimizer.", ""]
+                 "`tf1` AveragingOptimizer, `tf1_alone` and `tf1_direct` the TF1 graph's "
+                 "own B alone and direct batch (plain Adam in a session).", ""]
         for model, rows in result["tables"].items():
             lines += [f"### {model}", "", *memory.markdown(rows).splitlines(), ""]
         if result["growth"]:

@@ -43,8 +43,11 @@ MODELS = ("convnet", "mlp", "bn")
 # own accumulation are the references a path's peak is compared with.
 PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1")
 # The TF1 graph's own direct batch (plain Adam on N*B): the reference of the tf1 path's
-# weights, which come from another graph than the Keras model's.
-REFERENCES = ("tf1_direct",)
+# weights, which come from another graph than the Keras model's; and its own B alone
+# (plain Adam at B, N updates): the tf1 path's bound, since a TF1 session holds what
+# Keras does not (the zeros its variables were initialized from, in the initializer's
+# cached constant, for as long as it lives).
+REFERENCES = ("tf1_direct", "tf1_alone")
 TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
 # The bound's margin: 5% of it, at least 4 MiB (small models).
 MARGIN, MARGIN_MIN_MB = 0.05, 4.0
@@ -159,22 +162,28 @@ def summarize(results):
 
 
 def with_ratios(rows):
-    """Adds to each row the bound (from `alone`'s peak and the model's sizes) and the
+    """Adds to each row the bound (from B alone's peak and the model's sizes) and the
     ratios of its peak to the bound, to B alone, the direct batch and Keras's own
-    accumulation: None where a figure is missing."""
+    accumulation: None where a figure is missing. A TF1 row's B alone and direct batch
+    are the TF1 graph's own (tf1_alone, tf1_direct) where measured."""
     peaks = {row["path"]: row["peak_mb"] for row in rows}
     sizes = next((row for row in rows if row["weights_mb"] is not None), None)
-    bound = (bound_mb(peaks["alone"], sizes["accumulators_mb"], sizes["largest_mb"])
-             if peaks.get("alone") is not None and sizes else None)
-    references = {"bound": bound, **{name: peaks.get(name)
-                                     for name in ("alone", "direct", "keras")}}
 
     def ratio(peak, reference):
         return peak / reference if peak is not None and reference else None
 
-    return [dict(row, bound_mb=bound, **{f"to_{name}": ratio(row["peak_mb"], reference)
-                                         for name, reference in references.items()})
-            for row in rows]
+    def ratios(row):
+        tf1 = row["path"].startswith("tf1") and "tf1_alone" in peaks
+        alone, direct = (peaks.get("tf1_alone"), peaks.get("tf1_direct")) if tf1 else (
+            peaks.get("alone"), peaks.get("direct"))
+        bound = (bound_mb(alone, sizes["accumulators_mb"], sizes["largest_mb"])
+                 if alone is not None and sizes else None)
+        references = {"bound": bound, "alone": alone, "direct": direct,
+                      "keras": peaks.get("keras")}
+        return dict(row, bound_mb=bound, **{f"to_{name}": ratio(row["peak_mb"], reference)
+                                            for name, reference in references.items()})
+
+    return [ratios(row) for row in rows]
 
 
 def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
@@ -229,7 +238,8 @@ def markdown(rows):
              f" MiB, largest variable {_mb(sizes['largest_mb'])} MiB; bound "
              f"{_mb(first['bound_mb'])} MiB (B alone + accumulators + largest variable, "
              f"+{MARGIN:.0%}, {MARGIN_MIN_MB:.0f} MiB at least). Peak MiB, median of "
-             f"{first['probes']} probes (one process each).", "",
+             f"{first['probes']} probes (one process each)."
+             + tf1_bound(rows), "",
              "| path | peak | before the update | peak / bound | / B alone | / direct "
              "| / Keras's | s per probe |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -239,6 +249,17 @@ def markdown(rows):
                      f"{row['seconds']:.1f} |")
     lines += [f"- {row['path']}: {e}" for row in rows for e in row["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def tf1_bound(rows):
+    """The sentence on the TF1 rows' bound, where it is their own B alone's."""
+    tf1 = next((row for row in rows if row["path"] == "tf1_alone"), None)
+    if tf1 is None:
+        return ""
+    return (f" The tf1 rows' B alone and direct batch are the TF1 graph's own (plain Adam "
+            f"in a session: tf1_alone, tf1_direct), so their bound is "
+            f"{_mb(tf1['bound_mb'])} MiB: a TF1 session holds the zeros its variables were "
+            "initialized from for as long as it lives, whatever it trains.")
 
 
 def growth_markdown(rows):
@@ -412,9 +433,10 @@ def _tf1_logits(model, x):
     return dense(h, CLASSES, "logits", False)
 
 
-def _path_tf1(model, n, b, x, y, averaging=True):
-    """AveragingOptimizer(Adam, N) run once per mini-batch; averaging=False: the plain
-    Adam on the direct batch of N*B, the TF1 reference."""
+def _path_tf1(model, n, b, x, y, plain=None):
+    """AveragingOptimizer(Adam, N) run once per mini-batch of B; plain="direct": the plain
+    Adam on the direct batch of N*B (tf1_direct), plain="alone": on N batches of B, an
+    update each (tf1_alone)."""
     import tensorflow as tf
 
     from gradient_averaging.tf1 import AveragingOptimizer
@@ -429,16 +451,16 @@ def _path_tf1(model, n, b, x, y, averaging=True):
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits))
         optimizer = v1.train.AdamOptimizer()
-        train_op = (AveragingOptimizer(optimizer, n) if averaging else optimizer).minimize(loss)
+        train_op = (optimizer if plain else AveragingOptimizer(optimizer, n)).minimize(loss)
         init = v1.global_variables_initializer()
     graph.finalize()
     session = v1.Session(graph=graph, config=v1.ConfigProto(inter_op_parallelism_threads=1))
     session.run(init)
     x, y = np.asarray(x)[:n * b], np.asarray(y)[:n * b]
-    feeds = ([{images: x[i * b:(i + 1) * b], labels: y[i * b:(i + 1) * b]} for i in range(n)]
-             if averaging else [{images: x, labels: y}])
+    size = n * b if plain == "direct" else b
+    feeds = [{images: x[i:i + size], labels: y[i:i + size]} for i in range(0, n * b, size)]
 
-    def update():  # the N-th run applies the window
+    def update():  # the N-th run applies the window (plain: each run an update)
         for feed in feeds:
             session.run(train_op, feed)
 
@@ -448,7 +470,8 @@ def _path_tf1(model, n, b, x, y, averaging=True):
 _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
           "accumulate": _path_accumulate, "window": _path_window,
           "mini_batch": _path_mini_batch, "tf1": _path_tf1,
-          "tf1_direct": lambda *args: _path_tf1(*args, averaging=False)}
+          "tf1_direct": lambda *args: _path_tf1(*args, plain="direct"),
+          "tf1_alone": lambda *args: _path_tf1(*args, plain="alone")}
 
 
 def _sizes(weights, trainable):

@@ -96,6 +96,21 @@ def test_each_path_is_compared_with_the_bound_and_the_references():
     assert no_alone["bound_mb"] is None and no_alone["to_alone"] is None
 
 
+def test_a_tf1_row_is_compared_with_the_tf1_graphs_own_b_alone_and_direct_batch():
+    rows = memory.with_ratios([_row("alone", 300.0), _row("direct", 400.0),
+                               _row("keras", 500.0), _row("tf1", 540.0),
+                               _row("tf1_alone", 360.0), _row("tf1_direct", 450.0)])
+    keras_bound, tf1 = rows[2]["bound_mb"], rows[3]
+    assert keras_bound == pytest.approx(462.0)  # 300 + 76 + 64, +5%
+    assert tf1["bound_mb"] == pytest.approx((360.0 + 76.0 + 64.0) * 1.05)
+    assert (tf1["to_alone"], tf1["to_direct"], tf1["to_keras"]) == pytest.approx(
+        (1.5, 1.2, 540.0 / 500.0))
+    assert f"so their bound is {tf1['bound_mb']:.1f} MiB" in memory.markdown(rows)
+    # without its own B alone, a TF1 row takes Keras's
+    assert memory.with_ratios([_row("alone", 300.0), _row("tf1", 540.0)])[1][
+        "bound_mb"] == pytest.approx(keras_bound)
+
+
 def test_the_median_of_the_probes_is_the_figure():
     probes = [dict(model="mlp", path="window", n=8, b=32, limit_mb=None, gpu=False,
                    peak_mb=peak, current_mb=1.0, weights_mb=2.0, largest_mb=1.0,
