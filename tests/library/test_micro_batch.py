@@ -267,6 +267,16 @@ def test_a_given_micro_batch_trains_to_the_direct_batchs_weights():
         assert summary.updates == int(reference.optimizer.iterations)
         assert summary.micro_batch[:3] == (8, 5, 5)
         assert_same_weights(model, reference)
+    # A loop of one's own: one batch, one update, the cut passed on to the next.
+    model = tiny_model()
+    accumulator = tf2.WindowAccumulator(model, keras.optimizers.Adam(0.05), loss)
+    found = micro_batch.plan(37, 8)
+    for batch in batches:
+        applied, count, found = accumulator.apply_effective(batch, found)
+        assert applied and count == math.ceil(len(batch[1]) / 8)
+    assert found == micro_batch.plan(37, 8)  # nothing ran out of memory
+    assert accumulator.updates == int(reference.optimizer.iterations)
+    assert_same_weights(model, reference)
 
 
 def assert_same_weights(model, reference):
