@@ -131,7 +131,8 @@ class Engine:
         return self.run_graph.evaluate(self.sess, split, chunk)
 
     def out_of_memory(self):
-        """None: an out-of-memory error stops the run (main.py's one line)."""
+        """None ever: on this engine an out-of-memory error stops the run (main.py's
+        one line), nothing is trained again."""
         return ()
 
     def weights_sha256(self):
