@@ -35,6 +35,7 @@ import itertools
 import logging
 import warnings
 
+import numpy as np
 import tensorflow as tf
 
 from gradient_averaging import batch_statistics as statistics_lib
@@ -86,10 +87,13 @@ def _has_activity_regularizer(model):
 
 def _spec(t, leading):
     """A TensorSpec of `t` (a tensor, an array or a TensorSpec) with its first `leading`
-    axes of any size."""
-    if not isinstance(t, tf.TensorSpec):
+    axes of any size. An array's is read off it, not copied into a tensor: apply_effective
+    takes one per window."""
+    numeric = isinstance(t, np.ndarray) and t.dtype.kind in "biufc"  # not text, objects
+    if not (numeric or isinstance(t, tf.TensorSpec) or tf.is_tensor(t)):
         t = tf.convert_to_tensor(t)
-    return tf.TensorSpec([None] * leading + t.shape[leading:].as_list(), t.dtype)
+    return tf.TensorSpec([None] * leading + tf.TensorShape(t.shape)[leading:].as_list(),
+                         tf.as_dtype(t.dtype))
 
 
 class _Accumulator:
