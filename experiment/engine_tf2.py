@@ -152,8 +152,8 @@ def find_micro_batch(config):
     """The micro-batch of config's effective batch that fits in the device's memory.
 
     gradient_averaging.micro_batch.find_micro_batch searches on the library's pass (the
-    model, Adam and the accumulator built as a run builds them, then let go). This
-    engine trains a window in one call on its stacked inputs, which needs a little more:
+    model, Adam and the accumulator built as a run builds them, then let go). A window
+    of this engine holds its E samples on the device, which the library's trials do not:
     the size found is confirmed by one window of this engine (on a model of its own),
     and made smaller until that window's peak is under the same limit.
 
