@@ -164,6 +164,11 @@ class Config:
         False, "tf2 engine: compile each mini-batch's pass with XLA (other bits than without). "
         "Under op determinism TensorFlow refuses XLA's max-pooling gradient: with the "
         "convnet it needs --nodeterministic.")
+    parallel_mini_batches: int = setting(
+        1, "tf2 engine: mini-batches whose passes a window runs at once (P, the same bits "
+        "at any P). Each one more holds one more mini-batch's activations and gradients, "
+        "and may be faster where one pass leaves the device idle (a small --batch-size).",
+        lower=1)
 
     # ------------------------------------------------------------ reproduction and reporting
     eval_every_updates: int = setting(
@@ -241,6 +246,10 @@ RULES = (
          "trains them in one call (leave --accumulate out)"),
     Rule(("engine", "jit-compile"), lambda v: v["engine"] == "tf2" or not v["jit-compile"],
          "--jit-compile needs --engine=tf2 (the tf1 engine runs a TF1 graph in a session)"),
+    Rule(("engine", "parallel-mini-batches"),
+         lambda v: v["engine"] == "tf2" or v["parallel-mini-batches"] == 1,
+         "--parallel-mini-batches needs --engine=tf2 (the tf1 engine's averagers run one "
+         "mini-batch per session call)"),
     Rule(("jit-compile", "model", "deterministic"),
          lambda v: not (v["jit-compile"] and v["model"] == "convnet" and v["deterministic"]),
          "--jit-compile with --model=convnet needs --nodeterministic: under op determinism "

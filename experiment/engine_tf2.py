@@ -166,7 +166,8 @@ def find_micro_batch(config):
         net = model.keras_model(config.model, config.dropout, 0)
         optimizer = keras.optimizers.Adam(config.learning_rate)
     accumulator = WindowAccumulator(net, optimizer, sparse_cross_entropy, strategy,
-                                    jit_compile=config.jit_compile)
+                                    jit_compile=config.jit_compile,
+                                    parallel_mini_batches=config.parallel_mini_batches)
     samples = config.effective_batch_size  # MNIST's shapes; the values do not matter
     found = micro_batch.find_micro_batch(accumulator, _zeros(samples), samples)
     del net, optimizer, accumulator
@@ -230,8 +231,9 @@ class Engine:
             self.optimizer = keras.optimizers.Adam(learning_rate(
                 config.learning_rate, config.lr_schedule, config.lr_decay_steps,
                 config.lr_decay_rate))
-        self.accumulator = WindowAccumulator(self.net, self.optimizer, sparse_cross_entropy,
-                                             self.strategy, jit_compile=config.jit_compile)
+        self.accumulator = WindowAccumulator(
+            self.net, self.optimizer, sparse_cross_entropy, self.strategy,
+            jit_compile=config.jit_compile, parallel_mini_batches=config.parallel_mini_batches)
         n, b = config.average_gradients, config.batch_size
         self._images = np.zeros((n, b) + data.IMAGE_SHAPE, data.IMAGE_DTYPE)
         self._labels = np.zeros((n, b), data.LABEL_DTYPE)

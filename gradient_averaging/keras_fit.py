@@ -35,7 +35,7 @@ OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 
 
 def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="update", *,
-               micro_batch_size=None, budget=None, margin=None):
+               micro_batch_size=None, budget=None, margin=None, parallel_mini_batches=1):
     """`model` for Keras's `compile`/`fit`, training with exact gradient averaging.
 
     Each update applies the gradient of the mean loss over the window's samples, as one
@@ -57,6 +57,10 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
       budget: with "auto", the device memory to use in bytes (None: the device's).
       margin: with "auto", the fraction of the budget kept free (None: the device's
         default, micro_batch.default_margin).
+      parallel_mini_batches: P, the mini-batches whose passes a window runs at once: 1
+        holds one mini-batch's activations at a time, as B alone does; each one more
+        costs a mini-batch's activations and gradients, and may be faster where one
+        pass leaves the device idle (small mini-batches).
 
     Returns:
       An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
@@ -76,7 +80,8 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
             "apply() every N)")
     return AccumulatingModel(model, average_gradients, check_finite=check_finite,
                              bn_statistics=bn_statistics, micro_batch_size=micro_batch_size,
-                             budget=budget, margin=margin)
+                             budget=budget, margin=margin,
+                             parallel_mini_batches=parallel_mini_batches)
 
 
 # Registered under the name the first release used, so that its .keras files load.
@@ -108,13 +113,16 @@ class AccumulatingModel(keras.Model):
       micro_batch_size: None, "auto" or B per replica, as given.
       micro_batch: the micro_batch.MicroBatch fit cuts its batches by (found on fit's
         first batch where "auto"; B halved where a window ran out of memory), or None.
+      parallel_mini_batches: P, the mini-batches whose passes a window runs at once.
       skipped_windows: windows skipped for a non-finite loss or gradient so far.
     """
 
     def __init__(self, model, average_gradients=None, check_finite=True,
                  bn_statistics="update", micro_batch_size=None, budget=None,
-                 margin=None, **kwargs):
+                 margin=None, parallel_mini_batches=1, **kwargs):
         super().__init__(**kwargs)
+        self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
+            parallel_mini_batches)
         self.model = model
         self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
             average_gradients, micro_batch_size)
@@ -141,7 +149,7 @@ class AccumulatingModel(keras.Model):
                       average_gradients=self.average_gradients,
                       check_finite=self.check_finite, bn_statistics=self.bn_statistics,
                       micro_batch_size=self.micro_batch_size, budget=self.budget,
-                      margin=self.margin)
+                      margin=self.margin, parallel_mini_batches=self.parallel_mini_batches)
         return config
 
     @classmethod
@@ -244,8 +252,9 @@ class AccumulatingModel(keras.Model):
             lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), spec)
 
         @tf.function(input_signature=[signature])
-        def add(data):
-            self.distribute_strategy.run(self._replica_mini_batch, args=(data,))
+        def add(data):  # as many at once as the window loop runs passes, for their peak
+            self.distribute_strategy.run(self._replica_mini_batches,
+                                         args=([data] * self.parallel_mini_batches,))
 
         state = (self.trainable_variables + self.non_trainable_variables
                  + list(self.optimizer.variables) + self.metrics_variables)
@@ -280,43 +289,40 @@ class AccumulatingModel(keras.Model):
         mini_batch_pass = (tf.function(self._mini_batch_pass, jit_compile=True)
                            if self.jit_compile else self._mini_batch_pass)
 
-        def replica_mini_batch(data):
-            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-            n_local = tf.shape(tf.nest.flatten(x)[0])[0]
-            state, metrics = self.non_trainable_variables, self.metrics_variables
-            (gradients, state_values, metrics_values, loss_sum, moments,
-             activity) = mini_batch_pass(
-                [tf.convert_to_tensor(v) for v in self.trainable_variables],
-                [tf.convert_to_tensor(v) for v in state],
-                [tf.convert_to_tensor(v) for v in metrics], x, y, sample_weight, n_local)
-            finite = tf.math.is_finite(loss_sum)
-            for variable, value in zip(state, state_values):
-                variable.assign(value)
-            # A non-finite mini-batch (its window is skipped) is left out of the logs.
-            for variable, value in zip(metrics, metrics_values):
-                variable.assign(tf.where(finite, value, variable))
-            return window.add(gradients, moments, n_local, finite, activity)
+        state, metrics = self.non_trainable_variables, self.metrics_variables
 
-        self._replica_mini_batch = replica_mini_batch  # the micro-batch search's pass
+        def replica_mini_batches(group):
+            # A group's passes may run at once: each runs on the model's state and the
+            # metrics as the one before left them, as values (step_lib.run_passes).
+            weights = [tf.convert_to_tensor(v) for v in self.trainable_variables]
+
+            def run(data, values):
+                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+                n_local = tf.shape(tf.nest.flatten(x)[0])[0]
+                (gradients, state_values, metrics_values, loss_sum, moments,
+                 activity) = mini_batch_pass(weights, values[:len(state)], values[len(state):],
+                                             x, y, sample_weight, n_local)
+                finite = tf.math.is_finite(loss_sum)
+                # A non-finite mini-batch (its window is skipped) is left out of the logs.
+                metrics_values = [tf.where(finite, value, before) for value, before in
+                                  zip(metrics_values, values[len(state):])]
+                return ((gradients, moments, n_local, finite, activity),
+                        list(state_values) + metrics_values)
+
+            results = step_lib.run_passes(run, group, state + metrics)
+            return step_lib.last_of([window.add(*result) for result in results])
+
+        self._replica_mini_batches = replica_mini_batches  # the micro-batch search's pass
         if self.micro_batch_size is not None:  # each batch an effective batch
-            self.train_function = self._effective_train_function(replica_mini_batch)
+            self.train_function = self._effective_train_function(replica_mini_batches)
             return self.train_function
 
         @tf.function
         def window_from(iterator):
-            def more(i, optional):
-                return tf.logical_and(i < average_gradients, optional.has_value())
-
-            def body(i, optional):
-                added = strategy.run(replica_mini_batch, args=(optional.get_value(),))
-                # Never past the window's last: the next window's first stays queued.
-                return i + 1, step_lib.next_after(strategy, added, lambda: tf.cond(
-                    i + 1 < average_gradients, iterator.get_next_as_optional,
-                    lambda: optional))
-
-            count, _ = tf.while_loop(
-                more, body, (tf.constant(0), iterator.get_next_as_optional()),
-                parallel_iterations=window_lib.PARALLEL_ITERATIONS)
+            count = step_lib.window_from(
+                strategy, iterator, average_gradients,
+                lambda group: strategy.run(replica_mini_batches, args=(group,)),
+                self.parallel_mini_batches)
             applied, single = window.apply()
             self._skipped.assign_add(tf.cast(
                 tf.logical_and(count > 0, tf.logical_not(applied)), tf.int64))
@@ -334,7 +340,7 @@ class AccumulatingModel(keras.Model):
         self.train_function = train_function
         return train_function
 
-    def _effective_train_function(self, replica_mini_batch):
+    def _effective_train_function(self, replica_mini_batches):
         """The train function where each batch is an effective batch: it takes the batch
         from Keras's iterator, eagerly, so that a window that runs out of memory can be
         added again (micro_batch.EffectiveWindows: at half the micro-batch, on one
@@ -342,7 +348,7 @@ class AccumulatingModel(keras.Model):
         window, strategy = self._window, self.distribute_strategy
 
         def replica_add(data, size):
-            return window_lib.cut(data, size, replica_mini_batch)
+            return window_lib.cut(data, size, replica_mini_batches, self.parallel_mini_batches)
 
         def add(data, size):
             added = strategy.run(replica_add, args=(data, size))

@@ -161,6 +161,7 @@ class _Accumulator:
                       if self.jit_compile else self._gradients)
         self.apply_step = tf.function(self.step.apply)
         self._effective_windows = {}  # apply_effective's, by the batches' signature
+        self.parallel_mini_batches = 1  # one call per mini-batch (WindowAccumulator's own)
         self.updates = 0
         self.skipped_windows = 0
 
@@ -180,27 +181,38 @@ class _Accumulator:
         return (gradients, step.state, loss_sum[0], step_lib.pass_moments(self.statistics, step),
                 step.activity)
 
-    def _replica_mini_batch(self, batch, n_local, n_global):
-        """Adds this replica's share of one global mini-batch to the window."""
-        x, y = batch
-        state_variables = self.model.non_trainable_variables
-        gradients, state, loss_sum, moments, activity = self._pass(
-            [tf.convert_to_tensor(v) for v in self.variables],
-            [tf.convert_to_tensor(v) for v in state_variables], x, y, n_local)
-        for variable, value in zip(state_variables, state):
-            variable.assign(value)
-        finite = tf.math.is_finite(loss_sum)
-        # A NaN must not poison the running loss that the logs report.
-        self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
-        self.samples_total.assign_add(
-            tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
-        return self.step.add(gradients, moments, n_local, finite, activity)
+    def _replica_mini_batches(self, batches, n_locals, n_globals):
+        """Adds this replica's shares of a group of global mini-batches to the window, in
+        order; their passes may run at once (step_lib.run_passes). Returns a token that
+        exists once all are added."""
+        weights = [tf.convert_to_tensor(v) for v in self.variables]
 
-    def _add(self, batch):
-        """Cross-replica: adds one global mini-batch (x, y), each replica its share."""
-        n_global = tf.shape(tf.nest.flatten(batch)[0])[0]
-        share, n_local = replicas_lib.distribute(self.strategy, batch)
-        return self.strategy.run(self._replica_mini_batch, args=(share, n_local, n_global))
+        def run(batch, state):
+            (x, y), n_local = batch
+            gradients, state, loss_sum, moments, activity = self._pass(
+                weights, state, x, y, n_local)
+            return (gradients, loss_sum, moments, activity), state
+
+        results = step_lib.run_passes(run, list(zip(batches, n_locals)),
+                                      self.model.non_trainable_variables)
+        tokens = []
+        for (gradients, loss_sum, moments, activity), n_local, n_global in zip(
+                results, n_locals, n_globals):
+            finite = tf.math.is_finite(loss_sum)
+            # A NaN must not poison the running loss that the logs report.
+            self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
+            self.samples_total.assign_add(
+                tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
+            tokens.append(self.step.add(gradients, moments, n_local, finite, activity))
+        return step_lib.last_of(tokens)
+
+    def _add(self, batches):
+        """Cross-replica: adds a group of global mini-batches (x, y), in order, each
+        replica its shares."""
+        n_globals = [tf.shape(tf.nest.flatten(batch)[0])[0] for batch in batches]
+        shares = [replicas_lib.distribute(self.strategy, batch) for batch in batches]
+        return self.strategy.run(self._replica_mini_batches, args=(
+            [share for share, _ in shares], [n_local for _, n_local in shares], n_globals))
 
     def _build_statistics(self, x):
         self.step.build_statistics(self.model, tf.nest.map_structure(
@@ -220,15 +232,18 @@ class _Accumulator:
         """For the micro-batch search's trials (micro_batch.find_micro_batch): (add, the
         window step, the variables a trial may change). `add` is a tf.function adding one
         mini-batch shaped like `spec` ((x, y), any number of samples: traced once) to the
-        open window, the same samples on every replica, by the pass training runs."""
+        open window, the same samples on every replica, by the pass training runs: as
+        many times at once as the window loop runs passes (parallel_mini_batches), for
+        their peak."""
         signature = tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))
         self._build_statistics(signature[0])
-        replicas = self.strategy.num_replicas_in_sync
+        replicas, group = self.strategy.num_replicas_in_sync, self.parallel_mini_batches
 
         @tf.function(input_signature=[signature])
         def add(batch):
             n = tf.shape(tf.nest.flatten(batch)[0])[0]
-            self.strategy.run(self._replica_mini_batch, args=(batch, n, n * replicas))
+            self.strategy.run(self._replica_mini_batches,
+                              args=([batch] * group, [n] * group, [n * replicas] * group))
 
         state = (self.model.trainable_variables + list(self.optimizer.variables)
                  + self._pass_state())
@@ -385,10 +400,16 @@ class WindowAccumulator(_Accumulator):
     Attributes:
       window_step: tf.function(xs, ys, sizes) -> (applied, single): trains one stacked
         window (compiled on the first; see apply_stacked).
+      parallel_mini_batches: P, the mini-batches whose passes the window loop runs at
+        once (1, the default: one mini-batch's activations alive at a time, as B alone
+        holds; each one more costs a mini-batch's activations and gradients, and may be
+        faster where one pass leaves the device idle: small mini-batches).
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, parallel_mini_batches=1, **kwargs):
         super().__init__(*args, **kwargs)
+        self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
+            parallel_mini_batches)
         self.window_step = None  # compiled on the first stacked window
         self._iterator_steps = {}  # N -> the tf.function pulling N mini-batches
 
@@ -401,12 +422,11 @@ class WindowAccumulator(_Accumulator):
         def window_step(xs, ys, sizes):
             sizes = tf.cast(sizes, tf.int32)
 
-            def body(i):
-                self._add(tf.nest.map_structure(lambda t: t[i, :sizes[i]], (xs, ys)))
-                return i + 1
+            def mini_batch(i):
+                return tf.nest.map_structure(lambda t: t[i, :sizes[i]], (xs, ys))
 
-            tf.while_loop(lambda i: i < tf.size(sizes), body, (tf.constant(0),),
-                          parallel_iterations=window_lib.PARALLEL_ITERATIONS)
+            window_lib.in_groups(tf.size(sizes), lambda indices: self._add(
+                [mini_batch(i) for i in indices]), self.parallel_mini_batches)
             return self.step.apply()  # an empty window (N = 0) applies nothing
 
         return window_step
@@ -468,7 +488,8 @@ class WindowAccumulator(_Accumulator):
 
         @tf.function(input_signature=[signature, tf.TensorSpec([], tf.int32)])
         def add(batch, size):
-            return window_lib.cut(batch, size * replicas, self._add)
+            return window_lib.cut(batch, size * replicas, self._add,
+                                  self.parallel_mini_batches)
 
         return add
 
@@ -480,19 +501,8 @@ class WindowAccumulator(_Accumulator):
 
             @tf.function
             def window_from(iterator):
-                def more(i, optional):
-                    return tf.logical_and(i < average_gradients, optional.has_value())
-
-                def body(i, optional):
-                    added = self._add(optional.get_value())
-                    # Never past the window's last: the next window's first stays queued.
-                    return i + 1, step_lib.next_after(self.strategy, added, lambda: tf.cond(
-                        i + 1 < average_gradients, iterator.get_next_as_optional,
-                        lambda: optional))
-
-                count, _ = tf.while_loop(
-                    more, body, (tf.constant(0), iterator.get_next_as_optional()),
-                    parallel_iterations=window_lib.PARALLEL_ITERATIONS)
+                count = step_lib.window_from(self.strategy, iterator, average_gradients,
+                                             self._add, self.parallel_mini_batches)
                 applied, single = self.step.apply()
                 return count, applied, single
 
@@ -598,7 +608,7 @@ class MiniBatchAccumulator(_Accumulator):
             self._build_statistics(x)
 
             def mini_batch_step(x, y):
-                self._add((x, y))
+                self._add([(x, y)])
 
             self.mini_batch_step = tf.function(mini_batch_step, input_signature=signature)
             # Traced now: apply_step needs to know which variables get a gradient.
@@ -677,7 +687,7 @@ class GradientAccumulator(MiniBatchAccumulator):
 def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, strategy=None,
                     callback=None, one_call=True, check_finite=True, bn_statistics="update",
                     jit_compile=False, micro_batch_size=None, budget=None,
-                    margin=None):
+                    margin=None, parallel_mini_batches=1):
     """Trains a Keras model on `dataset`, one update per `average_gradients` mini-batches,
     or, given `micro_batch_size` instead, one update per batch of `dataset` (each an
     effective batch) trained as mini-batches of that size ("auto": the largest that
@@ -690,20 +700,32 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, 
     Args:
       one_call: train each window in one compiled call (WindowAccumulator); False: one
         call per mini-batch (MiniBatchAccumulator).
+      parallel_mini_batches: with one_call, P, the mini-batches whose passes the
+        window runs at once (WindowAccumulator.parallel_mini_batches).
 
     Returns:
       FitSummary(mini_batches, updates, partial_window, skipped_windows, micro_batch).
 
     Raises:
       ValueError: both average_gradients (other than 1) and micro_batch_size, or
-        neither, or a bad value (before any training).
+        neither, or a bad value, or parallel_mini_batches without one_call (before any
+        training).
     """
     average_gradients, micro_batch_size = micro_batch_lib.check_window(average_gradients,
                                                                        micro_batch_size)
     budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
-    accumulator = (WindowAccumulator if one_call else MiniBatchAccumulator)(
-        model, optimizer, loss_fn, strategy, check_finite, bn_statistics, jit_compile,
-        average_gradients=average_gradients)
+    parallel_mini_batches = window_lib.check_parallel_mini_batches(parallel_mini_batches)
+    if one_call:
+        accumulator = WindowAccumulator(
+            model, optimizer, loss_fn, strategy, check_finite, bn_statistics, jit_compile,
+            average_gradients=average_gradients, parallel_mini_batches=parallel_mini_batches)
+    elif parallel_mini_batches != 1:
+        raise ValueError("parallel_mini_batches needs one_call=True: one call per "
+                         "mini-batch runs one pass at a time")
+    else:
+        accumulator = MiniBatchAccumulator(
+            model, optimizer, loss_fn, strategy, check_finite, bn_statistics, jit_compile,
+            average_gradients=average_gradients)
     if micro_batch_size is None:
         return accumulator.fit(dataset, callback=callback)
     return accumulator.fit_effective(dataset, micro_batch_size, callback=callback,

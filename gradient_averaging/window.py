@@ -14,10 +14,10 @@ import tensorflow as tf
 
 # Types whose sums overflow or lose precision too soon: they accumulate in float32.
 LOW_PRECISION = (tf.float16, tf.bfloat16)
-# Mini-batches the window loop runs at once. One: a mini-batch's activations are freed
+# Iterations a window loop runs at once. One: a mini-batch's activations are freed
 # before the next one's forward pass, so the window holds one mini-batch's, as B alone
-# does. Two let one's backward pass overlap the next one's forward pass, for the
-# activations of one more mini-batch (sum_window's parallel_iterations).
+# does. (The TF2 loops add in place, which runs their iterations one after another
+# whatever this says: their overlap is parallel_mini_batches, in_groups.)
 PARALLEL_ITERATIONS = 1
 # TensorFlow feeds a numpy array to a session without copying it when its data is this
 # aligned.
@@ -161,24 +161,51 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes,
     return sums, state
 
 
-def cut(batch, size, add):
+def check_parallel_mini_batches(value):
+    """P, the mini-batches whose passes a window loop may run at once, checked for every
+    caller: an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError("parallel_mini_batches must be an int >= 1 (mini-batches whose "
+                         f"passes may run at once), got {value!r}")
+    return int(value)
+
+
+def in_groups(count, add, parallel=1):
+    """Hands `add` the indices 0 .. count-1 (an int32 scalar tensor), in order, in a
+    list: `parallel` consecutive ones at a time while as many are left, then the rest
+    one at a time. The loop runs its iterations one after another (the sums are added
+    in place); the passes of one group may run at once, for one more mini-batch's
+    activations and gradients each (window_step.run_passes). Returns the count, a tensor
+    that exists once the last is added (what `add` returns is waited for)."""
+    def loop(start, group):
+        def body(i):
+            added = add([i + j for j in range(group)])
+            with tf.control_dependencies(tf.nest.flatten(added, expand_composites=True)):
+                return i + group
+
+        done, = tf.while_loop(lambda i: i + group <= count, body, (start,),
+                              parallel_iterations=PARALLEL_ITERATIONS)
+        return done
+
+    done = tf.constant(0)
+    if parallel > 1:
+        done = loop(done, parallel)
+    return loop(done, 1)
+
+
+def cut(batch, size, add, parallel=1):
     """Hands `add` the mini-batches of `size` samples of `batch` (a nested structure of
-    tensors), in order, one at a time (a tf.while_loop of parallel_iterations
-    PARALLEL_ITERATIONS): the last one shorter where `size` does not divide the batch,
-    one empty mini-batch where the batch is empty (on every replica the window's first
-    mini-batch assigns its sums). Returns the mini-batches, an int32 scalar tensor that
-    exists once the last is added (what `add` returns is waited for)."""
+    tensors), in order, in lists (in_groups: `parallel` at a time): the last one shorter
+    where `size` does not divide the batch, one empty mini-batch where the batch is empty
+    (on every replica the window's first mini-batch assigns its sums). Returns the
+    mini-batches, an int32 scalar tensor that exists once the last is added."""
     samples = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
     count = tf.maximum((samples + size - 1) // size, 1)
 
-    def body(i):
-        added = add(tf.nest.map_structure(lambda t: t[i * size:(i + 1) * size], batch))
-        with tf.control_dependencies(tf.nest.flatten(added, expand_composites=True)):
-            return i + 1
+    def mini_batch(i):
+        return tf.nest.map_structure(lambda t: t[i * size:(i + 1) * size], batch)
 
-    added, = tf.while_loop(lambda i: i < count, body, (tf.constant(0),),
-                           parallel_iterations=PARALLEL_ITERATIONS)
-    return added
+    return in_groups(count, lambda indices: add([mini_batch(i) for i in indices]), parallel)
 
 
 def add_in_place(sums, gradients, first):

@@ -121,6 +121,79 @@ def _mean_over(n_local):
     return tf.maximum(tf.cast(n_local, tf.float32), 1.0)
 
 
+def run_passes(run, batches, state_variables):
+    """Replica context: the passes of a group of mini-batches, each on the model's other
+    state as the pass before left it (values, not variables), so that nothing orders one
+    pass's ops after another's but their data: a group's passes may run at once (the
+    window loop's in-place additions run its iterations one after another). The state is
+    written back once, after the last.
+
+    Args:
+      run: (batch, state values) -> (result, state values after the pass).
+      batches: the group's mini-batches, in order.
+      state_variables: the variables `run`'s state values are read from and written to.
+
+    Returns:
+      Each pass's result, in order.
+    """
+    state = [tf.convert_to_tensor(v) for v in state_variables]
+    results = []
+    for batch in batches:
+        result, state = run(batch, state)
+        results.append(result)
+    for variable, value in zip(state_variables, state):
+        variable.assign(value)
+    return results
+
+
+def window_from(strategy, iterator, average_gradients, add, parallel=1):
+    """Cross-replica: the window loop that pulls up to N mini-batches from `iterator`,
+    one after another, and hands them to `add` in lists, up to `parallel` at a time (see
+    run_passes). The window's last mini-batch is never pulled past: the next window's
+    first stays queued. Returns the mini-batches added (an int32 scalar tensor)."""
+    def more(i, optional):
+        return tf.logical_and(i < average_gradients, optional.has_value())
+
+    def body(i, optional):
+        fetched, present = [optional], []
+        for j in range(1, parallel):  # present: has mini-batch i + j a value?
+            last = fetched[-1]
+            fetched.append(tf.cond(i + j < average_gradients, iterator.get_next_as_optional,
+                                   lambda last=last: last))
+            present.append(tf.logical_and(i + j < average_gradients, fetched[-1].has_value()))
+            if j > 1:
+                present[-1] = tf.logical_and(present[-1], present[-2])
+
+        def adds(group):
+            def branch():
+                added = add([o.get_value() for o in fetched[:group]])
+                with tf.control_dependencies(strategy.experimental_local_results(added)):
+                    return tf.constant(group)
+            return branch
+
+        if parallel == 1:
+            added, group = add([optional.get_value()]), 1
+        else:
+            group = tf.switch_case(tf.add_n([tf.cast(p, tf.int32) for p in present]),
+                                   [adds(g) for g in range(1, parallel + 1)])
+            added = group
+        last = fetched[-1]
+        return i + group, next_after(strategy, added, lambda: tf.cond(
+            i + group < average_gradients, iterator.get_next_as_optional, lambda: last))
+
+    count, _ = tf.while_loop(more, body, (tf.constant(0), iterator.get_next_as_optional()),
+                             parallel_iterations=window_lib.PARALLEL_ITERATIONS)
+    return count
+
+
+def last_of(tokens):
+    """One token for a group's tokens (WindowStep.add's): it exists once all do."""
+    if len(tokens) == 1:
+        return tokens[0]
+    with tf.control_dependencies(tokens):
+        return tf.identity(tokens[-1])
+
+
 def next_after(strategy, added, fetch):
     """Runs `fetch` (the window's next mini-batch from an iterator) once the tokens that
     WindowStep.add returned exist. An iterator's op completes on tf.data's threads: left

@@ -31,13 +31,14 @@ CONTAINER_OPS = ("While", "If", "PartitionedCall", "Case")  # time of ops they h
 class SessionContender:
     """An engine trained through its `step` on `train` (a data.Split), as `main.py`'s loop
     trains: the tf1 engine with an averager, or with "tf2" the tf2 engine (the window in
-    one compiled call)."""
+    one compiled call, `parallel` mini-batches' passes at once)."""
 
-    def __init__(self, label, n, b, train, averager="stack", model="convnet"):
+    def __init__(self, label, n, b, train, averager="stack", model="convnet", parallel=1):
         self.label, self.n = label, n
         tf2 = averager == "tf2"
         cfg = config.Config(average_gradients=n, batch_size=b, model=model, engine="tf2"
-                            if tf2 else "tf1", accumulate="stack" if tf2 else averager)
+                            if tf2 else "tf1", accumulate="stack" if tf2 else averager,
+                            parallel_mini_batches=parallel)
         if tf2:
             from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
             self.engine = engine_tf2.Engine(cfg, SEED)
@@ -58,10 +59,12 @@ class SessionContender:
 class KerasContender:
     """Keras 3's Adam(gradient_accumulation_steps=N) on the tf2 engine's ConvNet, or with
     `accumulate` our accumulate(model, N) with plain Adam: `fit` on B-sized batches,
-    `steps_per_execution` mini-batches per compiled call (None: `train_on_batch`). No XLA:
-    Keras turns it off under op determinism."""
+    `steps_per_execution` mini-batches per compiled call (None: `train_on_batch`), and
+    `parallel` mini-batches' passes at once. No XLA: Keras turns it off under op
+    determinism."""
 
-    def __init__(self, label, n, b, datasets, steps_per_execution=1, accumulate=False):
+    def __init__(self, label, n, b, datasets, steps_per_execution=1, accumulate=False,
+                 parallel=1):
         import keras
 
         import model  # Keras loads only where a Keras contender runs
@@ -70,7 +73,8 @@ class KerasContender:
         self.label, self.n, self.per_call = label, n, steps_per_execution
         self.model = model.keras_model("convnet", 0.5, SEED)
         if accumulate:
-            self.model = keras_fit.accumulate(self.model, average_gradients=n)
+            self.model = keras_fit.accumulate(self.model, average_gradients=n,
+                                              parallel_mini_batches=parallel)
         self.model.compile(optimizer=keras.optimizers.Adam(
             1e-3, gradient_accumulation_steps=n if n > 1 and not accumulate else None),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -100,8 +104,11 @@ def contender(label, n, b, datasets, updates=1):
         return SessionContender(label, 1, n * b, datasets.train, "tf2")
     if label in ("keras", "keras_long"):
         return KerasContender(label, n, b, datasets, n * updates if label == "keras_long" else n)
-    if label == "keras_fit":
-        return KerasContender(label, n, b, datasets, accumulate=True)
+    if label in ("keras_fit", "keras_fit_p2"):
+        return KerasContender(label, n, b, datasets, accumulate=True,
+                              parallel=2 if label.endswith("_p2") else 1)
+    if label == "tf2_p2":
+        return SessionContender(label, n, b, datasets.train, "tf2", parallel=2)
     return SessionContender(label, n, b, datasets.train, label)
 
 

@@ -16,6 +16,7 @@ KERAS_SPEEDUP = 2.0  # fused against Keras's accumulation, where it accumulates 
 TF2_VS_FUSED = 1.15  # the tf2 window against tf1's fused, at the FUSED_LIMITS configs
 KERAS_FIT_CONFIG = (5, 20)  # fit with accumulate no slower than Keras's own here
 KERAS = ("keras", "keras_long")  # Keras's accumulation, one call per update or per block
+SMALL_B = 10  # where one pass leaves this CPU's cores idle (parallel_mini_batches)
 # Each contender in words: the section's list and the figure's legend.
 CONTENDERS = {
     "direct": "one batch of N*B, the post's minimize",
@@ -28,8 +29,10 @@ CONTENDERS = {
     "keras_long": "Keras's, steps_per_execution=N*U",
     "tf2": "--engine=tf2, a window per call",
     "keras_fit": "accumulate(model, N) + fit",
+    "tf2_p2": "tf2 with --parallel-mini-batches=2 (two passes at once)",
+    "keras_fit_p2": "keras_fit with parallel_mini_batches=2",
 }
-LABELS = ("direct", *averagers.AVERAGERS, *KERAS, "tf2", "keras_fit")
+LABELS = ("direct", *averagers.AVERAGERS, *KERAS, "tf2", "keras_fit", "tf2_p2", "keras_fit_p2")
 
 ABOUT = """\
 Each update trains N*B samples of real MNIST (the post's ConvNet, dropout on, Adam 1e-3). \
@@ -101,6 +104,11 @@ class Speed(Section):
         out.append(worst(f"fit with accumulate <= Keras's gradient_accumulation_steps with "
                          f"steps_per_execution=N at N={n}/B={b}",
                          _ratios(at(n, b), "keras_fit", "keras"), 1.0))
+        # The option's price is memory (the tensor-memory section); here, what it buys.
+        small = [r for r in accumulating if r["b"] <= SMALL_B]
+        out += [worst(f"{label} with two passes at once faster than one at a time "
+                      f"(B <= {SMALL_B})", _ratios(small, f"{label}_p2", label), 1.0,
+                      noise=noise_floor(rows)) for label in ("tf2", "keras_fit")]
         return out
 
     def markdown(self, rows):

@@ -87,7 +87,11 @@ class TensorMemory(Section):
                  "`gradient_accumulation_steps`, "
                  "`accumulate` Keras fit, `window` and `mini_batch` the TF2 accumulators, "
                  "`tf1` AveragingOptimizer, `tf1_alone` and `tf1_direct` the TF1 graph's "
-                 "own B alone and direct batch (plain Adam in a session).", ""]
+                 "own B alone and direct batch (plain Adam in a session); `accumulate_p2` "
+                 "and `window_p2` the same with two mini-batches' passes at once "
+                 "(`parallel_mini_batches=2`, faster at small B: the speed section), "
+                 "for the option's price: one more mini-batch's activations and "
+                 "gradients.", ""]
         for model, rows in result["tables"].items():
             lines += [f"### {model}", "", *memory.markdown(rows).splitlines(), ""]
         if result["growth"]:

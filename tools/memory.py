@@ -40,8 +40,10 @@ SEED = 0
 MIB = 1 << 20
 MODELS = ("convnet", "mlp", "bn")
 # The paths, each a small function below (_PATHS); B alone, the direct batch and Keras's
-# own accumulation are the references a path's peak is compared with.
-PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1")
+# own accumulation are the references a path's peak is compared with; the _p2 paths run
+# two mini-batches' passes at once (parallel_mini_batches=2), for the option's price.
+PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1",
+         "accumulate_p2", "window_p2")
 # The TF1 graph's own direct batch (plain Adam on N*B): the reference of the tf1 path's
 # weights, which come from another graph than the Keras model's; and its own B alone
 # (plain Adam at B, N updates): the tf1 path's bound, since a TF1 session holds what
@@ -351,11 +353,12 @@ def _path_keras(model, n, b, x, y):
             _values(net.trainable_weights))
 
 
-def _path_accumulate(model, n, b, x, y, micro_batch=None):
+def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1):
     from gradient_averaging.keras_fit import accumulate
     net = _keras_model(model)
     if micro_batch is None:
-        return (_fit(_compiled(accumulate(net, n)), x, y, b, n * b), net.weights,
+        return (_fit(_compiled(accumulate(net, n, parallel_mini_batches=parallel)), x, y, b,
+                     n * b), net.weights,
                 net.trainable_weights, _values(net.trainable_weights))
     cut = _compiled(accumulate(net, micro_batch_size=micro_batch))
 
@@ -376,7 +379,7 @@ def _dataset(x, y, b, samples):
     return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
 
 
-def _path_window(model, n, b, x, y):
+def _path_window(model, n, b, x, y, parallel=1):
     # fit_accumulated(one_call=True) is WindowAccumulator(...).fit; one accumulator for
     # the warm-up and the update keeps its tracing (and grappler's constant folding, which
     # allocates on the CPU) out of the measured update.
@@ -385,7 +388,7 @@ def _path_window(model, n, b, x, y):
     from gradient_averaging.tf2 import WindowAccumulator
     net = _keras_model(model)
     accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None),
-                                    average_gradients=n)
+                                    average_gradients=n, parallel_mini_batches=parallel)
     dataset = _dataset(x, y, b, n * b)
     return (functools.partial(accumulator.fit, dataset), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
@@ -471,7 +474,9 @@ _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
           "accumulate": _path_accumulate, "window": _path_window,
           "mini_batch": _path_mini_batch, "tf1": _path_tf1,
           "tf1_direct": lambda *args: _path_tf1(*args, plain="direct"),
-          "tf1_alone": lambda *args: _path_tf1(*args, plain="alone")}
+          "tf1_alone": lambda *args: _path_tf1(*args, plain="alone"),
+          "accumulate_p2": functools.partial(_path_accumulate, parallel=2),
+          "window_p2": functools.partial(_path_window, parallel=2)}
 
 
 def _sizes(weights, trainable):

@@ -385,8 +385,27 @@ def test_two_workers_train_together_and_end_like_one_process(single_process_accu
         assert final_accuracies(output) == [single_process_accuracy]
 
 
+def test_parallel_mini_batches_train_the_same_bits_on_the_command_line(tmp_path,
+                                                                     mnist_quick_dir):
+    """--parallel-mini-batches=2 (dropout on): the weights of one pass at a time, with
+    N=5 so that each window ends with one mini-batch alone."""
+    shas = []
+    for parallel in (1, 2):
+        results = tmp_path / f"p{parallel}.json"
+        run_main_in_process("--engine=tf2", "--average-gradients=5", "--batch-size=10",
+                            "--iterations=20", "--eval-every=0", f"--data-dir={mnist_quick_dir}",
+                            f"--parallel-mini-batches={parallel}", f"--results={results}")
+        (run,) = json.loads(results.read_text())["runs"]
+        assert run["updates"] == 4
+        shas.append(run["weights_sha256"])
+    assert shas[0] == shas[1]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--distribute=mirrored"], "--distribute needs --engine=tf2"),
+    (["--parallel-mini-batches=2"], "--parallel-mini-batches needs --engine=tf2"),
+    (["--engine=tf2", "--parallel-mini-batches=0"],
+     "--parallel-mini-batches=0: 0 is not a positive"),
     (["--engine=tf2", "--replicas=2"], "--replicas needs --distribute=mirrored"),
     (["--engine=tf2", "--accumulate=fused"], "--accumulate picks a tf1 averager"),
     (["--lr-decay-rate=0"], "--lr-decay-rate must be in (0, 1]"),

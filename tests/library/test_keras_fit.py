@@ -23,6 +23,7 @@ from tests.library.toys import SAMPLES
 from tests.library.toys import B
 from tests.library.toys import N
 from tests.library.toys import activity_regularized
+from tests.library.toys import bn_model
 from tests.library.toys import compiled
 from tests.library.toys import data
 from tests.library.toys import fit
@@ -296,3 +297,36 @@ def test_an_embedding_under_adam_gets_the_dense_mean_of_the_direct_batch():
     fit(sparse_direct, ids, labels, N * B)
     assert max_difference(ours, dense_direct) < 1e-5
     assert max_difference(sparse_direct, dense_direct) > 1e-3  # Keras's sparse Adam
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "xla"])
+@pytest.mark.parametrize("parallel", [2, 3])
+def test_parallel_mini_batches_train_the_bits_of_one_at_a_time(parallel, jit_compile):
+    """P passes at once, each on the state the one before left as values (dropout's seed
+    generators, batch norm's statistics stepped per mini-batch, the metrics): the weights,
+    statistics and History of P=1, in windows of N with a partial one shorter than P, and
+    in effective batches cut where B does not divide them."""
+    x, y = data()
+
+    def trained(model, batch_size, **kwargs):
+        accumulating = compiled(keras_fit.accumulate(model, **kwargs),
+                                keras.optimizers.Adam(0.05), jit_compile=jit_compile)
+        return accumulating, fit(accumulating, x, y, batch_size).history
+
+    cases = [(lambda: tiny_model(dropout=0.2), B, dict(average_gradients=N)),
+             (bn_model, B, dict(average_gradients=N, bn_statistics="mini_batch")),
+             (lambda: tiny_model(dropout=0.2), 53, dict(micro_batch_size=7))]
+    for make, batch_size, kwargs in cases:
+        one, one_history = trained(make(), batch_size, **kwargs)
+        group, group_history = trained(make(), batch_size, parallel_mini_batches=parallel,
+                                       **kwargs)
+        assert group.parallel_mini_batches == parallel
+        for a, b in zip(one.get_weights(), group.get_weights()):
+            np.testing.assert_array_equal(a, b)
+        assert group_history == one_history
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2", None])
+def test_a_bad_parallel_mini_batches_is_one_clear_error(value):
+    with pytest.raises(ValueError, match="parallel_mini_batches must be an int >= 1"):
+        keras_fit.accumulate(tiny_model(), N, parallel_mini_batches=value)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 from tests.helpers import CPU_ONLY
@@ -308,6 +309,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 from experiment import data
+from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import tf2
 from tests.library import toys
 from tests.library.toys import count_all_reduces, cross_entropy, small_conv_net, windows
@@ -319,14 +321,16 @@ def accumulator(trainer):
 
 per_mini = accumulator(tf2.MiniBatchAccumulator)
 one_call = accumulator(tf2.WindowAccumulator)
+grouped = accumulator(lambda *args: tf2.WindowAccumulator(*args, parallel_mini_batches=2))
 split = data.load_mnist().train
 for window in windows(split):  # 8 samples: 4 a replica; 3: 1 / 2; 5: 2 / 3
     for x, y in window:
         per_mini.accumulate(x, y)
     per_mini.apply()
     one_call.apply_window(window)
-same = all(np.array_equal(a, b) for a, b in zip(per_mini.model.get_weights(),
-                                                one_call.model.get_weights()))
+    grouped.apply_window(window)
+same = all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(
+    per_mini.model.get_weights(), one_call.model.get_weights(), grouped.model.get_weights()))
 before = [w.copy() for w in one_call.model.get_weights()]
 window = windows(split, [(6, 6)])[0]
 poisoned = [window[0], (window[1][0].copy(), window[1][1])]
@@ -390,3 +394,37 @@ def test_the_old_spellings_still_train_with_a_deprecation_warning(mnist):
     with pytest.raises(ValueError, match="average_gradients=3 contradicts"), \
             pytest.warns(DeprecationWarning):
         new.fit(batches, 3)
+
+
+@pytest.mark.parametrize("parallel", [2, 3])
+def test_parallel_mini_batches_train_the_bits_of_one_at_a_time(mnist, parallel):
+    """P passes at once, each on the state the one before left as values (dropout's seed
+    generators): every window loop trains the bits of P=1: fit's iterator (windows of 4,
+    a partial one shorter than P), a stacked window of unequal mini-batches, an effective
+    batch cut where B does not divide it."""
+    data = mnist.train
+    dataset = tf.data.Dataset.from_tensor_slices((data.images[:70], data.labels[:70])).batch(5)
+    stacked = tf2.stack_window(mini_batches(data, [6, 4, 5], start=100))
+    effective = (data.images[200:223], data.labels[200:223])
+    trained = []
+    for p in (1, parallel):
+        one_call = accumulator(keras.optimizers.Adam(1e-2), average_gradients=4,
+                               parallel_mini_batches=p)
+        summary = one_call.fit(dataset)
+        assert one_call.apply_stacked(*stacked)
+        applied, count, _ = one_call.apply_effective(effective, micro_batch_lib.plan(23, 4, 1))
+        assert applied and count == 6
+        trained.append((one_call, summary))
+    (one, one_summary), (group, group_summary) = trained
+    assert group_summary == one_summary and group.updates == one.updates == 6
+    assert_same_weights(one, group)
+
+
+def test_parallel_mini_batches_is_checked_before_any_training(mnist):
+    for value in (0, 2.0, True):
+        with pytest.raises(ValueError, match="parallel_mini_batches must be an int >= 1"):
+            accumulator(keras.optimizers.SGD(0.1), parallel_mini_batches=value)
+    with pytest.raises(ValueError, match="parallel_mini_batches needs one_call=True"):
+        tf2.fit_accumulated(small_conv_net(), mini_batches(mnist.train, [5] * 2),
+                            keras.optimizers.SGD(0.1), cross_entropy, average_gradients=2,
+                            one_call=False, parallel_mini_batches=2)

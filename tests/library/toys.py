@@ -201,7 +201,9 @@ def mirrored_fit(strategy):
     fit(one_device, x, y, B)
     with strategy.scope():
         model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+        grouped = compiled(keras_fit.accumulate(tiny_model(), N, parallel_mini_batches=2), sgd())
     fit(model, x, y, B)
+    fit(grouped, x, y, B)
     # What Keras distributes: each mini-batch as the replicas' shares.
     windows = model._windows(x, y, None, B, False, None)  # noqa: SLF001 (fit's own data)
     mini_batches = strategy.experimental_distribute_dataset(windows.get_tf_dataset())
@@ -228,6 +230,7 @@ def mirrored_fit(strategy):
         return count_all_reduces(function.get_concrete_function(iter(mini_batches)))
 
     return {"fit_difference": max_difference(model, one_device),
+            "grouped_difference": max_difference(grouped, one_device),
             "fit_updates": int(model.optimizer.iterations.numpy()),
             "fit_all_reduces": all_reduces(model),
             "fit_variables": len(model.trainable_variables),
@@ -266,6 +269,7 @@ def multi_worker_fit():
 def check_mirrored_fit(result):
     """test_tf2's assertions on mirrored_fit's result."""
     assert result["fit_difference"] < 1e-5 and result["fit_updates"] == 8
+    assert result["grouped_difference"] < 1e-5  # parallel_mini_batches=2
     assert result["evaluate_difference"] < 1e-5 and result["predict_difference"] < 1e-5
     # The optimizer's all-reduce of the applied mean and the window's sample count, once
     # per window; nothing per mini-batch.

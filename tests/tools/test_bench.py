@@ -50,9 +50,10 @@ def test_speed_targets_are_judged_from_paired_ratios_and_keras_only_where_it_acc
                   graph=[2.4] * 3, keras=[3.0] * 3, keras_long=[3.3] * 3, tf2=[1.2, 1.1, 1.0],
                   keras_fit=[2.7] * 3),
              _row(20, 5, fused=[1.8] * 3, stack=[4.0] * 3, keras=[4.0] * 3,
-                  keras_long=[5.0] * 3, tf2=[2.0, 2.4, 2.3])]
+                  keras_long=[5.0] * 3, tf2=[2.0, 2.4, 2.3], tf2_p2=[1.6, 1.8, 1.9],
+                  keras_fit_p2=[1.3] * 3)]
     targets = {t.target: t for t in bench_speed.Speed().targets(speed)}
-    assert len(targets) == 10 and {t.status for t in targets.values()} <= STATUSES
+    assert len(targets) == 12 and {t.status for t in targets.values()} <= STATUSES
     assert targets["fused <= 1.15x direct at N=5/B=20"] == Target(
         "fused <= 1.15x direct at N=5/B=20", "1.10x (1.10-1.10)", "met")
     assert targets["fused <= 1.5x direct at N=20/B=5"].status == "missed"
@@ -71,6 +72,12 @@ def test_speed_targets_are_judged_from_paired_ratios_and_keras_only_where_it_acc
         "tf2 <= 1.15x fused at N=20/B=5", "1.28x (1.19-1.31)", "missed")
     tf2_keras = targets["tf2 faster than Keras's accumulation with steps_per_execution=N (N > 1)"]
     assert tf2_keras.status == "met" and tf2_keras.measured.startswith("worst 0.57x")
+    # Two passes at once, judged at B <= 10 only (N=5/B=20's rows are left out).
+    assert targets["tf2 with two passes at once faster than one at a time (B <= 10)"] == Target(
+        "tf2 with two passes at once faster than one at a time (B <= 10)",
+        "0.80x (0.78-0.81)", "met")
+    assert targets["keras_fit with two passes at once faster than one at a time "
+                   "(B <= 10)"].status == "missed"
     fit = [t for name, t in targets.items() if name.startswith("fit with accumulate")]
     assert fit[0].measured == "0.90x (0.90-0.90)" and fit[0].status == "met"
     assert bench_speed.noise_floor(speed) == pytest.approx(0.12)  # running's 1.12x at N=1
