@@ -15,8 +15,11 @@ FLAT_IN_N = 0.02  # N=32 within 2% of N=2 at the same B
 
 class TensorMemory(Section):
     name, title = "tensor_memory", "Tensor memory: peak of each path (BFC allocator)"
+    # Five probes a figure: the BFC allocator counts a chunk of up to twice a request
+    # whole, so a path's peak falls in one of a few modes from process to process; the
+    # median of three landed on another mode from run to run.
     FULL = dict(models=memory.MODELS, paths=memory.PATHS + memory.REFERENCES, n=8, b=32,
-                repeats=3,
+                repeats=5,
                 growth_model="convnet",
                 growth_ns=(2, 32), growth_paths=("accumulate", "window", "mini_batch"),
                 jobs=2)
