@@ -31,10 +31,12 @@ REPEATS = {"accumulate": 3, "alone": 3, "tf1_alone": 3}
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     """Every probe this module checks, two processes at a time: the references without
-    a limit (their weights, B alone's peak), the direct batch and every path under it."""
+    a limit (their weights), the direct batch and every path under it, and B alone under
+    it too (the bound's base: an allocator under a limit grows region by region, one
+    without takes its memory as one region first, tools.memory)."""
     base = tmp_path_factory.mktemp("memory")
     specs = [("direct", None), ("tf1_direct", None), ("direct", LIMIT_MB)]
-    specs += [(alone, None, k) for alone in ("alone", "tf1_alone")
+    specs += [(alone, LIMIT_MB, k) for alone in ("alone", "tf1_alone")
               for k in range(REPEATS[alone])]
     specs += [(path, LIMIT_MB, k) for path in PATHS for k in range(REPEATS.get(path, 1))]
 
@@ -45,7 +47,7 @@ def probed(tmp_path_factory):
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         done = dict(zip(specs, pool.map(run, specs)))
-    for path, limit in [("alone", None), ("tf1_alone", None)] + [
+    for path, limit in [("alone", LIMIT_MB), ("tf1_alone", LIMIT_MB)] + [
             (path, LIMIT_MB) for path in PATHS]:
         # the median probe of a path's repeats stands for it
         repeats = sorted((done.pop((path, limit, k)) for k in range(REPEATS.get(path, 1))),
@@ -80,7 +82,7 @@ def test_each_paths_peak_is_within_b_alone_plus_one_accumulator(probed, path):
     """B alone, plus one accumulator per trainable variable, plus one temporary the size
     of the largest, plus 5% (4 MiB at least): nothing of the window beyond that. B alone
     is the plain step's in the same framework: the TF1 graph's own for the TF1 path."""
-    alone, _ = probed[("tf1_alone" if path == "tf1" else "alone", None)]
+    alone, _ = probed[("tf1_alone" if path == "tf1" else "alone", LIMIT_MB)]
     result, _ = probed[(path, LIMIT_MB)]
     bound = memory.bound_mb(alone["peak_mb"], result["accumulators_mb"], result["largest_mb"])
     assert result["peak_mb"] <= bound, (result["peak_mb"], bound)

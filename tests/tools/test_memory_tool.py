@@ -122,11 +122,22 @@ def test_the_median_of_the_probes_is_the_figure():
     assert row["ooms"] == 1 and row["probes"] == 4
 
 
-def test_growth_is_the_largest_n_over_the_smallest():
-    tables = {32: [_row("window", 150.0)], 2: [_row("window", 100.0)]}
+def test_growth_is_the_largest_n_over_the_smallest_by_the_peak_most_probes_landed_on():
+    # Each N's probes land in modes: a median would compare 61 with 49, the lowest 49
+    # with 61; most probes landed on 61 (within 1%) at both.
+    tables = {32: [dict(_row("window", 61.2), peaks=[61.2, 49.0, 61.3, 69.0, 61.2])],
+              2: [dict(_row("window", 49.1), peaks=[49.1, 61.0, 49.1, 61.1, 61.0])]}
     (row,) = memory.growth(tables)
-    assert row["peaks"] == {2: 100.0, 32: 150.0} and row["growth"] == pytest.approx(1.5)
-    assert "| window | 100.0 | 150.0 | 1.500 |" in memory.growth_markdown([row])
+    assert row["peaks"] == {2: 61.0, 32: 61.2} and row["growth"] == pytest.approx(61.2 / 61.0)
+    assert ("| window | 61.0 | 61.2 | 1.003 | 49.1, 49.1, 61.0, 61.0, 61.1 | "
+            "49.0, 61.2, 61.2, 61.3, 69.0 |" in memory.growth_markdown([row]))
+
+
+def test_the_usual_peak_is_the_largest_mode_the_lower_of_a_tie():
+    assert memory.usual_peak([]) is None
+    assert memory.usual_peak([83.0]) == 83.0
+    assert memory.usual_peak([49.1, 61.0, 49.2, 61.1]) == pytest.approx(49.15)
+    assert memory.usual_peak([100.0, 100.5, 101.5, 300.0]) == 100.25  # 101.5: another mode
 
 
 def test_help_and_bad_paths():
