@@ -294,9 +294,7 @@ class AccumulatingModel(keras.Model):
         def replica_mini_batches(group):
             # A group's passes may run at once: each runs on the model's state and the
             # metrics as the one before left them, as values (step_lib.run_passes).
-            weights = [tf.convert_to_tensor(v) for v in self.trainable_variables]
-
-            def run(data, values):
+            def run(data, weights, values):
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
                 n_local = tf.shape(tf.nest.flatten(x)[0])[0]
                 (gradients, state_values, metrics_values, loss_sum, moments,
@@ -309,7 +307,8 @@ class AccumulatingModel(keras.Model):
                 return ((gradients, moments, n_local, finite, activity),
                         list(state_values) + metrics_values)
 
-            results = step_lib.run_passes(run, group, state + metrics)
+            results = step_lib.run_passes(run, group, self.trainable_variables,
+                                          state + metrics)
             return step_lib.last_of([window.add(*result) for result in results])
 
         self._replica_mini_batches = replica_mini_batches  # the micro-batch search's pass

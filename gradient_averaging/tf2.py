@@ -185,15 +185,13 @@ class _Accumulator:
         """Adds this replica's shares of a group of global mini-batches to the window, in
         order; their passes may run at once (step_lib.run_passes). Returns a token that
         exists once all are added."""
-        weights = [tf.convert_to_tensor(v) for v in self.variables]
-
-        def run(batch, state):
+        def run(batch, weights, state):
             (x, y), n_local = batch
             gradients, state, loss_sum, moments, activity = self._pass(
                 weights, state, x, y, n_local)
             return (gradients, loss_sum, moments, activity), state
 
-        results = step_lib.run_passes(run, list(zip(batches, n_locals)),
+        results = step_lib.run_passes(run, list(zip(batches, n_locals)), self.variables,
                                       self.model.non_trainable_variables)
         tokens = []
         for (gradients, loss_sum, moments, activity), n_local, n_global in zip(

@@ -121,25 +121,27 @@ def _mean_over(n_local):
     return tf.maximum(tf.cast(n_local, tf.float32), 1.0)
 
 
-def run_passes(run, batches, state_variables):
-    """Replica context: the passes of a group of mini-batches, each on the model's other
-    state as the pass before left it (values, not variables), so that nothing orders one
-    pass's ops after another's but their data: a group's passes may run at once (the
-    window loop's in-place additions run its iterations one after another). The state is
-    written back once, after the last.
+def run_passes(run, batches, weight_variables, state_variables):
+    """Replica context: the passes of a group of mini-batches, all on the weights read
+    once, each on the model's other state as the pass before left it (values, not
+    variables), so that nothing orders one pass's ops after another's but their data: a
+    group's passes may run at once (the window loop's in-place additions run its
+    iterations one after another). The state is written back once, after the last.
 
     Args:
-      run: (batch, state values) -> (result, state values after the pass).
+      run: (batch, weight values, state values) -> (result, state values after the pass).
       batches: the group's mini-batches, in order.
+      weight_variables: the variables the passes differentiate by (read, never written).
       state_variables: the variables `run`'s state values are read from and written to.
 
     Returns:
       Each pass's result, in order.
     """
+    weights = [tf.convert_to_tensor(v) for v in weight_variables]
     state = [tf.convert_to_tensor(v) for v in state_variables]
     results = []
     for batch in batches:
-        result, state = run(batch, state)
+        result, state = run(batch, weights, state)
         results.append(result)
     for variable, value in zip(state_variables, state):
         variable.assign(value)
