@@ -106,9 +106,9 @@ class TensorMemory(Section):
                       f"a time, {s['growth_repeats']} probes at each N. Each N's figure is "
                       "the peak most of its probes landed on (within 1%): a process's peak "
                       "lands in one of a few modes 10-20% apart, the same modes at every N "
-                      "(the order its warm-up "
-                      "settled the ops in), so a median or the lowest compares draws of "
-                      "modes; what a path held more as N grows would lift every mode.", "",
+                      "(the order its warm-up settled the ops in), so a median or the lowest "
+                      "compares draws of modes; what a path held more as N grows would lift "
+                      "every mode.", "",
                       *memory.growth_markdown(result["growth"]).splitlines()]
         return lines
 

@@ -14,12 +14,12 @@ instead of crashing. Without a limit the probe first reserves one region of
 RESERVE_MB and frees it, as TensorFlow takes a GPU's memory as one region by default:
 an allocator that grows region by region placed the same update's chunks apart, and its
 peaks fell in four or five modes 50 to 83 MiB (convnet, accumulate, N=2 x B=32); in one
-region, two (48.6 and 60.6 MiB, at N=2 as at N=32). The peak still varies from process
-to process, fixed in each by its warm-up: the BFC allocator hands out a free chunk of up
-to twice the request whole, and counts it whole, so the order ops ran in moves it; a
-figure is the median of several probes, and the growth in N compares the peaks most of
-them landed on (usual_peak).
-With a GPU visible (--gpu) the probe reads the GPU's allocator instead.
+region, two to four (49 to 69 MiB, the same at N=2 as at N=32). The peak still varies
+from process to process, fixed in each by its warm-up: the BFC allocator hands out a
+free chunk of up to twice the request whole, and counts it whole, so the order ops ran
+in moves it; a figure is the median of several probes, and the growth in N compares the
+peaks most of them landed on (usual_peak). With a GPU visible (--gpu) the probe reads
+the GPU's allocator instead.
 
 The parent imports no TensorFlow: only the probes do.
 """
