@@ -18,7 +18,7 @@ each other. The update (the optimizer's apply) needs the same memory whatever B:
 measured once and must fit too. A peak must stay under the budget less a margin, for
 what a trial does not see (an allocator's fragmentation over a long run; a batch the
 input pipeline prefetches later): 10% of it, or 25% where the allocator grows by regions
-(default_margin).
+(default_margin; reserve_cpu_memory makes the CPU's one region, as a GPU's).
 
 Trials leave the model as they found it: no trial is applied (the window is discarded),
 and every variable a trial may change (the weights and the optimizer's for the measured
@@ -49,11 +49,13 @@ from gradient_averaging import window as window_lib
 
 # The default margin: the fraction of the budget kept free for what a trial's peak does
 # not show (an input pipeline's buffers, fragmentation over a run). More where the
-# allocator grows by regions that double in size (the CPU's BFC allocator, a GPU's with
-# memory growth): it runs out of memory well before its limit, and a trial that runs
-# out costs the allocator's wait.
+# allocator grows by regions that double in size (the CPU's BFC allocator, unless
+# reserve_cpu_memory made it one region; a GPU's with memory growth): it runs out of
+# memory well before its limit, and a trial that runs out costs the allocator's wait.
 MARGIN, GROWING_MARGIN = 0.1, 0.25
 MIB = 1 << 20
+RESERVE_SLACK_MB = 4  # reserve_cpu_memory's region: the CPU's limit less this
+_cpu_reserved = False  # whether reserve_cpu_memory made the CPU's allocator one region
 CPU_BFC_ENV, CPU_LIMIT_ENV = "TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"
 # How an allocation failure reads where it is not a ResourceExhaustedError (cuBLAS's,
 # cuDNN's and the CUDA driver's own, raised as InternalError or UnknownError).
@@ -260,9 +262,35 @@ def device_memory(device=None):
                      "the budget in bytes (budget=...)")
 
 
+def reserve_cpu_memory(megabytes=None):
+    """Makes the CPU's BFC allocator hold its memory as one region, as TensorFlow holds a
+    GPU's by default, so that the CPU runs out of memory where such a GPU would: at its
+    limit, not where the next region it would grow by (each twice the last) no longer
+    fits. The finder then keeps MARGIN free there, not GROWING_MARGIN. Call it first,
+    before TensorFlow allocates on the CPU: the regions grown before it stay apart.
+
+    Args:
+      megabytes: the region's MiB; None: the limit (TF_CPU_BFC_MEM_LIMIT_IN_MB) less 4
+        MiB, which TensorFlow's start may already hold.
+
+    Raises:
+      ValueError: the CPU's allocator is not the BFC allocator, or no size is known.
+    """
+    global _cpu_reserved
+    if os.environ.get(CPU_BFC_ENV, "").lower() not in ("true", "1"):
+        raise ValueError(f"the CPU's allocator grows no regions to reserve: set "
+                         f"{CPU_BFC_ENV}=true before TensorFlow starts")
+    if megabytes is None:
+        megabytes = device_memory("CPU:0") // MIB - RESERVE_SLACK_MB
+    with tf.device("CPU:0"):  # uninitialized, freed at once: no page is touched
+        tf.raw_ops.Empty(shape=[int(megabytes) * MIB // 4], dtype=tf.float32, init=False)
+    _cpu_reserved = True
+
+
 def default_margin(device=None):
     """The margin kept free on `device` where none is given: GROWING_MARGIN where its
-    allocator grows (the CPU's BFC allocator; a GPU with memory growth on), else MARGIN."""
+    allocator grows (the CPU's BFC allocator, unless reserve_cpu_memory made it one
+    region; a GPU with memory growth on), else MARGIN."""
     kind, index = _short_name(device).split(":")
     if kind == "GPU":
         physical, _ = _gpu_of_logical(int(index))
@@ -271,7 +299,7 @@ def default_margin(device=None):
                  or (physical is not None
                      and tf.config.experimental.get_memory_growth(gpus[physical])))
         return GROWING_MARGIN if grows else MARGIN
-    return GROWING_MARGIN
+    return MARGIN if _cpu_reserved else GROWING_MARGIN
 
 
 def _gpu_of_logical(index):
@@ -343,7 +371,8 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
       budget: the device's memory to use, in bytes; None: device_memory(), each
         replica's device.
       margin: the fraction of the budget kept free; None: default_margin (10% on a
-        GPU, 25% where the allocator grows: the CPU's, a GPU's with memory growth).
+        GPU, 25% where the allocator grows: the CPU's, unless reserve_cpu_memory ran,
+        a GPU's with memory growth).
 
     Returns:
       A MicroBatch: B at most ceil(E / replicas), N, the last mini-batch, the peaks.

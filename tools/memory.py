@@ -10,11 +10,12 @@ figure is one fresh process, a probe: it builds the model, trains one update as 
 warm-up (tracing, optimizer slots), resets the allocator's peak, trains one more update
 and prints the peak as JSON. One inter-op thread, as a GPU runs one stream (the peak
 depends on the order ops run in); oneDNN off, so that an OOM in a convolution raises
-instead of crashing. Without a limit the probe first reserves one region of
-RESERVE_MB and frees it, as TensorFlow takes a GPU's memory as one region by default:
-an allocator that grows region by region placed the same update's chunks apart, and its
-peaks fell in four or five modes 50 to 83 MiB (convnet, accumulate, N=2 x B=32); in one
-region, two to four (49 to 69 MiB, the same at N=2 as at N=32). The peak still varies
+instead of crashing. The probe first makes the CPU's allocator one region
+(micro_batch.reserve_cpu_memory: its limit's, or RESERVE_MB without one), as TensorFlow
+holds a GPU's memory by default: an allocator that grows region by region runs out of
+memory well before its limit, and placed the same update's chunks apart, its peaks in
+four or five modes 50 to 83 MiB (convnet, accumulate, N=2 x B=32); in one region, two
+to four (49 to 69 MiB, the same at N=2 as at N=32). The peak still varies
 from process to process, fixed in each by its warm-up: the BFC allocator hands out a
 free chunk of up to twice the request whole, and counts it whole, so the order ops ran
 in moves it; a figure is the median of several probes, and the growth in N compares the
@@ -59,7 +60,13 @@ TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
 # The bound's margin: 5% of it, at least 4 MiB (small models).
 MARGIN, MARGIN_MIN_MB = 0.05, 4.0
 PROBE_TIMEOUT = 600  # seconds; a probe takes 5-15 s
-RESERVE_MB = 2048  # the region a probe without a limit reserves first (above every peak)
+RESERVE_MB = 2048  # the CPU's one region where a probe has no limit (above every peak)
+# Adam's epsilon: above the float32 noise of a near-zero gradient, which the default's
+# 1e-7 turns into a step (g / (|g| + epsilon)). A window sums the gradient in another
+# order than the direct batch: on one machine (AVX-512, 2026-11-26) the paths' weights
+# were 1.2e-5 off the direct batch's with 1e-7, over the suite's 1e-5 (on earlier ones,
+# under it); with 1e-5, a toy's 1.1e-5 fell to 2e-7 (tests/library/test_micro_batch).
+ADAM_EPSILON = 1e-5
 INPUT_SHAPES = {"convnet": (32, 32, 3), "mlp": (784,), "bn": (32, 32, 3)}
 CLASSES = 10
 
@@ -337,9 +344,14 @@ def _loss(reduction="sum_over_batch_size"):
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
 
 
-def _compiled(model, optimizer=None):
+def _adam(**kwargs):
+    """Keras's Adam, its epsilon ADAM_EPSILON."""
     import keras
-    model.compile(optimizer=optimizer or keras.optimizers.Adam(), loss=_loss())
+    return keras.optimizers.Adam(epsilon=ADAM_EPSILON, **kwargs)
+
+
+def _compiled(model, optimizer=None):
+    model.compile(optimizer=optimizer or _adam(), loss=_loss())
     return model
 
 
@@ -376,8 +388,7 @@ def _path_direct(model, n, b, x, y):
 
 
 def _path_keras(model, n, b, x, y):
-    import keras
-    net = _compiled(_keras_model(model), keras.optimizers.Adam(gradient_accumulation_steps=n))
+    net = _compiled(_keras_model(model), _adam(gradient_accumulation_steps=n))
     return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
@@ -412,11 +423,9 @@ def _path_window(model, n, b, x, y, parallel=1):
     # fit_accumulated(one_call=True) is WindowAccumulator(...).fit; one accumulator for
     # the warm-up and the update keeps its tracing (and grappler's constant folding, which
     # allocates on the CPU) out of the measured update.
-    import keras
-
     from gradient_averaging.tf2 import WindowAccumulator
     net = _keras_model(model)
-    accumulator = WindowAccumulator(net, keras.optimizers.Adam(), _loss(None),
+    accumulator = WindowAccumulator(net, _adam(), _loss(None),
                                     average_gradients=n, parallel_mini_batches=parallel)
     dataset = _dataset(x, y, b, n * b)
     return (functools.partial(accumulator.fit, dataset), net.weights, net.trainable_weights,
@@ -424,11 +433,9 @@ def _path_window(model, n, b, x, y, parallel=1):
 
 
 def _path_mini_batch(model, n, b, x, y):
-    import keras
-
     from gradient_averaging.tf2 import MiniBatchAccumulator
     net = _keras_model(model)
-    accumulator = MiniBatchAccumulator(net, keras.optimizers.Adam(), _loss(None))
+    accumulator = MiniBatchAccumulator(net, _adam(), _loss(None))
     dataset = _dataset(x, y, b, n * b)
 
     def update():
@@ -531,14 +538,6 @@ def _milliseconds(run):
     return 1e3 * (time.perf_counter() - start)
 
 
-def _reserve(mb):
-    """Grows the CPU's BFC allocator to one region of `mb` MiB, all of it free again (an
-    uninitialized tensor: its pages are never touched)."""
-    import tensorflow as tf
-    with tf.device("CPU:0"):
-        tf.raw_ops.Empty(shape=[mb * MIB // 4], dtype=tf.float32, init=False)
-
-
 def run_probe(spec):
     """One measurement in this process (started with probe_env's environment): the
     warm-up update, the peak's reset, the measured update; returns probe's dict."""
@@ -555,8 +554,9 @@ def run_probe(spec):
             tf.config.set_logical_device_configuration(gpus[0], [
                 tf.config.LogicalDeviceConfiguration(memory_limit=int(spec["limit_mb"]))])
         device = "GPU:0"
-    elif not spec["limit_mb"]:
-        _reserve(RESERVE_MB)
+    else:  # one region, as a GPU's memory: the limit's (less what the start holds)
+        from gradient_averaging import micro_batch
+        micro_batch.reserve_cpu_memory(None if spec["limit_mb"] else RESERVE_MB)
     phase = "warm-up"
     cut = {"micro_batch": spec["micro_batch"]} if spec.get("micro_batch") else {}
     try:

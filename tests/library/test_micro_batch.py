@@ -245,15 +245,21 @@ def test_after_an_out_of_memory_error_the_search_takes_the_largest_size_below_it
     assert sum(peak(s) is None for s in tried) <= 2, tried
 
 
+def adam():
+    """Adam whose epsilon does not turn float32's noise in a near-zero gradient into a
+    step (memory.ADAM_EPSILON): the cut sums in another order than the direct batch."""
+    return keras.optimizers.Adam(0.05, epsilon=memory.ADAM_EPSILON)
+
+
 def test_a_given_micro_batch_trains_to_the_direct_batchs_weights():
     """Keras fit and both TF2 accumulators, each batch of 37 (a prime) one update cut
     into mini-batches of 8 (4 x 8 + 5), against plain Keras on batches of 37; no
     memory is measured for a given size."""
     x, y = data()
-    reference = compiled(tiny_model(), keras.optimizers.Adam(0.05))
+    reference = compiled(tiny_model(), adam())
     fit(reference, x, y, 37)
     accumulating = compiled(keras_fit.accumulate(tiny_model(), micro_batch_size=8),
-                            keras.optimizers.Adam(0.05))
+                            adam())
     fit(accumulating, x, y, 37)
     assert accumulating.micro_batch[:3] == (8, 5, 5)
     assert_same_weights(accumulating, reference)
@@ -262,14 +268,14 @@ def test_a_given_micro_batch_trains_to_the_direct_batchs_weights():
     for one_call in (True, False):
         model = tiny_model()
         batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(37).repeat(2)
-        summary = tf2.fit_accumulated(model, batches, keras.optimizers.Adam(0.05), loss,
+        summary = tf2.fit_accumulated(model, batches, adam(), loss,
                                       micro_batch_size=8, one_call=one_call)
         assert summary.updates == int(reference.optimizer.iterations)
         assert summary.micro_batch[:3] == (8, 5, 5)
         assert_same_weights(model, reference)
     # A loop of one's own: one batch, one update, the cut passed on to the next.
     model = tiny_model()
-    accumulator = tf2.WindowAccumulator(model, keras.optimizers.Adam(0.05), loss)
+    accumulator = tf2.WindowAccumulator(model, adam(), loss)
     found = micro_batch.plan(37, 8)
     for batch in batches:
         applied, count, found = accumulator.apply_effective(batch, found)
@@ -383,6 +389,30 @@ def test_the_margin_is_larger_where_the_allocator_grows():
     assert micro_batch.MARGIN < micro_batch.GROWING_MARGIN
 
 
+RESERVED = """
+import tensorflow as tf
+from gradient_averaging import micro_batch
+micro_batch.reserve_cpu_memory()
+with tf.device("CPU:0"):  # 40 + 40 of 100 MiB
+    first, second = tf.fill([40 << 18], 1.0), tf.fill([40 << 18], 2.0)
+print(float(first[0] + second[0]), micro_batch.default_margin("CPU:0"))
+"""
+
+
+def test_a_reserved_cpu_runs_out_of_memory_at_its_limit_as_a_gpu():
+    """Grown region by region, a CPU of 100 MiB holds 2 and 64 MiB (the region for the
+    first 40 MiB tensor, the next twice the last) and cannot hold the second (the rest,
+    34 MiB, is too small: an out-of-memory error after the allocator's 10 s wait). In one
+    region it holds both, and the finder keeps MARGIN free there, not GROWING_MARGIN."""
+    done = subprocess.run([sys.executable, "-c", RESERVED], cwd=common.ROOT,
+                          env=memory.probe_env(100), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["3.0", str(micro_batch.MARGIN)]
+    with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):
+        micro_batch.reserve_cpu_memory(8)  # this process's allocator keeps none
+
+
 def test_out_of_memory_errors_are_recognized():
     assert micro_batch.is_out_of_memory(tf.errors.ResourceExhaustedError(None, None, "OOM"))
     assert micro_batch.is_out_of_memory(
@@ -453,13 +483,13 @@ def test_a_window_that_ran_out_of_memory_trains_as_if_it_never_had(monkeypatch, 
     def keras_run(size):
         model = compiled(keras_fit.accumulate(stateful_model(), micro_batch_size=size,
                                               bn_statistics="mini_batch"),
-                         keras.optimizers.Adam(0.05))
+                         adam())
         return model, fit(model, x, y, 36, epochs=1).history
 
     def tf2_run(size, one_call):
         model = stateful_model()
         accumulator = (tf2.WindowAccumulator if one_call else tf2.MiniBatchAccumulator)(
-            model, keras.optimizers.Adam(0.05), loss, bn_statistics="mini_batch")
+            model, adam(), loss, bn_statistics="mini_batch")
         summary = accumulator.fit_effective(batches, size)
         return model, accumulator.loss_totals(), summary
 
