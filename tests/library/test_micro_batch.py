@@ -410,7 +410,7 @@ def test_a_reserved_cpu_runs_out_of_memory_at_its_limit_as_a_gpu():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["3.0", str(micro_batch.MARGIN)]
     with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true"):
-        micro_batch.reserve_cpu_memory(8)  # this process's allocator keeps none
+        micro_batch.reserve_cpu_memory(8)  # this process runs without it
 
 
 def test_out_of_memory_errors_are_recognized():
