@@ -21,8 +21,8 @@ from experiment import data
 
 # Whether an error is an OOM (a GPU's cuBLAS/cuDNN allocation failure too), and the
 # environment that makes the CPU a device of limited memory: the library's.
-from gradient_averaging.micro_batch import CPU_BFC_ENV
 from gradient_averaging.micro_batch import CPU_LIMIT_ENV
+from gradient_averaging.micro_batch import cpu_runs_bfc
 from gradient_averaging.micro_batch import is_out_of_memory
 
 MAX_CHUNK = 1000  # test images per evaluation call at most: larger calls are no quicker
@@ -116,7 +116,7 @@ def _memory_known(error):
     device_name = named.group(1) if named else device()
     if device_name.startswith("CPU"):
         limit = os.environ.get(CPU_LIMIT_ENV, "")
-        if limit.isdigit() and os.environ.get(CPU_BFC_ENV, "").lower() in ("true", "1"):
+        if limit.isdigit() and cpu_runs_bfc():
             return f"device memory {int(limit)} MiB"
     stats = statistics(device_name)
     if stats is not None:

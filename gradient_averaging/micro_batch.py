@@ -225,6 +225,12 @@ def _short_name(device):
     return f"{spec.device_type}:{spec.device_index or 0}"
 
 
+def cpu_runs_bfc():
+    """Whether this process's CPU runs the BFC allocator (CPU_BFC_ENV, read by TensorFlow
+    when it starts)."""
+    return os.environ.get(CPU_BFC_ENV, "").lower() in ("true", "1")
+
+
 def device_memory(device=None):
     """The device's memory in bytes, read where TensorFlow can be told or asked it.
 
@@ -245,7 +251,7 @@ def device_memory(device=None):
     index = int(index)
     if kind == "CPU":
         limit = os.environ.get(CPU_LIMIT_ENV, "")
-        if os.environ.get(CPU_BFC_ENV, "").lower() in ("true", "1") and limit.isdigit():
+        if cpu_runs_bfc() and limit.isdigit():
             return int(limit) * MIB
         raise ValueError(
             f"the memory of {name} is not known: run the CPU as a device of M MiB with "
@@ -277,7 +283,7 @@ def reserve_cpu_memory(megabytes=None):
       ValueError: the CPU's allocator is not the BFC allocator, or no size is known.
     """
     global _cpu_reserved
-    if os.environ.get(CPU_BFC_ENV, "").lower() not in ("true", "1"):
+    if not cpu_runs_bfc():
         raise ValueError(f"the CPU's allocator grows no regions to reserve: set "
                          f"{CPU_BFC_ENV}=true before TensorFlow starts")
     if megabytes is None:
