@@ -53,7 +53,8 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
       micro_batch_size: instead of N: each batch fit is given (its batch_size, or a
         dataset's batches) is one update, its effective batch, trained as mini-batches
         of this many samples per replica, the last one shorter; "auto": the largest
-        that fits, found by fit on its first batch (micro_batch.find_micro_batch).
+        that fits, found as fit trains its first batches (micro_batch.EffectiveWindows;
+        on several replicas before, micro_batch.find_micro_batch).
       budget: with "auto", the device memory to use in bytes (None: the device's).
       margin: with "auto", the fraction of the budget kept free (None: the device's
         default, micro_batch.default_margin).
@@ -105,14 +106,17 @@ class AccumulatingModel(keras.Model):
     the train function takes it from Keras's iterator, a call cuts it, on each replica,
     into mini-batches of that size and adds them, and another applies the window. On one
     replica, a window that runs out of memory is trained again at half the micro-batch,
-    which the rest of the run keeps (micro_batch.EffectiveWindows).
+    which the rest of the run keeps, and "auto" searches for the micro-batch in the first
+    windows' own mini-batches (micro_batch.EffectiveWindows). `evaluate` (and fit's
+    validation) evaluates each batch in mini-batches of the micro-batch too.
 
     Attributes:
       model: the wrapped Keras model.
       average_gradients: N (1 where each batch is an effective batch).
       micro_batch_size: None, "auto" or B per replica, as given.
-      micro_batch: the micro_batch.MicroBatch fit cuts its batches by (found on fit's
-        first batch where "auto"; B halved where a window ran out of memory), or None.
+      micro_batch: the micro_batch.MicroBatch fit cuts its batches by (found in fit's
+        first windows where "auto"; B halved where a window ran out of memory), or None
+        (before fit, and while the search goes on).
       parallel_mini_batches: P, the mini-batches whose passes a window runs at once.
       skipped_windows: windows skipped for a non-finite loss or gradient so far.
     """
@@ -128,13 +132,17 @@ class AccumulatingModel(keras.Model):
             average_gradients, micro_batch_size)
         self.budget = micro_batch_lib.check_budget(budget)
         self.margin = micro_batch_lib.check_margin(margin)
-        self.micro_batch = None
-        self._cut_for = None  # (E, the window step) micro_batch was found for
+        self._cut = None  # the MicroBatch, or the micro_batch.Search still going
+        self._cut_for = None  # (E, the window step) _cut was made for
         self.check_finite = check_finite
         self.bn_statistics = statistics_lib.check_bn_statistics(bn_statistics)
         self._window = None  # the window_step.WindowStep, made by fit
         self._single_values = None
         self._skipped = None  # windows skipped so far, never saved
+
+    @property
+    def micro_batch(self):
+        return self._cut if isinstance(self._cut, micro_batch_lib.MicroBatch) else None
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -167,8 +175,8 @@ class AccumulatingModel(keras.Model):
 
         The arguments are Keras's; `steps_per_epoch` counts mini-batches and must be
         a multiple of N. The returned History has one entry per epoch as usual; callbacks
-        receive one batch per update. With a micro_batch_size, validation runs in
-        batches of the mini-batch unless validation_batch_size says otherwise.
+        receive one batch per update. With a micro_batch_size, validation evaluates
+        each batch in mini-batches of the micro-batch (make_test_function).
         """
         if self.micro_batch_size is not None and batch_size is not None:
             micro_batch_lib.check_effective_batch(batch_size, "batch_size")
@@ -188,9 +196,7 @@ class AccumulatingModel(keras.Model):
         _keras_src.symbolic_build(self, spec)
         self._make_window(spec)
         if self.micro_batch_size is not None:
-            self._cut_batches(windows, batch_size)
-            validation_batch_size = validation_batch_size or (
-                self.micro_batch.micro_batch_size * self.micro_batch.replicas)
+            self._cut_batches(windows)
         if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
         return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -221,32 +227,36 @@ class AccumulatingModel(keras.Model):
         self._window = window
         self.train_function = None
 
-    def _cut_batches(self, windows, batch_size):
+    def _cut_batches(self, windows):
         """Each batch an effective batch: the MicroBatch that cuts them, of fit's first
-        batch, found again where that batch's size or the window step (a new compile:
-        another optimizer) changed. The search runs while fit's input pipeline holds
-        what it holds in training (its next batches, prefetched: on the CPU, device
-        memory)."""
+        batch's size, made again where that size or the window step (a new compile:
+        another optimizer) changed. "auto" on one replica: the Search that training's
+        first windows run (micro_batch.EffectiveWindows); on several, the micro-batch
+        found before, while fit's input pipeline holds what it holds in training (its
+        next batches, prefetched: on the CPU, device memory)."""
         batches = iter(windows.get_tf_dataset())
         first = next(batches)
         samples = int(tf.shape(tf.nest.flatten(first)[0])[0])
         if self._cut_for == (samples, self._window):  # the same batch and window step
             return
-        if self.micro_batch_size == "auto":
-            self.micro_batch = micro_batch_lib.find_micro_batch(self, first, samples,
-                                                                self.budget, self.margin)
+        strategy = self.distribute_strategy
+        if self.micro_batch_size != "auto":
+            self._cut = micro_batch_lib.plan(samples, self.micro_batch_size,
+                                             strategy.num_replicas_in_sync)
+        elif strategy.num_replicas_in_sync == 1:
+            self._cut = micro_batch_lib.Search.on(strategy, samples, self.budget, self.margin)
         else:
-            self.micro_batch = micro_batch_lib.plan(
-                samples, self.micro_batch_size, self.distribute_strategy.num_replicas_in_sync)
+            self._cut = micro_batch_lib.find_micro_batch(self, first, samples, self.budget,
+                                                         self.margin)
         self._cut_for = (samples, self._window)
         self.train_function = None  # traced again, for the micro-batch
 
     def trial_window(self, spec):
         """For the micro-batch search's trials (micro_batch.find_micro_batch, which fit
-        runs): (add, the window step, the variables a trial may change). `add` is a
-        tf.function adding one mini-batch shaped like `spec` (Keras's (x, y[,
-        sample_weight]), any number of samples: traced once) to the open window, the
-        same samples on every replica, by the pass fit's train function runs."""
+        runs on several replicas): (add, the window step, the variables a trial may
+        change). `add` is a tf.function adding one mini-batch shaped like `spec` (Keras's
+        (x, y[, sample_weight]), any number of samples: traced once) to the open window,
+        the same samples on every replica, by the pass fit's train function runs."""
         self.make_train_function()
         signature = tf.nest.map_structure(
             lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), spec)
@@ -372,10 +382,47 @@ class AccumulatingModel(keras.Model):
                 traced.update(spec=spec, windows=micro_batch_lib.EffectiveWindows(
                     tf.function(add, input_signature=signature), window, state))
             windows = traced["windows"]
-            _, self.micro_batch = windows.add(next(iterator), self.micro_batch)
-            return windows.apply(apply)
+            _, self._cut = windows.add(next(iterator), self._cut)
+            logs, self._cut = windows.apply(apply, self._cut)
+            return logs
 
         return train_function
+
+    def make_test_function(self, force=False):
+        """Keras's test function; with a micro_batch_size, one that evaluates each batch
+        in mini-batches of the micro-batch training uses (the largest that fit so far
+        while it is searched for; the whole batch before fit knows one), so that
+        evaluation fits where training does. The metrics are Keras's, over the batch."""
+        if self.micro_batch_size is None:
+            return super().make_test_function(force)
+        if self.test_function is not None and not force:
+            return self.test_function
+        strategy = self.distribute_strategy
+
+        def replica_test(data, size):
+            return window_lib.cut(data, size,
+                                  lambda group: tf.nest.flatten(self.test_step(group[0])))
+
+        @tf.function(reduce_retracing=True)
+        def test_batch(data, size):
+            strategy.run(replica_test, args=(data, size))
+            return self.get_metrics_result()
+
+        def test_function(iterator):
+            return test_batch(next(iterator), tf.constant(self._evaluated_by(), tf.int32))
+
+        self.test_function = test_function
+        return test_function
+
+    def _evaluated_by(self):
+        """The mini-batch evaluation cuts a batch into, per replica."""
+        if isinstance(self._cut, micro_batch_lib.MicroBatch):
+            return self._cut.micro_batch_size
+        if isinstance(self._cut, micro_batch_lib.Search) and self._cut.largest:
+            return self._cut.largest
+        if isinstance(self.micro_batch_size, int):
+            return self.micro_batch_size
+        return tf.int32.max
 
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
                          n_local):

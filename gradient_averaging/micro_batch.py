@@ -20,10 +20,15 @@ what a trial does not see (an allocator's fragmentation over a long run; a batch
 input pipeline prefetches later): 10% of it, or 25% where the allocator grows by regions
 (default_margin; reserve_cpu_memory makes the CPU's one region, as a GPU's).
 
-Trials leave the model as they found it: no trial is applied (the window is discarded),
-and every variable a trial may change (the weights and the optimizer's for the measured
-update, the model's other state: batch-norm statistics, seed generators; metrics) is
-copied to the host first and assigned back after, bit for bit.
+In training (EffectiveWindows, on one replica) the trials are the first windows' own
+mini-batches, each of the size the search asks for, and their updates are measured: the
+update does not depend on how a window is cut, so the search trains as training would,
+and nothing is copied, discarded or trained twice. find_micro_batch's trials (a loop of
+one's own, the command line, several replicas) leave the model as they found it: no
+trial is applied (the window is discarded), and every variable a trial may change (the
+weights and the optimizer's for the measured update, the model's other state:
+batch-norm statistics, seed generators; metrics) is copied to the host first and
+assigned back after, bit for bit.
 
 Under a tf.distribute strategy B is the micro-batch of each replica: a mini-batch holds
 B samples per replica, K x B in all.
@@ -73,15 +78,17 @@ MOST_TRIALS = 20
 class MicroBatch(collections.namedtuple(
         "MicroBatch", ["micro_batch_size", "average_gradients", "last", "effective_batch",
                        "replicas", "peak", "update_peak", "budget", "margin", "trials",
-                       "traces", "seconds", "out_of_memory"],
-        defaults=(1, None, None, None, None, (), None, None, ()))):
+                       "traces", "seconds", "out_of_memory", "windows"],
+        defaults=(1, None, None, None, None, (), None, None, (), 0))):
     """How an effective batch is cut: B (`micro_batch_size`, per replica), N
     (`average_gradients`) and the last mini-batch's samples (`last`, all replicas'), for
     E (`effective_batch`) on `replicas` replicas. Where B was found: the peak at the B
     found and the update's (bytes), the budget and margin it was found under, the trials
     as (size, peak bytes or None where it ran out of memory), the trial pass's traces and
-    the search's seconds. `out_of_memory`: the micro-batches that ran out of memory in
-    training, each then halved (EffectiveWindows). Its str is describe's line."""
+    the search's seconds; `windows`: where the trials were the first windows' own
+    mini-batches (EffectiveWindows), those windows (their training is in the seconds),
+    else 0. `out_of_memory`: the micro-batches that ran out of memory in training, each
+    then halved (EffectiveWindows). Its str is describe's line."""
 
     __slots__ = ()
 
@@ -199,9 +206,11 @@ def describe(found):
     why = ("the whole effective batch fits" if mini_batch >= found.effective_batch
            else f"largest mini-batch that fits: {found.micro_batch_size}"
            + (" per replica" if found.replicas > 1 else ""))
+    trials = f"{len(found.trials)} trials"
+    if found.windows:
+        trials += f" in the first {found.windows} update" + ("s" if found.windows > 1 else "")
     return (f"{line}; {why} (peak {found.peak / MIB:.1f} of {found.budget / MIB:.1f} MiB, "
-            f"{found.margin:.0%} kept free; {len(found.trials)} trials, "
-            f"{found.seconds:.1f} s)")
+            f"{found.margin:.0%} kept free; {trials}, {found.seconds:.1f} s)")
 
 
 # ---------------------------------------------------------------- the device
@@ -395,17 +404,8 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
                                  sample)
     add, window, state = trainer.trial_window(spec)
     strategy = window.strategy
-    if _workers(strategy) > 1:
-        raise ValueError(
-            "micro_batch_size='auto' under a strategy of several workers: each would find "
-            "its own, where all must cut a batch alike (and a trial that runs out of "
-            "memory aborts the collectives); give micro_batch_size as an int")
     replicas = strategy.num_replicas_in_sync
-    devices = devices_of(strategy)
-    check_statistics(devices)
-    budget = check_budget(budget) or min(device_memory(d) for d in devices)
-    if margin is None:
-        margin = max(default_margin(d) for d in devices)
+    devices, budget, margin = _measured_on(strategy, budget, margin)
     held = _sized(sample, effective_batch)  # one effective batch, as training holds it
     trials = _Trials(add, window, state, held, devices)
     try:
@@ -419,6 +419,107 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
                  seconds=time.perf_counter() - start)
     logging.info("%s", describe(found))
     return found
+
+
+def _measured_on(strategy, budget, margin):
+    """(the devices the search measures, its budget, its margin) under `strategy`,
+    checked: one worker, allocators that keep statistics, a budget known or given."""
+    if _workers(strategy) > 1:
+        raise ValueError(
+            "micro_batch_size='auto' under a strategy of several workers: each would find "
+            "its own, where all must cut a batch alike (and a trial that runs out of "
+            "memory aborts the collectives); give micro_batch_size as an int")
+    devices = devices_of(strategy)
+    check_statistics(devices)
+    budget = check_budget(budget) or min(device_memory(d) for d in devices)
+    if margin is None:
+        margin = max(default_margin(d) for d in devices)
+    return devices, budget, check_margin(margin)
+
+
+class Search:
+    """The search's sizes and peaks, on any trials: which size to try next, until the
+    largest size whose peak fits in the budget less its margin is known (_guess says
+    how). Training's first windows run it (EffectiveWindows: each trial one of their
+    mini-batches), and so does find_micro_batch (largest_that_fits: each trial added
+    to a window then discarded).
+
+    Attributes:
+      trials: (size, peak bytes or None where it ran out of memory) per trial.
+      update_peak: the largest peak of the updates measured, or None.
+      windows, seconds: the windows whose mini-batches were trials, and the seconds
+        since the first trial (EffectiveWindows').
+    """
+
+    def __init__(self, effective_batch, budget, margin, replicas=1, devices=None):
+        self.effective_batch, self.replicas = effective_batch, replicas
+        self.most = math.ceil(effective_batch / replicas)
+        self.budget, self.margin, self.devices = budget, margin, devices
+        self.limit = budget * (1 - margin)
+        self.fits, self.over, self.trials = {}, {}, []
+        self.update_peak, self.windows, self.start = None, 0, None
+
+    @classmethod
+    def on(cls, strategy, effective_batch, budget=None, margin=None):
+        """The search for E on `strategy`'s devices: its budget (None: the device's
+        memory) and margin (None: default_margin) checked, as find_micro_batch's."""
+        effective_batch = check_effective_batch(effective_batch)
+        margin = check_margin(margin)
+        devices, budget, margin = _measured_on(strategy, budget, margin)
+        return cls(effective_batch, budget, margin, strategy.num_replicas_in_sync, devices)
+
+    @property
+    def largest(self):
+        """The largest size that fit (0 before any did)."""
+        return max(self.fits, default=0)
+
+    def next_size(self):
+        """The next size to try, or None where the search is done: the sizes either side
+        of the limit close enough, or MOST_TRIALS tried."""
+        if not self.fits:
+            return 1
+        largest, too_large = self.largest, min(self.over, default=self.most + 1)
+        # Near an out-of-memory error, more trials risk more of them (and their waits):
+        # within 25% of the largest size that fits, that one is taken.
+        near = OOM_NEAR if self.over.get(too_large, 0) is None else TOLERANCE
+        if too_large - largest <= max(1, near * largest) or len(self.trials) >= MOST_TRIALS:
+            return None
+        return _guess(self.fits, self.over, self.most, self.limit)
+
+    def record(self, size, peak):
+        """A trial's peak (None where it ran out of memory).
+
+        Raises:
+          NothingFits: one sample does not fit.
+        """
+        self.trials.append((size, peak))
+        if peak is not None and peak <= self.limit:
+            self.fits[size] = peak
+        else:
+            self.over[size] = peak
+        if size == 1 and not self.fits:
+            raise NothingFits(_nothing_fits("a mini-batch of one sample", peak, self.budget,
+                                            self.margin))
+
+    def record_update(self, peak):
+        """An update's peak (None where it ran out of memory).
+
+        Raises:
+          NothingFits: the update does not fit.
+        """
+        if peak is None or peak > self.limit:
+            raise NothingFits(_nothing_fits("the update (the optimizer's apply)", peak,
+                                            self.budget, self.margin))
+        self.update_peak = max(peak, self.update_peak or 0)
+
+    def found(self, traces=None):
+        """The MicroBatch of the largest size that fit."""
+        size = self.largest
+        return plan(self.effective_batch, size, self.replicas,
+                    peak=max(self.fits[size], self.update_peak or 0),
+                    update_peak=self.update_peak, budget=self.budget, margin=self.margin,
+                    trials=tuple(self.trials), traces=traces, windows=self.windows,
+                    seconds=time.perf_counter() - self.start if self.start else None)
 
 
 def largest_that_fits(peak_at, update, most, budget, margin):
@@ -492,23 +593,11 @@ def _nothing_fits(what, peak, budget, margin):
 def _search(peak_at, most, limit, one):
     """The largest size in [1, most] whose peak_at(size) (bytes, None where it ran out
     of memory) is at most `limit`, and its peak; `one`, the peak at 1, fits."""
-    fits, over = {1: one}, {}  # size -> peak; over: None where it ran out of memory
-    size = min(most, 2)
-    while size > 1 and len(fits) + len(over) < MOST_TRIALS:
-        peak = peak_at(size)
-        if peak is not None and peak <= limit:
-            fits[size] = peak
-        else:
-            over[size] = peak
-        largest, too_large = max(fits), min(over, default=most + 1)
-        # Near an out-of-memory error, more trials risk more of them (and their waits):
-        # within 25% of the largest size that fits, that one is taken.
-        near = OOM_NEAR if over.get(too_large, 0) is None else TOLERANCE
-        if too_large - largest <= max(1, near * largest):
-            break
-        size = _guess(fits, over, most, limit)
-    largest = max(fits)
-    return largest, fits[largest]
+    search = Search(most, limit, 0.0)
+    search.record(1, one)
+    while (size := search.next_size()) is not None:
+        search.record(size, peak_at(size))
+    return search.largest, search.fits[search.largest]
 
 
 def _guess(fits, over, most, limit):
@@ -614,7 +703,7 @@ class _Trials:
 class EffectiveWindows:
     """Each effective batch added to the open window as mini-batches of B (every path's
     micro-batch training: Keras fit's and the TF2 accumulators'), tried again at half B
-    where it runs out of memory.
+    where it runs out of memory; while B is searched for, as the search's trials.
 
     The update does not depend on how a window is cut, so on one replica a window whose
     mini-batch runs out of memory (a batch of longer sequences than the search saw,
@@ -625,6 +714,13 @@ class EffectiveWindows:
     optimizer's variables change only in the update, which is not tried again: an
     out-of-memory error there, or under several replicas (where it aborts the
     collectives), stops training with one line (OutOfMemory).
+
+    For the same reason the search for B (a Search, on one replica) costs next to no
+    training: its trials are the first windows' own mini-batches, each of the size the
+    search asks for, its peak measured, and each window's update measured too; where the
+    search is done, the rest of the window is added at the largest size that fit. Nothing
+    is copied or thrown away but after an out-of-memory error (the window is trained
+    again, from its first sample), and the window's mean is still the direct batch's.
     """
 
     def __init__(self, add, window, state):
@@ -650,11 +746,12 @@ class EffectiveWindows:
             return [tf.identity(v) for v in self.state]
 
     def add(self, batch, found):
-        """Adds `batch` to the open window as mini-batches of found's B.
+        """Adds `batch` to the open window as mini-batches of found's B, or, where
+        `found` is a Search still going, as its trials.
 
         Returns:
           (the mini-batches added, the MicroBatch that cut them: `found`, or found with B
-          halved, once or more, where a mini-batch ran out of memory).
+          halved, once or more, where a mini-batch ran out of memory; or the Search).
 
         Raises:
           NothingFits: a mini-batch of one sample ran out of memory.
@@ -671,36 +768,109 @@ class EffectiveWindows:
                 f"{found.replicas} replicas: not tried again (an out-of-memory error aborts "
                 "the replicas' collectives); give a smaller micro_batch_size")
         saved = [np.array(value, copy=True) for value in self._read()]
+        if isinstance(found, Search):
+            count = self._trials(batch, found, saved)
+            if count is not None:
+                return count, found
+            # The rest of the window ran out of memory at the largest size that fit.
+            found = _halved(found.found(), batch)
         while True:
             try:
                 return self._added(batch, found), found
             except DEVICE_ERRORS as error:
                 if not is_out_of_memory(error):
                     raise
-            self._discard()
-            with self.window.strategy.scope():
-                for variable, value in zip(self.state, saved):
-                    variable.assign(value)
+            self._restore(saved)
             found = _halved(found, batch)
 
-    def _added(self, batch, found):
-        return int(self._add(batch, tf.constant(found.micro_batch_size, tf.int32)))
+    def _restore(self, saved):
+        """Discards the open window, and assigns the state its saved values back."""
+        self._discard()
+        with self.window.strategy.scope():
+            for variable, value in zip(self.state, saved):
+                variable.assign(value)
 
-    def apply(self, apply):
-        """Runs `apply` (the window's update) and returns what it returns.
+    def _trials(self, batch, search, saved):
+        """Adds `batch` as the search's trials, each a mini-batch of the size it asks for
+        (of the samples left, where fewer are), its peak measured; the rest, once it is
+        done, at the largest size that fit. Returns the mini-batches added, or None where
+        the rest ran out of memory (the window discarded, the state put back)."""
+        samples = int(tf.shape(tf.nest.flatten(batch)[0])[0])
+        search.windows += 1
+        search.start = search.start or time.perf_counter()
+        offset, count = 0, 0
+        while offset < samples:
+            size = search.next_size()
+            take = min(size or 0, samples - offset)
+            if take <= search.largest:  # done, or the samples left fit: the rest at once
+                try:
+                    return count + self._added(_part(batch, offset, samples), search.largest)
+                except DEVICE_ERRORS as error:
+                    if not is_out_of_memory(error):
+                        raise
+                self._restore(saved)
+                return None
+            added, peak = self._measured(_part(batch, offset, offset + take), take, search)
+            if peak is None:  # the window again from its first sample, at sizes that fit
+                self._restore(saved)
+                offset, count = 0, 0
+            try:
+                search.record(take, peak)
+            except NothingFits:
+                self._restore(saved)
+                raise
+            if peak is not None:
+                offset, count = offset + take, count + added
+        return count
+
+    def _measured(self, batch, size, search):
+        """(the mini-batches added, the peak: None where it ran out of memory) of adding
+        `batch` as mini-batches of `size`, on the search's devices."""
+        added = []
+        peak = measured_peak(lambda: added.append(self._added(batch, size)),
+                             search.devices or devices_of(self.window.strategy))
+        return (added or [0])[0], peak
+
+    def _added(self, batch, found):
+        size = found if isinstance(found, int) else found.micro_batch_size
+        return int(self._add(batch, tf.constant(size, tf.int32)))
+
+    def apply(self, apply, found=None):
+        """Runs `apply` (the window's update); where `found` is a Search, its peak is
+        measured, and the search's MicroBatch made once it is done.
+
+        Returns:
+          (what `apply` returns, `found`: a Search still going, or the MicroBatch made).
 
         Raises:
           OutOfMemory: it ran out of memory: weights and optimizer may be partly updated.
+          NothingFits: the update's peak is over the search's budget less its margin.
         """
         try:
-            return apply()
+            if not isinstance(found, Search):
+                return apply(), found
+            result = []
+            found.record_update(measured_peak(lambda: result.append(apply()), found.devices
+                                              or devices_of(self.window.strategy)))
         except DEVICE_ERRORS as error:
             if not is_out_of_memory(error):
                 raise
-        raise OutOfMemory(
-            "out of memory in a window's update (the optimizer's apply), which does not "
-            "depend on the micro-batch: not tried again; the weights and the optimizer "
-            "may be partly updated (not saved by this package): free the device's memory")
+            raise OutOfMemory(
+                "out of memory in a window's update (the optimizer's apply), which does not "
+                "depend on the micro-batch: not tried again; the weights and the optimizer "
+                "may be partly updated (not saved by this package): free the device's "
+                "memory") from None
+        if found.next_size() is not None:
+            return result[0], found
+        traces = getattr(self._add, "experimental_get_tracing_count", None)
+        done = found.found(traces() if traces else None)
+        logging.info("%s", describe(done))
+        return result[0], done
+
+
+def _part(batch, start, stop):
+    """Samples start..stop of each tensor of `batch`."""
+    return tf.nest.map_structure(lambda t: t[start:stop], batch)
 
 
 def _halved(found, batch):

@@ -264,16 +264,18 @@ class _Accumulator:
           dataset: a tf.data.Dataset or an iterable of (x, y) batches, each one update;
             batches whose shapes differ beyond their samples (sequences padded per
             batch) in a tf.data.Dataset, whose element spec says where.
-          micro_batch_size: B per replica, or "auto": the largest that fits, found on the
-            first batch (micro_batch.find_micro_batch, E its samples), within `budget`
-            bytes (None: the device's memory) less `margin` (None: the device's default,
-            micro_batch.default_margin).
+          micro_batch_size: B per replica, or "auto": the largest that fits, E the first
+            batch's samples, within `budget` bytes (None: the device's memory) less
+            `margin` (None: the device's default, micro_batch.default_margin): searched
+            for in the first batches' own mini-batches on one replica
+            (micro_batch.EffectiveWindows), found before on several
+            (micro_batch.find_micro_batch).
           callback: called as callback(mini_batch) for each mini-batch (1-based), after
             its update.
 
         Returns:
-          FitSummary; its micro_batch is the MicroBatch found for the first batch, B
-          halved where a window ran out of memory.
+          FitSummary; its micro_batch is the MicroBatch found (None where the batches
+          ended before the search did), B halved where a window ran out of memory.
 
         Raises:
           micro_batch.OutOfMemory: the device ran out of memory in an update, or under
@@ -289,9 +291,13 @@ class _Accumulator:
             return counts.summary(False, False)
         first = tuple(first)
         samples = int(tf.shape(tf.nest.flatten(first)[0])[0])
-        found = (micro_batch_lib.find_micro_batch(self, first, samples, budget, margin)
-                 if size == "auto"
-                 else micro_batch_lib.plan(samples, size, self.strategy.num_replicas_in_sync))
+        replicas = self.strategy.num_replicas_in_sync
+        if size != "auto":
+            found = micro_batch_lib.plan(samples, size, replicas)
+        elif replicas == 1:
+            found = micro_batch_lib.Search.on(self.strategy, samples, budget, margin)
+        else:
+            found = micro_batch_lib.find_micro_batch(self, first, samples, budget, margin)
         # A dataset's batches may differ in more than their samples (sequences padded
         # per batch): its element spec says in which axes.
         spec = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else None
@@ -303,6 +309,8 @@ class _Accumulator:
                 for mini_batch in range(counts.mini_batches - count + 1,
                                         counts.mini_batches + 1):
                     callback(mini_batch)
+        if isinstance(found, micro_batch_lib.Search):
+            found = None
         return counts.summary(False, applied)._replace(micro_batch=found)
 
     def apply_effective(self, batch, found, spec=None):
@@ -312,14 +320,16 @@ class _Accumulator:
         out of memory is trained again at half B (micro_batch.EffectiveWindows).
 
         Args:
-          found: a micro_batch.MicroBatch: micro_batch.plan's or find_micro_batch's.
+          found: a micro_batch.MicroBatch (micro_batch.plan's or find_micro_batch's), or
+            a micro_batch.Search still going (its trials this batch's mini-batches).
           spec: where batches differ beyond their samples (sequences padded per batch),
             a structure of TensorSpecs that says in which axes (a tf.data element spec);
             None: shaped like `batch`. One trace per spec, for any samples and any B.
 
         Returns:
           (applied: False where the window was skipped (check_finite), the mini-batches
-          trained, `found` with B halved where a mini-batch ran out of memory).
+          trained, `found` with B halved where a mini-batch ran out of memory, or the
+          Search, or the MicroBatch it found once done).
 
         Raises:
           micro_batch.OutOfMemory: the device ran out of memory in the update, or under
@@ -334,7 +344,7 @@ class _Accumulator:
                 self._effective_add(signature), self.step, self._pass_state())
         windows = self._effective_windows[key]
         count, found = windows.add(tuple(batch), found)
-        applied, single = windows.apply(self.apply_step)
+        (applied, single), found = windows.apply(self.apply_step, found)
         return self._counted(bool(applied), single.numpy()), count, found
 
     def loss_totals(self):

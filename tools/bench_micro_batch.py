@@ -64,7 +64,9 @@ class MicroBatch(Section):
             return dict(row, error=given["error"])
         found_ms = (found if given["oom"] else given)["update_ms"]
         row.update(found=lo, given="OOM" if given["oom"] else "fits",
-                   search_s=found["search_s"], search_trials=len(found["trials"]),
+                   search_s=search_seconds(found, found_ms),
+                   search_windows=found.get("search_windows", 0),
+                   search_trials=len(found["trials"]),
                    found_ms=found_ms, largest_ms=found_ms,
                    epoch_s=math.ceil(EPOCH / effective) * found_ms / 1e3)
         # B = E holds the direct batch's activations and the accumulators: where the
@@ -104,15 +106,19 @@ class MicroBatch(Section):
             rows.append([r["model"], r["effective"], r["limit_mb"], r["direct"],
                          f"{r['found']} ({r['given']})", f"{r['largest']}{over}",
                          f"{r['found'] / r['largest']:.2f}",
-                         f"{r['search_s']:.1f} ({r['search_trials']})", f"{r['epoch_s']:.0f}",
+                         f"{r['search_s']:.1f} ({r['search_trials']}, "
+                         f"{r.get('search_windows', 0)})", f"{r['epoch_s']:.0f}",
                          f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
                          f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"])
         return [f"## {self.title}", "",
                 "Each update is one effective batch of E samples under a CPU device of the "
                 "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
                 "process each). `B found`: the micro-batch `accumulate(model, "
-                "micro_batch_size=\"auto\")` finds on fit's first batch, with the default "
-                "margin, and in brackets whether a fresh process given that B fits; `largest "
+                "micro_batch_size=\"auto\")` finds in fit's first windows, with the default "
+                "margin, and in brackets whether a fresh process given that B fits; `search "
+                "s`: the seconds the search added to training (its windows' seconds, whose "
+                "mini-batches were its trials, less as many updates at the B found), its "
+                "trials and windows in brackets; `largest "
                 "B`: the largest B whose fit of E runs two updates without an OOM (training "
                 "that halved B after one counts as one), by "
                 f"bisection up from the found B to {TOLERANCE:.0%} of it (one fresh process "
@@ -127,9 +133,17 @@ class MicroBatch(Section):
                 "so that the finder's margin needs a limit the direct batch fits in), a row "
                 "measures what that margin costs.", "",
                 *table(["model", "E", "limit MiB", "direct batch", "B found (fresh)",
-                        "largest B", "found / largest", "search s (trials)", "epoch s",
+                        "largest B", "found / largest", "search s (trials, windows)",
+                        "epoch s",
                         "search / epoch", "ms per update at found", "at largest",
                         "found / largest"], rows)]
+
+
+def search_seconds(found, found_ms):
+    """The seconds the search added to training: where its trials were the first windows'
+    own mini-batches, their seconds less as many updates at the B found (the fastest
+    update of a fresh process: so the traces that any first update pays count in)."""
+    return found["search_s"] - found.get("search_windows", 0) * found_ms / 1e3
 
 
 def _where(row):

@@ -61,6 +61,7 @@ TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
 MARGIN, MARGIN_MIN_MB = 0.05, 4.0
 PROBE_TIMEOUT = 600  # seconds; a probe takes 5-15 s
 RESERVE_MB = 2048  # the CPU's one region where a probe has no limit (above every peak)
+SEARCH_WINDOWS = 40  # the most windows the accumulate path's warm-up trains while it searches
 # Adam's epsilon: above the float32 noise of a near-zero gradient, which the default's
 # 1e-7 turns into a step (g / (|g| + epsilon)). A window sums the gradient in another
 # order than the direct batch: on one machine (AVX-512, 2026-11-26) the paths' weights
@@ -401,15 +402,26 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1):
                      n * b), net.weights,
                 net.trainable_weights, _values(net.trainable_weights))
     cut = _compiled(accumulate(net, micro_batch_size=micro_batch))
+    update = _fit(cut, x, y, n * b, n * b)
+
+    def one_update():
+        # "auto" searches in the first windows: the warm-up (the first call) trains until
+        # it is done, so that the update measured is one at the B found.
+        for _ in range(1 if cut.micro_batch else SEARCH_WINDOWS):
+            update()
+            if cut.micro_batch is not None:
+                return
+        raise RuntimeError(f"the micro-batch search took more than {SEARCH_WINDOWS} windows")
 
     def found():  # the micro-batch fit cut the effective batch by, and its search
         m = cut.micro_batch
         return dict(micro_batch_size=m.micro_batch_size, search_s=m.seconds,
+                    search_windows=m.windows,
                     trials=[(size, peak and peak / MIB) for size, peak in m.trials],
                     halved=list(m.out_of_memory))
 
-    return (_fit(cut, x, y, n * b, n * b), net.weights, net.trainable_weights,
-            _values(net.trainable_weights), found)
+    return (one_update, net.weights, net.trainable_weights, _values(net.trainable_weights),
+            found)
 
 
 def _dataset(x, y, b, samples):

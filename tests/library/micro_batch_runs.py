@@ -12,8 +12,12 @@ OOM comes from a matmul: Dense layers on every step of a sequence, so a mini-bat
 peak grows with its samples while the weights stay small.
 
 The sequence runs train on token sequences padded per batch: the micro-batch is found on
-a first batch of short ones; the later batches are twice as long, so its mini-batches run
-out of memory there, and the window is trained again at half the micro-batch.
+the first batches, of short ones; the later batches are twice as long, so its mini-batches
+run out of memory there, and the window is trained again at half the micro-batch.
+
+On one replica the search's trials are the first windows' own mini-batches: the runs that
+find a micro-batch train for as many windows as it needs (EPOCHS of the data; the
+sequences' SHORT batches), and so do their references.
 """
 
 import argparse
@@ -25,13 +29,16 @@ import time
 STEPS, FEATURES, UNITS, CLASSES = 64, 64, 512, 10
 E = 211  # prime: no micro-batch but 1 and E divides it
 SAMPLES = E + 52  # two updates an epoch: a whole effective batch and a short one
+EPOCHS = 4  # of the runs that search on one replica: the search's windows, and more
 SMALL_E = 24  # the effective batch of the searches that check the state they leave
 # Keras builds a model under a strategy from its first batch, which must split evenly
-# across the replicas: two replicas' effective batch is 2 x 53, 53 a prime.
-MIRRORED_E = 106
-# Token sequences: the effective batches' samples and padded lengths (the first, which
-# the search sees, half as long as the others).
-SEQUENCE_BATCHES = ((E, STEPS), (E, 2 * STEPS), (SAMPLES - E, 2 * STEPS))
+# across the replicas: two replicas' effective batch is 2 x 89, 89 a prime (a replica's
+# share well over what it fits, whatever the runs before left in use).
+MIRRORED_E = 178
+# Token sequences: the effective batches' samples and padded lengths (the first SHORT,
+# which the search trains on, half as long as the others).
+SHORT = 6
+SEQUENCE_BATCHES = ((E, STEPS),) * SHORT + ((E, 2 * STEPS), (SAMPLES - E, 2 * STEPS))
 VOCABULARY = 500
 # The search's budget there, under the limit: it finds the micro-batch from below, without
 # an out-of-memory error (each costs the allocator's 10 s wait), and the device runs out
@@ -104,9 +111,18 @@ def loss(reduction="sum_over_batch_size"):
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
 
 
-def compiled(net, optimizer=None):
+def adam():
+    """Adam with the exactness comparisons' epsilon (tools.memory.ADAM_EPSILON): the
+    default's turns float32's summation-order noise into steps where a gradient is near
+    zero, and these runs compare several updates."""
     import keras
-    net.compile(optimizer=optimizer or keras.optimizers.Adam(1e-3), loss=loss())
+
+    from tools import memory
+    return keras.optimizers.Adam(1e-3, epsilon=memory.ADAM_EPSILON)
+
+
+def compiled(net, optimizer=None):
+    net.compile(optimizer=optimizer or adam(), loss=loss())
     return net
 
 
@@ -137,16 +153,20 @@ def unchanged(before, variables):
     return all(np.array_equal(a, v.numpy()) for a, v in zip(before, variables, strict=True))
 
 
-def direct(out, effective_batch, name):
+def direct(out, effective_batch, name, epochs=1):
     """Keras fit on batches of E, without a limit: the reference weights, and the peak
     that shows it cannot fit under the limit."""
     import tensorflow as tf
     x, y = data()
     net = compiled(model())
     tf.config.experimental.reset_memory_stats("CPU:0")
-    net.fit(x, y, batch_size=effective_batch, shuffle=False, verbose=0)
+    net.fit(x, y, batch_size=effective_batch, epochs=epochs, shuffle=False, verbose=0)
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     save(out, name, net.trainable_variables)
-    return {"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    loss = net.evaluate(x, y, batch_size=effective_batch, verbose=0)
+    return {"peak": peak, "evaluate_loss": loss,
+            "evaluate_peak": tf.config.experimental.get_memory_info("CPU:0")["peak"]}
 
 
 def direct_sequences(out):
@@ -216,25 +236,30 @@ def keras_auto(out):
     x, y = data()
     net = model()
     accumulating = compiled(keras_fit.accumulate(net, micro_batch_size="auto"))
-    accumulating.fit(x, y, batch_size=E, shuffle=False, verbose=0)
+    accumulating.fit(x, y, batch_size=E, epochs=EPOCHS, shuffle=False, verbose=0)
     save(out, "keras", net.trainable_variables)
+    # Evaluated in batches of E, each cut into mini-batches of the micro-batch.
     return {"found": found(accumulating.micro_batch),
-            "updates": int(accumulating.optimizer.iterations)}
+            "updates": int(accumulating.optimizer.iterations),
+            "evaluate_loss": accumulating.evaluate(x, y, batch_size=E, verbose=0)}
 
 
 def tf2_auto(out):
-    import keras
+    """fit_accumulated with "auto" for all epochs but the last, which it trains given the
+    micro-batch found (a plan: each batch cut as that B cuts it)."""
     import tensorflow as tf
 
     from gradient_averaging import tf2
     x, y = data()
-    net = model()
-    summary = tf2.fit_accumulated(
-        net, tf.data.Dataset.from_tensor_slices((x, y)).batch(E), keras.optimizers.Adam(1e-3),
-        loss(None), micro_batch_size="auto")
+    net, optimizer = model(), adam()
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(E)
+    summary = tf2.fit_accumulated(net, batches.repeat(EPOCHS - 1), optimizer, loss(None),
+                                  micro_batch_size="auto")
+    last = tf2.fit_accumulated(net, batches, optimizer, loss(None),
+                               micro_batch_size=summary.micro_batch.micro_batch_size)
     save(out, "tf2", net.trainable_variables)
-    return {"found": found(summary.micro_batch), "updates": summary.updates,
-            "mini_batches": summary.mini_batches}
+    return {"found": found(summary.micro_batch),
+            "updates": summary.updates + last.updates, "last_mini_batches": last.mini_batches}
 
 
 def trials_leave_the_state():
@@ -302,7 +327,7 @@ def main():
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if not args.limit_mb:
-        results = {"direct": direct(args.out, E, "direct"),
+        results = {"direct": direct(args.out, E, "direct", EPOCHS),
                    "direct_mirrored": direct(args.out, MIRRORED_E, "direct_mirrored")}
         direct_sequences(args.out)
         print(json.dumps(results))
@@ -316,11 +341,12 @@ def main():
     # and the later runs leave some of their inputs in use (the sequences are small).
     runs = {"keras_sequences": lambda: out_of_memory_said(lambda: keras_sequences(args.out)),
             "tf2_sequences": lambda: out_of_memory_said(lambda: tf2_sequences(args.out)),
+            "mirrored": lambda: mirrored(args.out, two),
             "keras": lambda: keras_auto(args.out), "tf2": lambda: tf2_auto(args.out),
-            "trials": trials_leave_the_state, "mirrored": lambda: mirrored(args.out, two),
-            "nothing_fits": nothing_fits}
-    results, seconds = {}, {}
+            "trials": trials_leave_the_state, "nothing_fits": nothing_fits}
+    results, seconds, in_use = {}, {}, {}
     for name, run in runs.items():
+        in_use[name] = tf.config.experimental.get_memory_info("CPU:0")["current"] / (1 << 20)
         start = time.process_time()
         results[name] = run()
         # Most of what a run made goes (a few MiB of each model stay in Keras's and
@@ -328,7 +354,7 @@ def main():
         keras.backend.clear_session()
         gc.collect()
         seconds[name] = time.process_time() - start
-    print(json.dumps(dict(results, cpu_seconds=seconds)))
+    print(json.dumps(dict(results, cpu_seconds=seconds, in_use_mb=in_use)))
 
 
 if __name__ == "__main__":

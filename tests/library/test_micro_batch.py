@@ -106,8 +106,20 @@ def test_keras_fit_trains_each_batch_as_micro_batches_that_fit(runs):
     result = limited["keras"]
     assert_found(result["found"], runs_lib.E)
     assert runs_lib.E % result["found"]["micro_batch_size"]  # a short last mini-batch
-    assert result["updates"] == 2  # one per batch: E, then the epoch's last 52
+    # One per batch: E, then the epoch's last 52; the search's windows among them.
+    assert result["updates"] == 2 * runs_lib.EPOCHS
+    assert 1 <= result["found"]["windows"] < 2 * runs_lib.EPOCHS
     assert_direct_weights(out, "keras")
+
+
+@pytest.mark.slow
+def test_keras_evaluates_where_it_trains(runs):
+    """evaluate at batch E, which Keras alone runs as one batch over the limit, cut into
+    mini-batches of the micro-batch: it fits, to the direct model's loss."""
+    limited, reference, _ = runs
+    assert reference["direct"]["evaluate_peak"] > LIMIT_MB * MIB, reference
+    np.testing.assert_allclose(limited["keras"]["evaluate_loss"],
+                               reference["direct"]["evaluate_loss"], rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -116,8 +128,10 @@ def test_fit_accumulated_trains_each_batch_as_micro_batches_that_fit(runs):
     result = limited["tf2"]
     found = result["found"]
     assert_found(found, runs_lib.E)
-    assert result["updates"] == 2
-    assert result["mini_batches"] == found["average_gradients"] + math.ceil(
+    assert result["updates"] == 2 * runs_lib.EPOCHS
+    assert 1 <= found["windows"] < 2 * (runs_lib.EPOCHS - 1)
+    # Given the micro-batch found, an epoch is cut as it cuts E and the last 52.
+    assert result["last_mini_batches"] == found["average_gradients"] + math.ceil(
         (runs_lib.SAMPLES - runs_lib.E) / found["micro_batch_size"])
     assert_direct_weights(out, "tf2")
 
