@@ -475,15 +475,20 @@ class Search:
 
     def next_size(self):
         """The next size to try, or None where the search is done: the sizes either side
-        of the limit close enough, or MOST_TRIALS tried."""
+        of the limit close enough (the largest worth trying tried, where nothing was
+        over), or MOST_TRIALS tried."""
         if not self.fits:
             return 1
         largest, too_large = self.largest, min(self.over, default=self.most + 1)
         # Near an out-of-memory error, more trials risk more of them (and their waits):
         # within 25% of the largest size that fits, that one is taken.
         near = OOM_NEAR if self.over.get(too_large, 0) is None else TOLERANCE
-        if too_large - largest <= max(1, near * largest) or len(self.trials) >= MOST_TRIALS:
+        if len(self.trials) >= MOST_TRIALS:
             return None
+        if too_large - largest <= max(1, near * largest):
+            # Close to the largest size worth trying, with nothing over the limit: that
+            # size, so that a whole share of E is one mini-batch where it fits.
+            return self.most if largest < self.most < too_large else None
         return _guess(self.fits, self.over, self.most, self.limit)
 
     def record(self, size, peak):
@@ -562,14 +567,23 @@ def devices_of(strategy):
 def measured_peak(run, devices):
     """run()'s peak in bytes over the devices (the largest), or None where it ran out of
     memory (another error is raised)."""
-    for device in devices:
-        tf.config.experimental.reset_memory_stats(device)
+    _reset_peaks(devices)
     try:
         run()
     except DEVICE_ERRORS as error:
         if not is_out_of_memory(error):
             raise
         return None
+    return _peak(devices)
+
+
+def _reset_peaks(devices):
+    for device in devices:
+        tf.config.experimental.reset_memory_stats(device)
+
+
+def _peak(devices):
+    """The largest peak over the devices since their last reset, in bytes."""
     return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
 
 
@@ -817,7 +831,8 @@ class EffectiveWindows:
             try:
                 search.record(take, peak)
             except NothingFits:
-                self._restore(saved)
+                if peak is not None:
+                    self._restore(saved)
                 raise
             if peak is not None:
                 offset, count = offset + take, count + added
@@ -846,12 +861,12 @@ class EffectiveWindows:
           OutOfMemory: it ran out of memory: weights and optimizer may be partly updated.
           NothingFits: the update's peak is over the search's budget less its margin.
         """
+        searching = isinstance(found, Search)
+        devices = searching and (found.devices or devices_of(self.window.strategy))
         try:
-            if not isinstance(found, Search):
-                return apply(), found
-            result = []
-            found.record_update(measured_peak(lambda: result.append(apply()), found.devices
-                                              or devices_of(self.window.strategy)))
+            if searching:
+                _reset_peaks(devices)
+            result = apply()
         except DEVICE_ERRORS as error:
             if not is_out_of_memory(error):
                 raise
@@ -860,12 +875,15 @@ class EffectiveWindows:
                 "depend on the micro-batch: not tried again; the weights and the optimizer "
                 "may be partly updated (not saved by this package): free the device's "
                 "memory") from None
+        if not searching:
+            return result, found
+        found.record_update(_peak(devices))
         if found.next_size() is not None:
-            return result[0], found
+            return result, found
         traces = getattr(self._add, "experimental_get_tracing_count", None)
         done = found.found(traces() if traces else None)
         logging.info("%s", describe(done))
-        return result[0], done
+        return result, done
 
 
 def _part(batch, start, stop):

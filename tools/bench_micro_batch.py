@@ -64,7 +64,7 @@ class MicroBatch(Section):
             return dict(row, error=given["error"])
         found_ms = (found if given["oom"] else given)["update_ms"]
         row.update(found=lo, given="OOM" if given["oom"] else "fits",
-                   search_s=search_seconds(found, found_ms),
+                   search_s=search_seconds(found, None if given["oom"] else given),
                    search_windows=found.get("search_windows", 0),
                    search_trials=len(found["trials"]),
                    found_ms=found_ms, largest_ms=found_ms,
@@ -116,9 +116,10 @@ class MicroBatch(Section):
                 "process each). `B found`: the micro-batch `accumulate(model, "
                 "micro_batch_size=\"auto\")` finds in fit's first windows, with the default "
                 "margin, and in brackets whether a fresh process given that B fits; `search "
-                "s`: the seconds the search added to training (its windows' seconds, whose "
-                "mini-batches were its trials, less as many updates at the B found), its "
-                "trials and windows in brackets; `largest "
+                "s`: the seconds the search added to training (the fit calls of its windows, "
+                "whose mini-batches were its trials, one window a call, less as many of the "
+                "fresh process given the B found: its first, which traces too, then its "
+                "fastest), its trials and windows in brackets; `largest "
                 "B`: the largest B whose fit of E runs two updates without an OOM (training "
                 "that halved B after one counts as one), by "
                 f"bisection up from the found B to {TOLERANCE:.0%} of it (one fresh process "
@@ -139,11 +140,21 @@ class MicroBatch(Section):
                         "found / largest"], rows)]
 
 
-def search_seconds(found, found_ms):
-    """The seconds the search added to training: where its trials were the first windows'
-    own mini-batches, their seconds less as many updates at the B found (the fastest
-    update of a fresh process: so the traces that any first update pays count in)."""
-    return found["search_s"] - found.get("search_windows", 0) * found_ms / 1e3
+def search_seconds(found, given):
+    """The seconds the search added to training. Where its trials were the first
+    windows' own mini-batches: the fit calls that trained those windows (the probe's
+    warm-up: one window a call, until the search was done) less as many of a fresh
+    process given the B found (its first call, which traces as the search's first does,
+    and its fastest for each after it); where that process ran out of memory, the
+    search's own seconds less as many of its own fastest updates (its traces then count
+    in)."""
+    windows = found.get("search_windows", 0)
+    if not windows:
+        return found["search_s"]
+    if given is None:
+        return found["search_s"] - windows * found["update_ms"] / 1e3
+    return (found["warmup_ms"] - given["warmup_ms"]
+            - (windows - 1) * given["update_ms"]) / 1e3
 
 
 def _where(row):

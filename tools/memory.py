@@ -579,7 +579,7 @@ def run_probe(spec):
             x, y = tf.constant(x), tf.constant(y)
         update, weights, trainable, values, *more = _PATHS[spec["path"]](
             spec["model"], spec["n"], spec["b"], x, y, **cut)
-        update()
+        warmup_ms = _milliseconds(update)  # traces; with "auto", the search's windows
         phase = "update"
         gc.collect()  # the warm-up's garbage (cycles hold tensors) is not the update's
         current = tf.config.experimental.get_memory_info(device)["current"]
@@ -594,7 +594,7 @@ def run_probe(spec):
         message = next((line for line in lines if "OOM" in line), lines[0])
         return dict(spec, oom=True, phase=phase, message=message.strip()[:300])
     return dict(spec, oom=False, device=device, peak_mb=peak / MIB, current_mb=current / MIB,
-                update_ms=min(times),
+                update_ms=min(times), warmup_ms=warmup_ms,
                 **_sizes(weights, trainable), **(more[0]() if more else {}))
 
 

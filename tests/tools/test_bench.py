@@ -152,11 +152,11 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
     # A fake device: the direct batch fits the mlp only; B fits up to `edge` (above it,
     # training runs out of memory and goes on at half B, as EffectiveWindows does), but
     # the convnet's found B not in a fresh process; the search finds `found` in `search`
-    # seconds, the mlp's in 3 windows that it trained (their seconds are in its); an
-    # update is slower at a smaller B.
+    # seconds, the mlp's in 3 windows that it trained, in a warm-up of 60 s where a
+    # process given B takes 5 s for its first; an update is slower at a smaller B.
     edge, found, search = {"convnet": 100, "mlp": 4093}, {"convnet": 84, "mlp": 3600}, {
         "convnet": 20.0, "mlp": 60.0}
-    windows = {"convnet": 0, "mlp": 3}
+    windows = {"convnet": 2, "mlp": 3}
     sizes = []
 
     def _ms(size):
@@ -170,7 +170,8 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
         if (model, micro_batch) == ("convnet", 84):
             return dict(oom=True)
         searched = dict(search_s=search[model], search_windows=windows[model],
-                        trials=[(1, 1.0)] * 9)
+                        trials=[(1, 1.0)] * 9,
+                        warmup_ms=60_000.0 if micro_batch == "auto" else 5_000.0)
         if size > edge[model]:
             return dict(oom=False, peak_mb=1.0, update_ms=_ms(size // 2),
                         micro_batch_size=size // 2, halved=[size], **searched)
@@ -195,11 +196,15 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
     assert share == Target("micro-batch found >= 80% of the largest that fits",
                            "worst 0.84x convnet under 150 MiB", "met")
     assert speed.status == "missed"
-    # The mlp's search added its seconds less its 3 windows' updates at the B found.
-    assert mlp["search_s"] == pytest.approx(60.0 - 3 * _ms(3600) / 1e3)
+    # The convnet's given B ran out of memory: its search's own seconds less its 2
+    # windows at its own fastest update.
+    assert convnet["search_s"] == pytest.approx(20.0 - 2 * _ms(84) / 1e3)
+    # The mlp's search added its 3 windows' warm-up less the given B's first update and
+    # two more at its fastest.
+    assert mlp["search_s"] == pytest.approx(60.0 - 5.0 - 2 * _ms(3600) / 1e3)
     assert speed.measured == f"worst {mlp['search_s'] / mlp['epoch_s']:.2f}x mlp under 700 MiB"
     text = "\n".join(section.markdown(result))
-    assert "| convnet | 257 | 150 | OOM | 84 (OOM) | 100 (102: OOM) | 0.84 | 20.0 (9, 0) |" in text
+    assert "| convnet | 257 | 150 | OOM | 84 (OOM) | 100 (102: OOM) | 0.84 | 19.6 (9, 2) |" in text
     assert "| mlp | 4093 | 700 | fits | 3600 (fits) | 4093 | 0.88 |" in text
     failed = section.targets([dict(mlp, error="probe failed (exit 1): boom")])
     assert [t.status for t in failed] == ["missed", "missed"]
