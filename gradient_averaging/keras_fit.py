@@ -85,6 +85,18 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
                              parallel_mini_batches=parallel_mini_batches)
 
 
+def _next_batch(iterator, step):
+    """The next batch of Keras's iterator for a call's `step`-th step (of compile's
+    steps_per_execution), or None where it ended; StopIteration where it ended before
+    the call's first, as Keras's own train and test functions end an epoch."""
+    try:
+        return next(iterator)
+    except (StopIteration, tf.errors.OutOfRangeError):
+        if not step:
+            raise StopIteration from None
+        return None
+
+
 # Registered under the name the first release used, so that its .keras files load.
 @keras.saving.register_keras_serializable(package="tf2_accumulator")
 class AccumulatingModel(keras.Model):
@@ -341,8 +353,14 @@ class AccumulatingModel(keras.Model):
         self._window_function = window_from  # traced on the first window
 
         def train_function(iterator):
-            count, logs = window_from(iterator)
-            if not int(count):
+            # A call is compile's steps_per_execution steps (windows), as Keras counts them.
+            logs = None
+            for _ in range(self.steps_per_execution):
+                count, step_logs = window_from(iterator)
+                if not int(count):
+                    break
+                logs = step_logs
+            if logs is None:
                 raise StopIteration
             return logs
 
@@ -382,8 +400,13 @@ class AccumulatingModel(keras.Model):
                 traced.update(spec=spec, windows=micro_batch_lib.EffectiveWindows(
                     tf.function(add, input_signature=signature), window, state))
             windows = traced["windows"]
-            _, self._cut = windows.add(next(iterator), self._cut)
-            logs, self._cut = windows.apply(apply, self._cut)
+            logs = None
+            for step in range(self.steps_per_execution):  # a window each
+                batch = _next_batch(iterator, step)
+                if batch is None:
+                    break
+                _, self._cut = windows.add(batch, self._cut)
+                logs, self._cut = windows.apply(apply, self._cut)
             return logs
 
         return train_function
@@ -409,7 +432,13 @@ class AccumulatingModel(keras.Model):
             return self.get_metrics_result()
 
         def test_function(iterator):
-            return test_batch(next(iterator), tf.constant(self._evaluated_by(), tf.int32))
+            logs = None
+            for step in range(self.steps_per_execution):
+                batch = _next_batch(iterator, step)
+                if batch is None:
+                    break
+                logs = test_batch(batch, tf.constant(self._evaluated_by(), tf.int32))
+            return logs
 
         self.test_function = test_function
         return test_function

@@ -67,6 +67,26 @@ def test_fit_equals_the_direct_batch_and_keras_accumulation_does_not(direct, opt
         assert max_difference(keras_own, reference) > 1e-2
 
 
+@pytest.mark.parametrize("window", [{"average_gradients": N}, {"micro_batch_size": B}])
+def test_steps_per_execution_trains_every_window_and_evaluates_every_batch(direct, window):
+    """compile's steps_per_execution=3: a call of the train function trains three windows
+    (the last call of an epoch fewer), so every window trains, as at 1; evaluate, with a
+    micro-batch size each batch cut into mini-batches of it, sees every batch: the
+    direct model's loss and accuracy."""
+    x, y = data()
+    reference, _ = direct["adam"]
+    batch_size = B if "average_gradients" in window else N * B
+    model = compiled(keras_fit.accumulate(tiny_model(), **window), OPTIMIZERS["adam"](),
+                     steps_per_execution=3)
+    fit(model, x, y, batch_size)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 8
+    assert max_difference(model, reference) < 1e-5
+    got = model.evaluate(x, y, batch_size=N * B, verbose=0, return_dict=True)
+    want = reference.evaluate(x, y, batch_size=N * B, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+
+
 def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_mini_batches():
     """240 samples, whole windows only: Keras's own accumulation is exact with a constant
     rate, not with a schedule (it steps at mini-batch N-1, 2N-1...); accumulate is."""
