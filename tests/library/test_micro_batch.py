@@ -138,11 +138,14 @@ def test_fit_accumulated_trains_each_batch_as_micro_batches_that_fit(runs):
 
 @pytest.mark.slow
 def test_under_two_mirrored_replicas_the_micro_batch_is_each_replicas(runs):
-    limited, _, out = runs
+    limited, reference, out = runs
     found = limited["mirrored"]["found"]
     assert_found(found, runs_lib.MIRRORED_E, replicas=2)
     assert found["micro_batch_size"] <= runs_lib.MIRRORED_E // 2
     assert_direct_weights(out, "mirrored", reference="direct_mirrored")
+    # Evaluated in batches of E, each replica's share cut into mini-batches of B.
+    np.testing.assert_allclose(limited["mirrored"]["evaluate_loss"],
+                               reference["direct_mirrored"]["evaluate_loss"], rtol=1e-4)
 
 
 @pytest.mark.slow
