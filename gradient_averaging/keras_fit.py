@@ -85,6 +85,16 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
                              parallel_mini_batches=parallel_mini_batches)
 
 
+def _any_samples(spec):
+    """`spec` (an element spec) with its tensors' first axis, the samples, of any size."""
+    def relaxed(t):
+        if isinstance(t, tf.TensorSpec) and t.shape.rank:
+            return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype, t.name)
+        return t
+
+    return tf.nest.map_structure(relaxed, spec)
+
+
 def _next_batch(iterator, step):
     """The next batch of Keras's iterator for a call's `step`-th step (of compile's
     steps_per_execution), or None where it ended; StopIteration where it ended before
@@ -300,8 +310,9 @@ class AccumulatingModel(keras.Model):
         return windows
 
     def make_train_function(self, force=False):
-        """Keras's train function, one window per call: -> the logs, or StopIteration
-        where the iterator had no mini-batch left."""
+        """Keras's train function, compile's steps_per_execution windows per call (fewer
+        where the iterator ends): -> the logs, or StopIteration where the iterator had
+        no mini-batch left."""
         if self.train_function is not None and not force:
             return self.train_function
         window, strategy = self._window, self.distribute_strategy
@@ -396,7 +407,9 @@ class AccumulatingModel(keras.Model):
             # micro-batch (a tensor): halving it traces nothing again.
             spec = iterator.element_spec
             if traced.get("spec") != spec:
-                signature = [spec, tf.TensorSpec([], tf.int32)]
+                # Any samples: a trial of the search adds a part of a batch whose size
+                # the spec may fix (data that the batch size divides).
+                signature = [_any_samples(spec), tf.TensorSpec([], tf.int32)]
                 traced.update(spec=spec, windows=micro_batch_lib.EffectiveWindows(
                     tf.function(add, input_signature=signature), window, state))
             windows = traced["windows"]
@@ -423,6 +436,9 @@ class AccumulatingModel(keras.Model):
         strategy = self.distribute_strategy
 
         def replica_test(data, size):
+            # size 0: the whole batch (no micro-batch known yet).
+            samples = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int32)[0]
+            size = tf.where(size > 0, size, tf.maximum(samples, 1))
             return window_lib.cut(data, size,
                                   lambda group: tf.nest.flatten(self.test_step(group[0])))
 
@@ -437,6 +453,9 @@ class AccumulatingModel(keras.Model):
                 batch = _next_batch(iterator, step)
                 if batch is None:
                     break
+                # test_on_batch's (x, y, None): no sample weights to cut.
+                if isinstance(batch, tuple):
+                    batch = tuple(t for t in batch if t is not None)
                 logs = test_batch(batch, tf.constant(self._evaluated_by(), tf.int32))
             return logs
 
@@ -444,14 +463,15 @@ class AccumulatingModel(keras.Model):
         return test_function
 
     def _evaluated_by(self):
-        """The mini-batch evaluation cuts a batch into, per replica."""
+        """The mini-batch evaluation cuts a batch into, per replica; 0: none (the whole
+        batch)."""
         if isinstance(self._cut, micro_batch_lib.MicroBatch):
             return self._cut.micro_batch_size
         if isinstance(self._cut, micro_batch_lib.Search) and self._cut.largest:
             return self._cut.largest
         if isinstance(self.micro_batch_size, int):
             return self.micro_batch_size
-        return tf.int32.max
+        return 0
 
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
                          n_local):

@@ -22,8 +22,10 @@ input pipeline prefetches later): 10% of it, or 25% where the allocator grows by
 
 In training (EffectiveWindows, on one replica) the trials are the first windows' own
 mini-batches, each of the size the search asks for, and their updates are measured: the
-update does not depend on how a window is cut, so the search trains as training would,
-and nothing is copied, discarded or trained twice. find_micro_batch's trials (a loop of
+update does not depend on how a window is cut, so the search trains as training would:
+no weights or optimizer state are copied, nothing is discarded or trained twice (the
+first calls' peaks, which include their functions' set-up, are measured too: they err
+high). find_micro_batch's trials (a loop of
 one's own, the command line, several replicas) leave the model as they found it: no
 trial is applied (the window is discarded), and every variable a trial may change (the
 weights and the optimizer's for the measured update, the model's other state:
@@ -732,9 +734,10 @@ class EffectiveWindows:
     For the same reason the search for B (a Search, on one replica) costs next to no
     training: its trials are the first windows' own mini-batches, each of the size the
     search asks for, its peak measured, and each window's update measured too; where the
-    search is done, the rest of the window is added at the largest size that fit. Nothing
-    is copied or thrown away but after an out-of-memory error (the window is trained
-    again, from its first sample), and the window's mean is still the direct batch's.
+    search is done, the rest of the window is added at the largest size that fit. Only
+    the state is copied, as before every window; nothing is thrown away but after an
+    out-of-memory error (the window is trained again, from its first sample), and the
+    window's mean is still the direct batch's.
     """
 
     def __init__(self, add, window, state):

@@ -280,7 +280,9 @@ class _Accumulator:
         Raises:
           micro_batch.OutOfMemory: the device ran out of memory in an update, or under
             several replicas.
-          micro_batch.NothingFits: a mini-batch of one sample ran out of memory.
+          micro_batch.NothingFits: a mini-batch of one sample ran out of memory, or while
+            searching, one sample's peak or the update's is over the budget less its
+            margin (the update's once it was applied).
         """
         size = micro_batch_lib.check_micro_batch_size(micro_batch_size)
         budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
@@ -334,7 +336,9 @@ class _Accumulator:
         Raises:
           micro_batch.OutOfMemory: the device ran out of memory in the update, or under
             several replicas.
-          micro_batch.NothingFits: a mini-batch of one sample ran out of memory.
+          micro_batch.NothingFits: a mini-batch of one sample ran out of memory, or while
+            searching, one sample's peak or the update's is over the budget less its
+            margin (the update's once it was applied).
         """
         signature = tf.nest.map_structure(lambda t: _spec(t, 1),
                                           tuple(batch if spec is None else spec))

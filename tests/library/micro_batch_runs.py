@@ -244,6 +244,19 @@ def keras_auto(out):
             "evaluate_loss": accumulating.evaluate(x, y, batch_size=E, verbose=0)}
 
 
+def keras_even():
+    """Keras fit, "auto", on data that E divides: the batches' spec fixes their size,
+    and the search's trials are parts of them."""
+    import numpy as np
+
+    from gradient_averaging import keras_fit
+    x, y = (np.concatenate([a, a])[:2 * E] for a in data())
+    accumulating = compiled(keras_fit.accumulate(model(), micro_batch_size="auto"))
+    accumulating.fit(x, y, batch_size=E, epochs=EPOCHS, shuffle=False, verbose=0)
+    return {"found": found(accumulating.micro_batch),
+            "updates": int(accumulating.optimizer.iterations)}
+
+
 def tf2_auto(out):
     """fit_accumulated with "auto" for all epochs but the last, which it trains given the
     micro-batch found (a plan: each batch cut as that B cuts it)."""
@@ -343,7 +356,8 @@ def main():
     runs = {"keras_sequences": lambda: out_of_memory_said(lambda: keras_sequences(args.out)),
             "tf2_sequences": lambda: out_of_memory_said(lambda: tf2_sequences(args.out)),
             "mirrored": lambda: mirrored(args.out, two),
-            "keras": lambda: keras_auto(args.out), "tf2": lambda: tf2_auto(args.out),
+            "keras": lambda: keras_auto(args.out), "keras_even": keras_even,
+            "tf2": lambda: tf2_auto(args.out),
             "trials": trials_leave_the_state, "nothing_fits": nothing_fits}
     results, seconds, in_use = {}, {}, {}
     for name, run in runs.items():

@@ -70,9 +70,9 @@ def test_fit_equals_the_direct_batch_and_keras_accumulation_does_not(direct, opt
 @pytest.mark.parametrize("window", [{"average_gradients": N}, {"micro_batch_size": B}])
 def test_steps_per_execution_trains_every_window_and_evaluates_every_batch(direct, window):
     """compile's steps_per_execution=3: a call of the train function trains three windows
-    (the last call of an epoch fewer), so every window trains, as at 1; evaluate, with a
-    micro-batch size each batch cut into mini-batches of it, sees every batch: the
-    direct model's loss and accuracy."""
+    (the last call of an epoch fewer), so every window trains, as at 1; evaluate and
+    test_on_batch, with a micro-batch size each batch cut into mini-batches of it, see
+    every batch: the direct model's loss and accuracy."""
     x, y = data()
     reference, _ = direct["adam"]
     batch_size = B if "average_gradients" in window else N * B
@@ -83,6 +83,11 @@ def test_steps_per_execution_trains_every_window_and_evaluates_every_batch(direc
     assert max_difference(model, reference) < 1e-5
     got = model.evaluate(x, y, batch_size=N * B, verbose=0, return_dict=True)
     want = reference.evaluate(x, y, batch_size=N * B, verbose=0, return_dict=True)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
+    # test_on_batch too (Keras hands it (x, y, None)).
+    got = model.test_on_batch(x[:N * B], y[:N * B], return_dict=True)
+    want = reference.test_on_batch(x[:N * B], y[:N * B], return_dict=True)
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(got[key], want[key], rtol=1e-5)
 

@@ -113,6 +113,16 @@ def test_keras_fit_trains_each_batch_as_micro_batches_that_fit(runs):
 
 
 @pytest.mark.slow
+def test_keras_fit_searches_on_batches_of_a_fixed_size(runs):
+    """Data that E divides: Keras's batches have a fixed size in their spec, and the
+    search's trials (parts of them) still run."""
+    limited, _, _ = runs
+    result = limited["keras_even"]
+    assert_found(result["found"], runs_lib.E)
+    assert result["updates"] == 2 * runs_lib.EPOCHS
+
+
+@pytest.mark.slow
 def test_keras_evaluates_where_it_trains(runs):
     """evaluate at batch E, which Keras alone runs as one batch over the limit, cut into
     mini-batches of the micro-batch: it fits, to the direct model's loss."""
