@@ -89,7 +89,7 @@ def _any_samples(spec):
     """`spec` (an element spec) with its tensors' first axis, the samples, of any size."""
     def relaxed(t):
         if isinstance(t, tf.TensorSpec) and t.shape.rank:
-            return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype, t.name)
+            return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
         return t
 
     return tf.nest.map_structure(relaxed, spec)
@@ -239,8 +239,7 @@ class AccumulatingModel(keras.Model):
             self.check_finite, _keras_src.summed_activity(self),
             lambda loss: _keras_src.add_to_logged_loss(self, loss))
         x = keras.utils.unpack_x_y_sample_weight(spec)[0]
-        window.build_statistics(self, tf.nest.map_structure(
-            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), x))
+        window.build_statistics(self, _any_samples(x))
         with self.distribute_strategy.scope():
             self._single_values = tf.Variable(tf.zeros([len(statistics.layers)], tf.float64),
                                               trainable=False)
@@ -280,8 +279,7 @@ class AccumulatingModel(keras.Model):
         (x, y[, sample_weight]), any number of samples: traced once) to the open window,
         the same samples on every replica, by the pass fit's train function runs."""
         self.make_train_function()
-        signature = tf.nest.map_structure(
-            lambda t: tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype), spec)
+        signature = _any_samples(spec)
 
         @tf.function(input_signature=[signature])
         def add(data):  # as many at once as the window loop runs passes, for their peak
