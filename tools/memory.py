@@ -361,7 +361,7 @@ def _fit(model, x, y, batch_size, samples):
     that fits many updates pays its pipeline's set-up once. `fit` on numpy arrays builds
     Keras's pipeline again in each call (the arrays converted, sliced and batched), all of
     it counted on the CPU's allocator, which a GPU's does not see: its peak landed in
-    modes 7 to 20 MiB apart from process to process."""
+    modes 7 to 20 MiB apart from process to process. _dataset keeps the arrays out."""
     dataset = _dataset(x, y, batch_size, samples)
     return lambda: model.fit(dataset, epochs=1, verbose=0)
 
@@ -425,10 +425,30 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1):
 
 
 def _dataset(x, y, b, samples):
-    """The first `samples` of x and y (arrays, or the device tensors a probe holds) in
-    batches of b, sliced as the pipeline runs: the steps' input is a batch at a time."""
+    """The first `samples` of x and y in batches of b. Arrays stay on the host, as a
+    GPU's input pipeline keeps them, and each batch becomes a tensor as the pipeline
+    runs: the steps' input is a batch at a time. A dataset of slices of the arrays
+    copied them whole into the CPU's allocator, the one measured, in some processes and
+    not in others, after the model's initializers had freed their temporaries: the mlp's
+    inputs (12 MiB) then took part of a hole the second layer's left, and one of Adam's
+    slots (64 MiB) was handed the rest whole (116 MiB; the allocator splits no chunk
+    under twice the request): in those processes every peak 64 MiB higher. The device
+    tensors a probe holds (`held`) are sliced as they are."""
     import tensorflow as tf
-    return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
+    if not isinstance(x, np.ndarray):
+        return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
+
+    def batches():
+        for start in range(0, samples, b):
+            end = min(start + b, samples)
+            yield x[start:end], y[start:end]
+
+    # Its cardinality told: Keras fit on a dataset of unknown length counted one more
+    # step per call than it had batches (Keras 3.15), and trained to other weights.
+    return tf.data.Dataset.from_generator(batches, output_signature=(
+        tf.TensorSpec((None,) + x.shape[1:], tf.as_dtype(x.dtype)),
+        tf.TensorSpec((None,), tf.as_dtype(y.dtype)))).apply(
+            tf.data.experimental.assert_cardinality(-(-samples // b)))
 
 
 def _path_window(model, n, b, x, y, parallel=1):
