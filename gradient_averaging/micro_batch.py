@@ -405,20 +405,15 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, tf.as_dtype(t.dtype)),
                                  sample)
     add, window, state = trainer.trial_window(spec)
-    strategy = window.strategy
-    replicas = strategy.num_replicas_in_sync
-    devices, budget, margin = _measured_on(strategy, budget, margin)
+    search = Search.on(window.strategy, effective_batch, budget, margin)
+    search.start = start
     held = _sized(sample, effective_batch)  # one effective batch, as training holds it
-    trials = _Trials(add, window, state, held, devices)
+    trials = _Trials(add, window, state, held, search.devices)
     try:
-        size, peak, update_peak = largest_that_fits(
-            trials.peak, trials.update, math.ceil(effective_batch / replicas), budget, margin)
+        largest_that_fits(trials.peak, trials.update, search)
     finally:
         trials.restore()
-    found = plan(effective_batch, size, replicas, peak=max(peak, update_peak),
-                 update_peak=update_peak, budget=budget, margin=margin,
-                 trials=tuple(trials.done), traces=add.experimental_get_tracing_count(),
-                 seconds=time.perf_counter() - start)
+    found = search.found(traces=add.experimental_get_tracing_count())
     logging.info("%s", describe(found))
     return found
 
@@ -443,14 +438,16 @@ class Search:
     """The search's sizes and peaks, on any trials: which size to try next, until the
     largest size whose peak fits in the budget less its margin is known (_guess says
     how). Training's first windows run it (EffectiveWindows: each trial one of their
-    mini-batches), and so does find_micro_batch (largest_that_fits: each trial added
-    to a window then discarded).
+    mini-batches), and so do find_micro_batch and tf1.find_micro_batch
+    (largest_that_fits: each trial added to a window then discarded).
 
     Attributes:
       trials: (size, peak bytes or None where it ran out of memory) per trial.
       update_peak: the largest peak of the updates measured, or None.
-      windows, seconds: the windows whose mini-batches were trials, and the seconds
-        since the first trial (EffectiveWindows').
+      devices: the devices whose peaks it reads (Search.on: the strategy's).
+      windows: the windows whose mini-batches were trials (EffectiveWindows').
+      start: perf_counter() when the search began (the first trial, or the caller's
+        set-up before it), or None.
     """
 
     def __init__(self, effective_batch, budget, margin, replicas=1, devices=None):
@@ -529,33 +526,27 @@ class Search:
                     seconds=time.perf_counter() - self.start if self.start else None)
 
 
-def largest_that_fits(peak_at, update, most, budget, margin):
-    """The search, on any training path's trials: the largest size in [1, most] whose
-    peak_at(size) fits in the budget less its margin.
+def largest_that_fits(peak_at, update, search):
+    """Runs `search` (a Search) on trials apart from training: one sample first, then
+    the update, then the sizes the search asks for, until it is done.
 
     Args:
       peak_at: size -> the peak bytes of one mini-batch's pass of that size added to
         an empty window (None where it ran out of memory), leaving no trace.
       update: () -> the peak bytes of the update (None where it ran out of memory).
-      most: the largest size worth trying (E, or a replica's share of it).
-      budget, margin: the device's memory to use in bytes, the fraction kept free.
+      search: the Search for the effective batch, on the device(s) measured.
 
     Returns:
-      (size, its peak, the update's peak).
+      `search`, done: its found() is the MicroBatch.
 
     Raises:
       NothingFits: one sample, or the update, needs more than the budget less its margin.
     """
-    limit = budget * (1 - margin)
-    one = peak_at(1)
-    if one is None or one > limit:
-        raise NothingFits(_nothing_fits("a mini-batch of one sample", one, budget, margin))
-    update_peak = update()
-    if update_peak is None or update_peak > limit:
-        raise NothingFits(_nothing_fits("the update (the optimizer's apply)", update_peak,
-                                        budget, margin))
-    size, peak = _search(peak_at, most, limit, one)
-    return size, peak, update_peak
+    search.record(1, peak_at(1))
+    search.record_update(update())
+    while (size := search.next_size()) is not None:
+        search.record(size, peak_at(size))
+    return search
 
 
 def devices_of(strategy):
@@ -606,16 +597,6 @@ def _nothing_fits(what, peak, budget, margin):
             "give a larger budget or a smaller margin, or free the device's memory")
 
 
-def _search(peak_at, most, limit, one):
-    """The largest size in [1, most] whose peak_at(size) (bytes, None where it ran out
-    of memory) is at most `limit`, and its peak; `one`, the peak at 1, fits."""
-    search = Search(most, limit, 0.0)
-    search.record(1, one)
-    while (size := search.next_size()) is not None:
-        search.record(size, peak_at(size))
-    return search.largest, search.fits[search.largest]
-
-
 def _guess(fits, over, most, limit):
     """The next size to try, above the largest that fits and below the smallest that
     does not, at least TOLERANCE above the first (so that the search ends).
@@ -653,11 +634,7 @@ def _sized(batch, size):
 
 class _Trials:
     """The trials on one trainer: a mini-batch's pass added to the window and discarded,
-    the update measured once, every variable a trial may change put back after.
-
-    Attributes:
-      done: (size, peak bytes or None where it ran out of memory) per measured pass.
-    """
+    the update measured once, every variable a trial may change put back after."""
 
     def __init__(self, add, window, state, held, devices):
         self.add, self.window, self.held, self.devices = add, window, held, devices
@@ -667,7 +644,6 @@ class _Trials:
         unique = {id(v): v for v in state}
         # Host copies: the device holds nothing more for them.
         self._saved = [(v, np.array(v.numpy(), copy=True)) for v in unique.values()]
-        self.done = []
         self._warm = False
 
     def _measured(self, run):
@@ -685,7 +661,6 @@ class _Trials:
             self._warm = True
         peak = self._measured(lambda: self._add(size))
         self._discard()
-        self.done.append((size, peak))
         return peak
 
     def update(self):
@@ -845,8 +820,7 @@ class EffectiveWindows:
         """(the mini-batches added, the peak: None where it ran out of memory) of adding
         `batch` as mini-batches of `size`, on the search's devices."""
         added = []
-        peak = measured_peak(lambda: added.append(self._added(batch, size)),
-                             search.devices or devices_of(self.window.strategy))
+        peak = measured_peak(lambda: added.append(self._added(batch, size)), search.devices)
         return (added or [0])[0], peak
 
     def _added(self, batch, found):
@@ -865,10 +839,9 @@ class EffectiveWindows:
           NothingFits: the update's peak is over the search's budget less its margin.
         """
         searching = isinstance(found, Search)
-        devices = searching and (found.devices or devices_of(self.window.strategy))
         try:
             if searching:
-                _reset_peaks(devices)
+                _reset_peaks(found.devices)
             result = apply()
         except DEVICE_ERRORS as error:
             if not is_out_of_memory(error):
@@ -880,7 +853,7 @@ class EffectiveWindows:
                 "memory") from None
         if not searching:
             return result, found
-        found.record_update(_peak(devices))
+        found.record_update(_peak(found.devices))
         if found.next_size() is not None:
             return result, found
         traces = getattr(self._add, "experimental_get_tracing_count", None)

@@ -563,7 +563,6 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
     if not samples:
         raise ValueError("feed holds no batch: no value has a leading dimension of samples")
     count, flush = optimizer.window_count, optimizer.flush_op()
-    done = []
 
     def restore():
         for variable, value in zip(variables, saved):
@@ -577,11 +576,9 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
 
     def peak_at(size):
         try:
-            peak = micro_batch_lib.measured_peak(lambda: run(size, 0), [device])
+            return micro_batch_lib.measured_peak(lambda: run(size, 0), [device])
         finally:
             restore()
-        done.append((size, peak))
-        return peak
 
     def update():
         try:
@@ -591,9 +588,6 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
             restore()
 
     peak_at(1)  # the first run sets the graph up (Grappler allocates): not a trial
-    done.clear()
-    size, peak, update_peak = micro_batch_lib.largest_that_fits(
-        peak_at, update, effective_batch, budget, margin)
-    return micro_batch_lib.plan(effective_batch, size, peak=max(peak, update_peak),
-                                update_peak=update_peak, budget=budget, margin=margin,
-                                trials=tuple(done), seconds=time.perf_counter() - start)
+    search = micro_batch_lib.Search(effective_batch, budget, margin, devices=[device])
+    search.start = start
+    return micro_batch_lib.largest_that_fits(peak_at, update, search).found()

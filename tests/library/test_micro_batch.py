@@ -254,11 +254,14 @@ def curve(base, per_sample, device, jump_at=None, jump=0.0):
 def test_the_search_finds_the_largest_size_under_the_limit(most, jump_at):
     device, limit = 100.0, 90.0
     peak, peak_at, tried = curve(10.0, 0.1, device, jump_at, jump=9.0)
-    size, found = micro_batch._search(peak_at, most, limit, peak(1))  # noqa: SLF001 (the search's own pieces, tested directly)
+    search = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
+                                           micro_batch.Search(most, limit, 0.0))
+    size = search.largest
     largest = max(s for s in range(1, most + 1) if (peak(s) or math.inf) <= limit)
-    assert found == peak(size) <= limit
+    assert search.fits[size] == peak(size) <= limit
+    assert search.found().micro_batch_size == size
     assert size >= (1 - micro_batch.TOLERANCE) * largest, (size, largest, tried)
-    assert len(tried) < micro_batch.MOST_TRIALS
+    assert len(tried) < micro_batch.MOST_TRIALS  # done before the cap on trials
     assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
 
 
@@ -266,7 +269,8 @@ def test_after_an_out_of_memory_error_the_search_takes_the_largest_size_below_it
     """A device that runs out of memory well before the limit (fragmentation): an OOM or
     two, then the largest size that fitted, within OOM_NEAR of the smallest that did not."""
     peak, peak_at, tried = curve(10.0, 0.1, device=60.0)
-    size, _ = micro_batch._search(peak_at, 5000, 90.0, peak(1))  # noqa: SLF001 (the search's own pieces, tested directly)
+    size = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
+                                         micro_batch.Search(5000, 90.0, 0.0)).largest
     largest = 500  # the peak at 500 is the device's 60
     assert (1 - micro_batch.OOM_NEAR) * largest <= size <= largest, tried
     assert sum(peak(s) is None for s in tried) <= 2, tried
