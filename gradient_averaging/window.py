@@ -208,34 +208,18 @@ def cut(batch, size, add, parallel=1):
     return in_groups(count, lambda indices: add([mini_batch(i) for i in indices]), parallel)
 
 
-def assign_in_place(variable, value):
-    """Writes `value` into the buffer `variable` holds, and returns the op. `assign`
-    would make the variable take value's buffer where it can: a gradient's, allocated
-    amid a pass's activations, which the sum then kept there for the window and beyond,
-    splitting the free memory the next passes' activations are cut from (the convnet's
-    accumulate path: the second mini-batch's activations handed chunks up to twice their
-    size, its peak 57 MiB where B alone's is 49). Written into its own buffer, a sum
-    stays where it was made, beside the weights."""
-    rank = value.shape.rank
-    every_axis = (1 << rank) - 1  # masked begin and end: the whole of each axis
-    return tf.raw_ops.ResourceStridedSliceAssign(
-        ref=variable.handle, begin=tf.zeros([rank], tf.int32), end=tf.zeros([rank], tf.int32),
-        strides=tf.ones([rank], tf.int32), value=value, begin_mask=every_axis,
-        end_mask=every_axis)
-
-
 def add_in_place(sums, gradients, first):
     """Adds each gradient into its sum variable; where `first` (a bool tensor: the
-    window's first mini-batch) it writes the gradient there instead (assign_in_place).
-    So the sums are never zeroed: a zero tensor the size of a variable, built in a graph,
-    becomes a constant that the graph keeps alive for good, a weight-sized buffer held
-    for nothing. One branch for all the variables: a branch per variable cost a function
-    call each, every mini-batch. Returns the op."""
+    window's first mini-batch) it assigns instead. So the sums are never zeroed: a zero
+    tensor the size of a variable, built in a graph, becomes a constant that the graph
+    keeps alive for good, a weight-sized buffer held for nothing. One branch for all the
+    variables: a branch per variable cost a function call each, every mini-batch.
+    Returns the op."""
     pairs = [(total, tf.cast(gradient, total.dtype))
              for total, gradient in zip(sums, gradients) if gradient is not None]
 
     def assign():
-        return [assign_in_place(total, gradient) for total, gradient in pairs]
+        return [total.assign(gradient, read_value=False) for total, gradient in pairs]
 
     def add():
         return [total.assign_add(gradient, read_value=False) for total, gradient in pairs]
@@ -273,7 +257,7 @@ def divide_in_place(sums, count, addends=None):
                 value = total if count is None else total / tf.cast(count, total.dtype)
                 if addend is not None:
                     value += tf.cast(addend, total.dtype)
-                done = [assign_in_place(total, value)]
+                done = [total.assign(value, read_value=False)]
     with tf.control_dependencies(done):
         values = [total.read_value() for total in sums]
     return values, (tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True))
