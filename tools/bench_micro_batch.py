@@ -72,16 +72,22 @@ class MicroBatch(Section):
                 return given["error"]
             return found, given, search_seconds(found, None if given["oom"] else given)
 
-        searches = [search() for _ in range(self.settings["search_repeats"])]
-        failed = next((s for s in searches if isinstance(s, str)), None)
-        if failed:
-            return dict(row, error=failed)
+        searches = []
+        for _ in range(self.settings["search_repeats"]):
+            searches.append(search())
+            if isinstance(searches[-1], str):  # no more probes after a failure
+                return dict(row, error=searches[-1])
         found, given, _ = searches[0]
-        lo = (found.get("halved") or [found["micro_batch_size"]])[0]
+
+        def b_found(found):
+            return (found.get("halved") or [found["micro_batch_size"]])[0]
+
+        lo = b_found(found)
         found_ms = (found if given["oom"] else given)["update_ms"]
         row.update(found=lo, given="OOM" if given["oom"] else "fits",
                    search_s=statistics.median(seconds for *_, seconds in searches),
                    searches=[seconds for *_, seconds in searches],
+                   searched_b=[b_found(f) for f, *_ in searches],
                    search_windows=found.get("search_windows", 0),
                    search_trials=len(found["trials"]),
                    found_ms=found_ms, largest_ms=found_ms,
@@ -125,7 +131,9 @@ class MicroBatch(Section):
                          f"{r['found'] / r['largest']:.2f}",
                          f"{r['search_s']:.1f} ("
                          + ", ".join(f"{s:.1f}" for s in r.get("searches", ())) +
-                         f"; {r['search_trials']}, {r.get('search_windows', 0)})",
+                         f"; {r['search_trials']}, {r.get('search_windows', 0)}"
+                         + (f"; B found {', '.join(map(str, r['searched_b']))}"
+                            if len(set(r.get("searched_b", ()))) > 1 else "") + ")",
                          f"{r['epoch_s']:.0f}",
                          f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
                          f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"])
@@ -141,7 +149,8 @@ class MicroBatch(Section):
                 f"fastest), the median of {self.settings['search_repeats']} searches, each in "
                 "a fresh process beside its own given one (a process's first call varies by "
                 "seconds from another's); in brackets each search's, then the first one's "
-                "trials and windows (its B is the one found); `largest "
+                "trials and windows (its B is the one found), then each search's B where "
+                "they differ; `largest "
                 "B`: the largest B whose fit of E runs two updates without an OOM (training "
                 "that halved B after one counts as one), by "
                 f"bisection up from the found B to {TOLERANCE:.0%} of it (one fresh process "

@@ -438,6 +438,8 @@ def _dataset(x, y, b, samples):
     if not isinstance(x, np.ndarray):
         return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
 
+    samples = min(samples, len(x))  # as take would
+
     def batches():
         for start in range(0, samples, b):
             end = min(start + b, samples)
@@ -447,7 +449,7 @@ def _dataset(x, y, b, samples):
     # step per call than it had batches (Keras 3.15), and trained to other weights.
     return tf.data.Dataset.from_generator(batches, output_signature=(
         tf.TensorSpec((None,) + x.shape[1:], tf.as_dtype(x.dtype)),
-        tf.TensorSpec((None,), tf.as_dtype(y.dtype)))).apply(
+        tf.TensorSpec((None,) + y.shape[1:], tf.as_dtype(y.dtype)))).apply(
             tf.data.experimental.assert_cardinality(-(-samples // b)))
 
 

@@ -153,10 +153,10 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
     # training runs out of memory and goes on at half B, as EffectiveWindows does), but
     # the convnet's found B not in a fresh process; the search finds `found` in `search`
     # seconds (each of its three repeats its own), the mlp's in 3 windows that it
-    # trained, in a warm-up of 60, 90 then 62 s where a process given B takes 5 s for its
-    # first; an update is slower at a smaller B.
-    edge, found = {"convnet": 100, "mlp": 4093}, {"convnet": 84, "mlp": 3600}
-    search = {"convnet": iter([20.0, 30.0, 21.0]), "mlp": iter([60.0, 90.0, 62.0])}
+    # trained, in a warm-up of 90, 62 then 60 s where a process given B takes 5 s for its
+    # first (its second search finds 3500); an update is slower at a smaller B.
+    edge, found = {"convnet": 100, "mlp": 4093}, {"convnet": 84, "mlp": iter([3600, 3500, 3600])}
+    search = {"convnet": iter([30.0, 21.0, 20.0]), "mlp": iter([90.0, 62.0, 60.0])}
     windows = {"convnet": 2, "mlp": 3}
     sizes = []
 
@@ -164,7 +164,9 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
         return 100 + 1e4 / size
 
     def probe(model, path, n, b, limit_mb=None, micro_batch=None, timed=0):
-        size = found[model] if micro_batch == "auto" else micro_batch
+        size = micro_batch
+        if micro_batch == "auto":
+            size = found[model] if model == "convnet" else next(found[model])
         if path == "direct":
             return dict(oom=model == "convnet", peak_mb=1.0, update_ms=1.0)
         sizes.append(size)
@@ -192,7 +194,8 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
     assert convnet["given"] == "OOM" and convnet["found_ms"] == _ms(84)  # the finder's
     assert (convnet["largest"], convnet["over"], convnet["largest_ms"]) == (100, 102, _ms(100))
     # The direct batch fits: B = E first, and it fits.
-    assert sizes[13:] == [3600] * 6 + [4093] and (mlp["largest"], mlp["over"]) == (4093, None)
+    assert sizes[13:] == [3600, 3600, 3500, 3500, 3600, 3600, 4093]
+    assert (mlp["largest"], mlp["over"]) == (4093, None)
     assert mlp["given"] == "fits"
     assert mlp["epoch_s"] == pytest.approx(15 * _ms(3600) / 1e3)  # 60,000 / 4093: 15
     share, speed = section.targets(result)
@@ -204,16 +207,39 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
     assert convnet["search_s"] == pytest.approx(21.0 - 2 * _ms(84) / 1e3)
     # The mlp's search added its 3 windows' warm-up less the given B's first update and
     # two more at its fastest: the median of three.
-    assert mlp["search_s"] == pytest.approx(62.0 - 5.0 - 2 * _ms(3600) / 1e3)
+    assert mlp["search_s"] == pytest.approx(62.0 - 5.0 - 2 * _ms(3500) / 1e3)  # the 2nd
     assert speed.measured == f"worst {mlp['search_s'] / mlp['epoch_s']:.2f}x mlp under 700 MiB"
     text = "\n".join(section.markdown(result))
     assert ("| convnet | 257 | 150 | OOM | 84 (OOM) | 100 (102: OOM) | 0.84 | "
-            "20.6 (19.6, 29.6, 20.6; 9, 2) |") in text
+            "20.6 (29.6, 20.6, 19.6; 9, 2) |") in text
+    assert "; 9, 3; B found 3600, 3500, 3600) |" in text
     assert "| mlp | 4093 | 700 | fits | 3600 (fits) | 4093 | 0.88 |" in text
     failed = section.targets([dict(mlp, error="probe failed (exit 1): boom")])
     assert [t.status for t in failed] == ["missed", "missed"]
     assert "| probe failed (exit 1): boom |" in "\n".join(section.markdown(
         [dict(mlp, error="probe failed (exit 1): boom")]))
+
+
+def test_micro_batch_stops_at_a_search_that_fails(monkeypatch):
+    from tools import bench_micro_batch
+    from tools import memory
+    calls = []
+
+    def probe(model, path, n, b, limit_mb=None, micro_batch=None, timed=0):
+        calls.append(micro_batch)
+        if path == "direct":
+            return dict(oom=True)
+        if micro_batch == "auto" and calls.count("auto") == 2:
+            return dict(error="probe failed (exit 1): boom")
+        return dict(oom=False, peak_mb=1.0, update_ms=100.0, micro_batch_size=50,
+                    search_s=1.0, search_windows=2, trials=[(1, 1.0)], warmup_ms=2000.0)
+
+    monkeypatch.setattr(memory, "probe", probe)
+    section = bench_micro_batch.MicroBatch()
+    section.settings = dict(section.settings, runs=(("convnet", 257, (150,)),))
+    row, = section.measure(Run(log=lambda line: None))
+    assert row["error"] == "probe failed (exit 1): boom"
+    assert calls == [None, "auto", 50, "auto"]  # no probe after the failed search
 
 
 def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps():
