@@ -58,6 +58,9 @@ class MicroBatch(Section):
         direct = probe("direct")
         row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
                          else "fits")
+        def b_found(found):  # the B it began training at (before any halving)
+            return (found.get("halved") or [found["micro_batch_size"]])[0]
+
         def search():
             """(the search's probe, the fresh process given its B, the seconds it added),
             or an error's line."""
@@ -66,8 +69,7 @@ class MicroBatch(Section):
                 return found.get("error") or "OOM in the search"
             # The found B given to a fresh process: whether it fits without the search's
             # history in the allocator, and its time as the bisection's trials are timed.
-            given = probe("accumulate", (found.get("halved") or [found["micro_batch_size"]])[0],
-                          self.settings["timed"])
+            given = probe("accumulate", b_found(found), self.settings["timed"])
             if given.get("error"):
                 return given["error"]
             return found, given, search_seconds(found, None if given["oom"] else given)
@@ -78,10 +80,6 @@ class MicroBatch(Section):
             if isinstance(searches[-1], str):  # no more probes after a failure
                 return dict(row, error=searches[-1])
         found, given, _ = searches[0]
-
-        def b_found(found):
-            return (found.get("halved") or [found["micro_batch_size"]])[0]
-
         lo = b_found(found)
         found_ms = (found if given["oom"] else given)["update_ms"]
         row.update(found=lo, given="OOM" if given["oom"] else "fits",
