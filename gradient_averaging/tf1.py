@@ -27,6 +27,7 @@ from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging.window import accumulator_dtype
 from gradient_averaging.window import all_finite
 from gradient_averaging.window import check_average_gradients
+from gradient_averaging.window import zeros
 
 v1 = tf.compat.v1
 
@@ -40,18 +41,10 @@ def _values(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
 
 
-def _zeros(shape, dtype):
-    """Zeros made when the op runs. Grappler folds a zeros_like or tf.zeros of a known
-    shape into a constant, which every executor that runs it then keeps: a weight-sized
-    buffer per accumulator, per branch and per op that resets the window."""
-    return tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype,
-                            init=True)
-
-
 def _zero(acc):
     """Gives `acc` a zeroed buffer; its old one is freed (a scatter would zero it in place,
     but it would leave the variable copying on every later read and add)."""
-    return acc.assign(_zeros(acc.shape, acc.dtype), read_value=False)
+    return acc.assign(zeros(acc.shape, acc.dtype), read_value=False)
 
 
 def _zero_rows(acc, touched, rows, summed):
@@ -130,7 +123,7 @@ class _Window:
             for var in variables:
                 with tf.device(var.device):
                     self.accumulators[var] = _window_variable(
-                        _zeros(var.shape, accumulator_dtype(var)),
+                        zeros(var.shape, accumulator_dtype(var)),
                         var.op.name + "/accumulator")
                     if sparse[var]:
                         self.touched[var] = _window_variable(

@@ -197,7 +197,8 @@ def cut(batch, size, add, parallel=1):
     """Hands `add` the mini-batches of `size` samples of `batch` (a nested structure of
     tensors), in order, in lists (in_groups: `parallel` at a time): the last one shorter
     where `size` does not divide the batch, one empty mini-batch where the batch is empty
-    (on every replica the window's first mini-batch assigns its sums). Returns the
+    (so every replica counts a mini-batch: the first replica's count says whether the
+    window holds any, window_step.WindowStep.apply). Returns the
     mini-batches, an int32 scalar tensor that exists once the last is added."""
     samples = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
     count = tf.maximum((samples + size - 1) // size, 1)
@@ -208,25 +209,52 @@ def cut(batch, size, add, parallel=1):
     return in_groups(count, lambda indices: add([mini_batch(i) for i in indices]), parallel)
 
 
-def add_in_place(sums, gradients, first):
-    """Adds each gradient into its sum variable; where `first` (a bool tensor: the
-    window's first mini-batch) it assigns instead. So the sums are never zeroed: a zero
-    tensor the size of a variable, built in a graph, becomes a constant that the graph
-    keeps alive for good, a weight-sized buffer held for nothing. One branch for all the
-    variables: a branch per variable cost a function call each, every mini-batch.
-    Returns the op."""
-    pairs = [(total, tf.cast(gradient, total.dtype))
-             for total, gradient in zip(sums, gradients) if gradient is not None]
+def add_in_place(sums, gradients):
+    """Adds each gradient into its sum variable, in the sum's own buffer (zero_sums
+    empties them between windows). Returns the ops."""
+    return [total.assign_add(tf.cast(gradient, total.dtype), read_value=False)
+            for total, gradient in zip(sums, gradients) if gradient is not None]
 
-    def assign():
-        return [total.assign(gradient, read_value=False) for total, gradient in pairs]
 
-    def add():
-        return [total.assign_add(gradient, read_value=False) for total, gradient in pairs]
+def zeros(shape, dtype):
+    """Zeros made when the op runs. Grappler folds a zeros_like or tf.zeros of a known
+    shape into a constant, which every executor that runs it then keeps: a weight-sized
+    buffer per accumulator, per branch and per op that resets the window."""
+    return tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype,
+                            init=True)
 
-    if not pairs:
-        return []
-    return [tf.cond(first, lambda: tf.group(assign()), lambda: tf.group(add()))]
+
+def zero_sums(sums, finite):
+    """Zeroes each sum variable, one after another, for the next window.
+
+    Where `finite` (a bool scalar tensor: no NaN or Inf in any sum), in the sum's own
+    buffer, by adding its negation (x + -x is exactly 0): the sums keep the buffers they
+    were made with, for one temporary the size of a variable at a time. (An assign takes
+    its value's buffer: where a window's first mini-batch assigned its gradients, the
+    sums kept buffers made amid that pass's activations, and the next passes'
+    activations were cut around them; a scatter would write in place, but leaves the
+    variable copying on every later read and add.) A NaN or Inf cannot be zeroed so:
+    elsewhere (`finite` false, or False), each sum is given fresh zeros.
+
+    Returns:
+      [the op that zeroes the last], to wait for.
+    """
+    def one_by_one(zero):
+        done = []
+        for total in sums:
+            with tf.control_dependencies(done):
+                done = [zero(total)]
+        return done
+
+    def fresh():
+        return one_by_one(lambda total: total.assign(zeros(total.shape, total.dtype),
+                                                     read_value=False))
+
+    if finite is False:
+        return fresh()
+    in_place = lambda: one_by_one(  # noqa: E731
+        lambda total: total.assign_add(-total.read_value(), read_value=False))
+    return [tf.cond(finite, lambda: tf.group(in_place()), lambda: tf.group(fresh()))]
 
 
 def divide_in_place(sums, count, addends=None):

@@ -4,10 +4,11 @@ apply.
 
 Memory is why a user accumulates, so the step holds no more than B alone does plus one
 accumulator per trainable variable: the sums are replica-local variables, added to in
-place as each mini-batch's gradients are made (the window's first mini-batch assigns,
-so nothing is ever zeroed: see window.add_in_place); a mini-batch reaches the step alone
-(the window loop hands over one at a time, so one mini-batch's activations are alive at
-once); the mean is divided in place, one variable at a time (window.divide_in_place).
+place as each mini-batch's gradients are made, and given fresh zeros as the window
+closes (window.zero_sums: never a buffer made amid a pass); a mini-batch reaches the
+step alone (the window loop hands over one at a time, so one mini-batch's activations
+are alive at once); the mean is divided in place, one variable at a time
+(window.divide_in_place).
 
 The applied gradient is the sum of every sample's loss gradient divided by the window's
 samples: exactly the mean loss's over the window, whatever the sizes of its mini-batches.
@@ -303,13 +304,11 @@ class WindowStep:
           A token (n_local) that exists once the mini-batch is added: a window loop
           fetches the next mini-batch after it (see `next_after`).
         """
-        # The window's first mini-batch assigns: the sums are never zeroed.
-        first = tf.equal(self.mini_batches, 0)
-        ops = window_lib.add_in_place(self.sums, gradients, first=first)
+        ops = window_lib.add_in_place(self.sums, gradients)
         if activity is not None:
             activity_gradients, activity_loss = activity
             self.activity_no_gradient = [g is None for g in activity_gradients]
-            ops += window_lib.add_in_place(self.activity_sums, activity_gradients, first=first)
+            ops += window_lib.add_in_place(self.activity_sums, activity_gradients)
             finite = tf.logical_and(finite, tf.math.is_finite(activity_loss))
             ops.append(self.activity_losses.assign_add(tf.where(finite, activity_loss, 0.0)))
         if self.statistics:
@@ -322,7 +321,8 @@ class WindowStep:
 
     def _shares(self):
         """Replica context: this replica's share of the mean (the optimizer sums the
-        shares) and its vote, 1.0 where anything was not finite."""
+        shares), its vote (1.0 where anything was not finite) and whether its sums are
+        finite after the division (for _reset)."""
         sums = [total for total, none in zip(self.sums, self.no_gradient) if not none]
         samples = tf.distribute.get_replica_context().all_reduce(
             tf.distribute.ReduceOp.SUM, self.samples.read_value())
@@ -334,10 +334,14 @@ class WindowStep:
             if self.log_loss:
                 self.log_loss(samples * self.activity_losses.read_value())
         shares, finite = window_lib.divide_in_place(sums, samples, addends)
-        return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32)
+        vote = self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32)
+        # Finite sums divided by no samples are not (an empty window's).
+        return shares, vote, tf.logical_and(finite, samples > 0)
 
-    def _reset(self):
-        # The sums stay: the next window's first mini-batch assigns them.
+    def _reset(self, finite=False):
+        """Replica context: opens the next window. `finite`: whether every sum is
+        finite (window.zero_sums); False where not known."""
+        window_lib.zero_sums(self.sums + (self.activity_sums or []), finite)
         self.mini_batches.assign(0)
         self.samples.assign(0.0)
         self.nonfinite.assign(0.0)
@@ -364,7 +368,7 @@ class WindowStep:
           mini-batches that gave it one value a channel.
         """
         strategy, optimizer = self.strategy, self.optimizer
-        shares, nonfinite = strategy.run(self._shares)
+        shares, nonfinite, finite = strategy.run(self._shares)
         variables = [v for v, none in zip(self.variables, self.no_gradient) if not none]
 
         def apply_shares(shares):
@@ -392,5 +396,5 @@ class WindowStep:
         if self.statistics:  # a SUM replica-local variable, read across replicas: summed
             single = self.statistics.end_window(self.statistics_sums.read_value(), counts)
         with tf.control_dependencies([applied, single]):
-            strategy.run(self._reset)
+            strategy.run(self._reset, args=(finite,))
         return tf.identity(applied), tf.identity(single)

@@ -598,7 +598,9 @@ def run_probe(spec):
         if spec.get("held"):
             # Held on the device before the warm-up, the same samples at every N, read a
             # batch at a time: the peak's growth in N is then the path's, not its input's.
-            x, y = tf.constant(x), tf.constant(y)
+            # Copied: a constant made from an array landed in the measured allocator in
+            # some processes and not in others (the convnet's 12 MiB: peaks 49 or 61).
+            x, y = (tf.raw_ops.DeepCopy(x=tf.constant(a)) for a in (x, y))
         update, weights, trainable, values, *more = _PATHS[spec["path"]](
             spec["model"], spec["n"], spec["b"], x, y, **cut)
         warmup_ms = _milliseconds(update)  # traces; with "auto", the search's windows

@@ -8,6 +8,7 @@ for your own Keras model): both paths must draw the same dropout masks in the sa
 so their weights are compared for equality, not closeness.
 """
 
+import ctypes
 import json
 
 import keras
@@ -254,6 +255,30 @@ def test_a_nonfinite_window_is_skipped_whole_in_one_call(mnist):
     reference.apply_window(good)
     assert one_call.apply_window(after) and reference.apply_window(after)
     assert_same_weights(one_call, reference)
+
+
+def buffer_address(variable):
+    """Where a variable's value lies in memory (a read shares its buffer)."""
+    capsule = tf.experimental.dlpack.to_dlpack(variable.read_value())
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value  # DLTensor.data
+
+
+def test_the_sums_keep_their_buffers_through_a_windows_additions(mnist):
+    # An assign takes its value's buffer: a window whose first mini-batch assigned its
+    # gradients kept buffers made amid that pass's activations (window.zero_sums).
+    per_mini = per_mini_batch(keras.optimizers.Adam(1e-2))
+    good, after = windows(mnist.train, ((5, 5), (5, 5)))
+    for x, y in good:
+        per_mini.accumulate(x, y)
+    assert per_mini.apply() is True  # its sums zeroed, for the next window
+    assert not any(np.any(s.numpy()) for s in per_mini.sums)
+    before = [buffer_address(s) for s in per_mini.sums]
+    for x, y in after:
+        per_mini.accumulate(x, y)
+        assert [buffer_address(s) for s in per_mini.sums] == before
+    assert all(np.any(s.numpy()) for s in per_mini.sums)  # and they were added to
 
 
 def test_lr_schedule_counts_updates_in_one_call(mnist):
