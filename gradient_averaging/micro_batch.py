@@ -418,22 +418,6 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
     return found
 
 
-def _measured_on(strategy, budget, margin):
-    """(the devices the search measures, its budget, its margin) under `strategy`,
-    checked: one worker, allocators that keep statistics, a budget known or given."""
-    if _workers(strategy) > 1:
-        raise ValueError(
-            "micro_batch_size='auto' under a strategy of several workers: each would find "
-            "its own, where all must cut a batch alike (and a trial that runs out of "
-            "memory aborts the collectives); give micro_batch_size as an int")
-    devices = devices_of(strategy)
-    check_statistics(devices)
-    budget = check_budget(budget) or min(device_memory(d) for d in devices)
-    if margin is None:
-        margin = max(default_margin(d) for d in devices)
-    return devices, budget, check_margin(margin)
-
-
 class Search:
     """The search's sizes and peaks, on any trials: which size to try next, until the
     largest size whose peak fits in the budget less its margin is known (_guess says
@@ -460,12 +444,28 @@ class Search:
 
     @classmethod
     def on(cls, strategy, effective_batch, budget=None, margin=None):
-        """The search for E on `strategy`'s devices: its budget (None: the device's
-        memory) and margin (None: default_margin) checked, as find_micro_batch's."""
+        """The search for E on `strategy`'s devices (one worker's: each worker would
+        find its own), as on_devices."""
+        if _workers(strategy) > 1:
+            raise ValueError(
+                "micro_batch_size='auto' under a strategy of several workers: each would "
+                "find its own, where all must cut a batch alike (and a trial that runs out "
+                "of memory aborts the collectives); give micro_batch_size as an int")
+        return cls.on_devices(devices_of(strategy), effective_batch, budget, margin,
+                              strategy.num_replicas_in_sync)
+
+    @classmethod
+    def on_devices(cls, devices, effective_batch, budget=None, margin=None, replicas=1):
+        """The search for E on `devices`, checked: allocators that keep statistics, a
+        budget (None: the smallest device's memory) and a margin (None: the largest
+        default_margin of theirs)."""
         effective_batch = check_effective_batch(effective_batch)
         margin = check_margin(margin)
-        devices, budget, margin = _measured_on(strategy, budget, margin)
-        return cls(effective_batch, budget, margin, strategy.num_replicas_in_sync, devices)
+        check_statistics(devices)
+        budget = check_budget(budget) or min(device_memory(d) for d in devices)
+        if margin is None:
+            margin = max(default_margin(d) for d in devices)
+        return cls(effective_batch, budget, check_margin(margin), replicas, devices)
 
     @property
     def largest(self):

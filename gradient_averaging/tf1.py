@@ -540,14 +540,10 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
       ValueError: bad arguments, a device whose memory or peak cannot be read.
       micro_batch.NothingFits: one sample, or the update, needs more than the budget.
     """
-    effective_batch = micro_batch_lib.check_effective_batch(effective_batch)
-    margin = micro_batch_lib.check_margin(margin)
     start = time.perf_counter()
     device = device or micro_batch_lib.default_device()
-    micro_batch_lib.check_statistics([device])
-    budget = micro_batch_lib.check_budget(budget) or micro_batch_lib.device_memory(device)
-    if margin is None:
-        margin = micro_batch_lib.default_margin(device)
+    search = micro_batch_lib.Search.on_devices([device], effective_batch, budget, margin)
+    search.start = start
     with session.graph.as_default():
         variables = v1.global_variables() + v1.local_variables()
     saved = session.run(variables)
@@ -581,6 +577,4 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
             restore()
 
     peak_at(1)  # the first run sets the graph up (Grappler allocates): not a trial
-    search = micro_batch_lib.Search(effective_batch, budget, margin, devices=[device])
-    search.start = start
     return micro_batch_lib.largest_that_fits(peak_at, update, search).found()

@@ -105,10 +105,12 @@ class TensorMemory(Section):
                       "The same samples held on the device at every N and read a batch at "
                       f"a time, {s['growth_repeats']} probes at each N. Each N's figure is "
                       "the peak most of its probes landed on (within 1%): a process's peak "
-                      "lands in one of a few modes 10-20% apart, the same modes at every N "
-                      "(the order its warm-up settled the ops in), so a median or the lowest "
-                      "compares draws of modes; what a path held more as N grows would lift "
-                      "every mode.", "",
+                      "can land in one of a few modes, by where the allocator found room, "
+                      "so a median or the lowest would compare draws of modes; what a path "
+                      "held more as N grows would lift every mode. The held samples are "
+                      "copied into the measured allocator: made from an array, they landed "
+                      "there in some processes only (12 MiB: the modes 49 and 61 MiB that "
+                      "this check saw before).", "",
                       *memory.growth_markdown(result["growth"]).splitlines()]
         return lines
 

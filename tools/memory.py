@@ -217,9 +217,9 @@ def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
 
 
 def usual_peak(peaks, within=0.01):
-    """The peak most probes landed on: a process's peak lands in one of a few modes 10-20%
-    apart, the same modes at every N (the order its warm-up settled ops in), so a median
-    or the lowest compares draws of modes. Peaks within `within` of a mode's lowest count
+    """The peak most probes landed on: a process's peak can land in one of a few modes, by
+    where the allocator found room, so a median or the lowest would compare draws of
+    modes. Peaks within `within` of a mode's lowest count
     as that mode; its median is the figure (a tie: the lower mode); None without peaks."""
     modes = []
     for peak in sorted(peaks):
