@@ -250,10 +250,12 @@ def zero_sums(sums, finite):
         return one_by_one(lambda total: total.assign(zeros(total.shape, total.dtype),
                                                      read_value=False))
 
+    def in_place():
+        return one_by_one(
+            lambda total: total.assign_add(-total.read_value(), read_value=False))
+
     if finite is False:
         return fresh()
-    in_place = lambda: one_by_one(  # noqa: E731
-        lambda total: total.assign_add(-total.read_value(), read_value=False))
     return [tf.cond(finite, lambda: tf.group(in_place()), lambda: tf.group(fresh()))]
 
 
