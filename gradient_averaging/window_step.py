@@ -4,8 +4,8 @@ apply.
 
 Memory is why a user accumulates, so the step holds no more than B alone does plus one
 accumulator per trainable variable: the sums are replica-local variables, added to in
-place as each mini-batch's gradients are made, and given fresh zeros as the window
-closes (window.zero_sums: never a buffer made amid a pass); a mini-batch reaches the
+place as each mini-batch's gradients are made, and zeroed in place as the window
+closes (window.zero_sums: never in a buffer made amid a pass); a mini-batch reaches the
 step alone (the window loop hands over one at a time, so one mini-batch's activations
 are alive at once); the mean is divided in place, one variable at a time
 (window.divide_in_place).

@@ -219,8 +219,8 @@ def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
 def usual_peak(peaks, within=0.01):
     """The peak most probes landed on: a process's peak can land in one of a few modes, by
     where the allocator found room, so a median or the lowest would compare draws of
-    modes. Peaks within `within` of a mode's lowest count
-    as that mode; its median is the figure (a tie: the lower mode); None without peaks."""
+    modes. Peaks within `within` of a mode's lowest count as that mode; its median is the
+    figure (a tie: the lower mode); None without peaks."""
     modes = []
     for peak in sorted(peaks):
         if modes and peak <= modes[-1][0] * (1 + within):
