@@ -228,13 +228,14 @@ def zero_sums(sums, finite):
     """Zeroes each sum variable, one after another, for the next window.
 
     Where `finite` (a bool scalar tensor: no NaN or Inf in any sum), in the sum's own
-    buffer, by adding its negation (x + -x is exactly 0): the sums keep the buffers they
-    were made with, for one temporary the size of a variable at a time. (An assign takes
-    its value's buffer: where a window's first mini-batch assigned its gradients, the
-    sums kept buffers made amid that pass's activations, and the next passes'
-    activations were cut around them; a scatter would write in place, but leaves the
-    variable copying on every later read and add.) A NaN or Inf cannot be zeroed so:
-    elsewhere (`finite` false, or False), each sum is given fresh zeros.
+    buffer, by adding its negation (x + -x is exactly 0): the sums keep the buffers the
+    division gave them as the window closed, for one temporary the size of a variable
+    at a time. (An assign takes its value's buffer: where a window's first mini-batch
+    assigned its gradients, the sums kept buffers made amid that pass's activations,
+    and the next passes' activations were cut around them; a scatter would write in
+    place, but leaves the variable copying on every later read and add.) A NaN or Inf
+    cannot be zeroed so: elsewhere (`finite` false, or False), each sum is given fresh
+    zeros.
 
     Returns:
       [the op that zeroes the last], to wait for.
@@ -261,8 +262,8 @@ def zero_sums(sums, finite):
 
 def divide_in_place(sums, count, addends=None):
     """Divides each sum variable by `count` (None: leaves it), one after the other, and
-    says whether all were finite: the window's mean where its sums were, with one
-    variable's temporary at a time (all at once would hold a second copy of the
+    says whether all the results are finite: the window's mean where its sums were, with
+    one variable's temporary at a time (all at once would hold a second copy of the
     gradients).
 
     Args:
@@ -271,22 +272,23 @@ def divide_in_place(sums, count, addends=None):
 
     Returns:
       (values, finite): each variable's value after the division (a read that shares
-      its buffer), and a bool scalar tensor: no NaN or Inf in any sum (or addend).
+      its buffer), and a bool scalar tensor: no NaN or Inf in any of them (a sum or
+      addend that was not finite, a count of zero, a sum that overflowed).
     """
     addends = [None] * len(sums) if addends is None else addends
     finite, done = [], []
     for total, addend in zip(sums, addends):
         with tf.control_dependencies(done):
-            checks = [tf.reduce_all(tf.math.is_finite(t))
-                      for t in (total, addend) if t is not None]
-            finite.extend(checks)
             if count is None and addend is None:
-                done = checks
+                done = [tf.reduce_all(tf.math.is_finite(total.read_value()))]
+                finite.extend(done)
                 continue
-            with tf.control_dependencies(checks):
-                value = total if count is None else total / tf.cast(count, total.dtype)
-                if addend is not None:
-                    value += tf.cast(addend, total.dtype)
+            value = total if count is None else total / tf.cast(count, total.dtype)
+            if addend is not None:
+                value += tf.cast(addend, total.dtype)
+            check = tf.reduce_all(tf.math.is_finite(value))
+            finite.append(check)
+            with tf.control_dependencies([check]):
                 done = [total.assign(value, read_value=False)]
     with tf.control_dependencies(done):
         values = [total.read_value() for total in sums]

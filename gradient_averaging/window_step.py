@@ -77,7 +77,7 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
         activity_grads = [None if g is None else tf.convert_to_tensor(g)
                           for g in tape.gradient(activity_value, weights)]
         # A weight that only the activity losses reach still has a loss gradient, zero,
-        # so that its sum is assigned, as every applied one is, in each window.
+        # so that it is applied (a weight without one is left out of the apply).
         grads = [tf.zeros_like(w) if g is None and a is not None else g
                  for g, a, w in zip(grads, activity_grads, weights)]
         activity = (activity_grads, activity_loss)
@@ -334,21 +334,21 @@ class WindowStep:
             if self.log_loss:
                 self.log_loss(samples * self.activity_losses.read_value())
         shares, finite = window_lib.divide_in_place(sums, samples, addends)
-        vote = self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32)
-        # Finite sums divided by no samples are not (an empty window's).
-        return shares, vote, tf.logical_and(finite, samples > 0)
+        return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32), finite
 
     def _reset(self, finite=False):
         """Replica context: opens the next window. `finite`: whether every sum is
         finite (window.zero_sums); False where not known."""
-        window_lib.zero_sums(self.sums + (self.activity_sums or []), finite)
-        self.mini_batches.assign(0)
-        self.samples.assign(0.0)
-        self.nonfinite.assign(0.0)
-        if self.activity_losses is not None:
-            self.activity_losses.assign(0.0)
-        if self.statistics:
-            self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
+        # Its counts say the window is empty once its sums are.
+        with tf.control_dependencies(
+                window_lib.zero_sums(self.sums + (self.activity_sums or []), finite)):
+            self.mini_batches.assign(0)
+            self.samples.assign(0.0)
+            self.nonfinite.assign(0.0)
+            if self.activity_losses is not None:
+                self.activity_losses.assign(0.0)
+            if self.statistics:
+                self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
 
     def discard(self):
         """Cross-replica: empties the open window without applying it (the micro-batch
