@@ -27,6 +27,7 @@ from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging.window import accumulator_dtype
 from gradient_averaging.window import all_finite
 from gradient_averaging.window import check_average_gradients
+from gradient_averaging.window import zero_sums
 from gradient_averaging.window import zeros
 
 v1 = tf.compat.v1
@@ -39,12 +40,6 @@ _COUNT_LIMIT = 2 ** 62  # ResourceCountUpTo's ceiling: never reached
 
 def _values(grad):
     return grad.values if isinstance(grad, tf.IndexedSlices) else grad
-
-
-def _zero(acc):
-    """Gives `acc` a zeroed buffer; its old one is freed (a scatter would zero it in place,
-    but it would leave the variable copying on every later read and add)."""
-    return acc.assign(zeros(acc.shape, acc.dtype), read_value=False)
 
 
 def _zero_rows(acc, touched, rows, summed):
@@ -448,7 +443,7 @@ class AveragingOptimizer(v1.train.Optimizer):
         those rows are reset.
         """
         weight_sum = window.weight_sum.read_value()
-        pairs, resets, divided = [], [], []
+        pairs, resets, divided, dense = [], [], [], []
         for var, acc in window.accumulators.items():
             total = tf.cast(weight_sum, acc.dtype)
             if var in window.touched:
@@ -463,12 +458,14 @@ class AveragingOptimizer(v1.train.Optimizer):
                     divided.append(acc.assign(acc.read_value() / total, read_value=False))
                 with tf.control_dependencies(divided[-1:]):
                     grad = tf.cast(acc.read_value(), var.dtype.base_dtype)
-                resets.append(functools.partial(_zero, acc))
+                dense.append(acc)
             pairs.append((grad, var))
 
         def reset():
-            ops = []
-            for r in resets:  # one after another: one fresh buffer at a time
+            # One after another: one fresh buffer at a time (fresh: the wrapped optimizer
+            # may have applied a non-finite mean, which no addition zeroes).
+            ops = zero_sums(dense, False)
+            for r in resets:
                 with tf.control_dependencies(ops[-1:]):
                     ops.append(r())
             return ops + [window.count.assign(0, read_value=False),
