@@ -261,10 +261,9 @@ def zero_sums(sums, finite):
 
 
 def divide_in_place(sums, count, addends=None):
-    """Divides each sum variable by `count` (None: leaves it), one after the other, and
-    says whether all the results are finite: the window's mean where its sums were, with
-    one variable's temporary at a time (all at once would hold a second copy of the
-    gradients).
+    """Divides each sum variable by `count`, one after the other, and says whether all
+    the results are finite: the window's mean where its sums were, with one variable's
+    temporary at a time (all at once would hold a second copy of the gradients).
 
     Args:
       addends: a tensor (or None) per sum, added to it after the division: what was
@@ -279,11 +278,7 @@ def divide_in_place(sums, count, addends=None):
     finite, done = [], []
     for total, addend in zip(sums, addends):
         with tf.control_dependencies(done):
-            if count is None and addend is None:
-                done = [tf.reduce_all(tf.math.is_finite(total.read_value()))]
-                finite.extend(done)
-                continue
-            value = total if count is None else total / tf.cast(count, total.dtype)
+            value = total / tf.cast(count, total.dtype)
             if addend is not None:
                 value += tf.cast(addend, total.dtype)
             check = tf.reduce_all(tf.math.is_finite(value))

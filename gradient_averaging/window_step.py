@@ -77,8 +77,9 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
         activity_grads = [None if g is None else tf.convert_to_tensor(g)
                           for g in tape.gradient(activity_value, weights)]
         # A weight that only the activity losses reach still has a loss gradient, zero,
-        # so that it is applied (a weight without one is left out of the apply).
-        grads = [tf.zeros_like(w) if g is None and a is not None else g
+        # so that it is applied (a weight without one is left out of the apply); made as
+        # the pass runs, not a constant that Grappler folds and the executor keeps.
+        grads = [window_lib.zeros(w.shape, w.dtype) if g is None and a is not None else g
                  for g, a, w in zip(grads, activity_grads, weights)]
         activity = (activity_grads, activity_loss)
     no_gradient = [g is None for g in grads]

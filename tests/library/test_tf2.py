@@ -29,6 +29,7 @@ from tests.library.toys import max_difference
 from tests.library.toys import mini_batches
 from tests.library.toys import mixed_float16
 from tests.library.toys import sgd as halving_sgd  # the rate halves at every update
+from tests.library.toys import side_branch
 from tests.library.toys import small_conv_net
 from tests.library.toys import tiny_model as toy_model
 from tests.library.toys import windows
@@ -197,6 +198,23 @@ def test_an_activity_regularizer_counts_as_in_the_direct_batch(accumulator):
     assert samples == len(x)
     np.testing.assert_allclose(loss_sum / samples, history["loss"][0], rtol=1e-5)
 
+
+@pytest.mark.parametrize("accumulator", [tf2.WindowAccumulator, tf2.MiniBatchAccumulator])
+def test_a_weight_that_only_an_activity_regularizer_reaches_is_trained(accumulator):
+    """A side layer whose output only its activity regularizer sees trains as in the
+    direct batch. Before Keras 3.14, where that regularizer's loss is summed apart
+    (`make test-low`), the loss itself gives the layer's weights no gradient."""
+    x, y = toy_data()
+    direct = side_branch()
+    direct.compile(optimizer=halving_sgd(),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    direct.fit(x, y, batch_size=80, epochs=1, shuffle=False, verbose=0)
+    model = side_branch()
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    trainer = accumulator(model, halving_sgd(), loss_fn, average_gradients=4)
+    trainer.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(20))
+    assert max_difference(model, direct) < 1e-5
+    assert np.abs(model.side.kernel.numpy() - side_branch().side.kernel.numpy()).max() > 1e-3
 
 def test_an_activity_regularizer_under_mixed_float16_counts_as_in_float32():
     """A float16 layer's activity loss is float16: summed in float32 with the loss, scaled

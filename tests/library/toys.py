@@ -72,6 +72,30 @@ def activity_regularized(l2=0.05):
         keras.layers.Dense(CLASSES, kernel_initializer=init(2))])
 
 
+class SideBranch(keras.Model):
+    """A hidden layer, the logits, and a side layer on the hidden one whose output only
+    its activity regularizer sees: before Keras 3.14, which sums that regularizer's loss
+    apart, the loss itself gives the side layer's weights no gradient."""
+
+    def __init__(self, l2=0.05):
+        super().__init__()
+        init = keras.initializers.GlorotUniform
+        self.hidden = keras.layers.Dense(16, activation="relu", kernel_initializer=init(1))
+        self.side = keras.layers.Dense(4, kernel_initializer=init(3),
+                                       activity_regularizer=keras.regularizers.L2(l2))
+        self.logits = keras.layers.Dense(CLASSES, kernel_initializer=init(2))
+
+    def call(self, x, training=False):
+        hidden = self.hidden(x)
+        self.side(hidden)
+        return self.logits(hidden)
+
+
+def side_branch():
+    model = SideBranch()
+    model(np.zeros((1, FEATURES), np.float32))  # built, as a Sequential with an Input is
+    return model
+
 def sgd(**kwargs):
     """SGD on a schedule that halves the rate at every optimizer step."""
     return keras.optimizers.SGD(
