@@ -124,8 +124,8 @@ def test_keras_fit_searches_on_batches_of_a_fixed_size(runs):
 
 @pytest.mark.slow
 def test_keras_evaluates_where_it_trains(runs):
-    """evaluate at batch E, which Keras alone runs as one batch over the limit, cut into
-    mini-batches of the micro-batch: it fits, to the direct model's loss."""
+    """evaluate with the whole set as one batch, which Keras alone runs over the limit,
+    cut into mini-batches of the micro-batch: it fits, to the direct model's loss."""
     limited, reference, _ = runs
     assert reference["direct"]["evaluate_peak"] > LIMIT_MB * MIB, reference
     np.testing.assert_allclose(limited["keras"]["evaluate_loss"],
