@@ -465,7 +465,7 @@ class Search:
         budget = check_budget(budget) or min(device_memory(d) for d in devices)
         if margin is None:
             margin = max(default_margin(d) for d in devices)
-        return cls(effective_batch, budget, check_margin(margin), replicas, devices)
+        return cls(effective_batch, budget, margin, replicas, devices)
 
     @property
     def largest(self):
