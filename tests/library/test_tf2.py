@@ -216,6 +216,7 @@ def test_a_weight_that_only_an_activity_regularizer_reaches_is_trained(accumulat
     assert max_difference(model, direct) < 1e-5
     assert np.abs(model.side.kernel.numpy() - side_branch().side.kernel.numpy()).max() > 1e-3
 
+
 def test_an_activity_regularizer_under_mixed_float16_counts_as_in_float32():
     """A float16 layer's activity loss is float16: summed in float32 with the loss, scaled
     as the loss is by the LossScaleOptimizer and unscaled with the mean (before Keras 3.14
