@@ -9,9 +9,11 @@ with a warning: parse_flags rewrites those spellings before absl parses, so absl
 each flag once and `--help` lists it once.
 """
 
+import contextlib
 import inspect
 import os
 import re
+import signal
 import sys
 
 from absl import flags
@@ -26,6 +28,93 @@ def fail(message, code=2):
     """Bad input: one clear line on stderr and a non-zero exit, no traceback."""
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM ask the training loop to stop after the current mini-batch.
+
+    The loop then saves its checkpoint and the process exits 128 + the signal's number.
+    A second signal ends the process at once.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = None
+        self._previous = {}
+
+    def __enter__(self):
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *unused):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if self.received:
+            sys.exit(128 + signum)
+        self.received = signal.Signals(signum)
+
+    def __call__(self):
+        return self.received.name if self.received else None
+
+
+@contextlib.contextmanager
+def one_line_errors(config=None, checkpoint_dir=None, stop=None):
+    """Every error a run can meet, as its one line on stderr and its exit code
+    (docs/bad-input.md lists them); any other error propagates, traceback and all.
+
+    Args:
+      config: the config.Config being trained; None around the set-up before training,
+        where a ValueError is the engine refusing the configuration here (exit 2).
+      checkpoint_dir: the run's --checkpoint-dir, which an out-of-memory line names.
+      stop: the StopSignals of the training loop: a stopped run exits 128 + its signal.
+    """
+    try:
+        yield
+    except Exception as error:  # each kind is looked up; any other is raised again
+        line, code = _line_and_code(error, config, checkpoint_dir, stop)
+        if line is None:
+            raise
+        fail(line, code)
+
+
+def _line_and_code(error, config, checkpoint_dir, stop):
+    """one_line_errors' table: (the line, the exit code) for `error`, or (None, None)."""
+    import tensorflow as tf
+
+    from experiment import checkpoint
+    from experiment import data
+    from experiment import loop
+    from experiment import memory
+    from experiment import results
+    from experiment import runlock
+    from gradient_averaging import micro_batch
+
+    if config is None:
+        return (str(error), 2) if isinstance(error, ValueError) else (None, None)
+    codes = {  # the error's own text is its line
+        data.DataError: 2,  # --data-dir: missing, unreadable or corrupt files
+        results.ResultsError: 2,  # an output path that cannot be written
+        runlock.LockError: 2,  # the checkpoint directory is another run's
+        checkpoint.CheckpointError: 2,  # a checkpoint of other settings, or unreadable
+        micro_batch.NothingFits: 1,  # one sample ran out of memory in training
+        results.WriteError: 1,  # a full disk, a lost permission
+        loop.Stopped: 128 + stop.received if stop and stop.received else 3,
+    }
+    code = next((c for kind, c in codes.items() if isinstance(error, kind)), None)
+    if code is not None:
+        return str(error), code
+    if not isinstance(error, tf.errors.OpError):
+        return None, None
+    # The device's memory ran out (the checkpoint in force stays), or an op has no
+    # deterministic kernel here.
+    line = memory.out_of_memory(error, config.average_gradients, config.batch_size,
+                                checkpoint_dir, config.effective_batch_size)
+    if line is not None:
+        return line, 1
+    return (missing_deterministic_kernel(error) if config.deterministic else None), 2
 
 
 def missing_deterministic_kernel(error):

@@ -13,9 +13,10 @@ import time
 import numpy as np
 import pytest
 
-import main
+import main  # noqa: F401  (defines main.py's flags in this process)
 from experiment import averagers
 from experiment import checkpoint
+from experiment import cli
 from experiment import config as config_lib
 from experiment import loop
 from tests.helpers import ROOT
@@ -198,7 +199,7 @@ def test_sigterm_and_a_second_signal_are_handled():
     """The first SIGINT or SIGTERM asks the loop to stop; a second ends the process."""
     for signum in (signal.SIGTERM, signal.SIGINT):
         before = signal.getsignal(signum)
-        with main.StopSignals() as stop:
+        with cli.StopSignals() as stop:
             assert stop() is None
             os.kill(os.getpid(), signum)
             time.sleep(0.01)  # Python runs the handler between bytecodes
