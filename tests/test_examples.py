@@ -15,12 +15,14 @@ import glob
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers import run_cli
 
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.py")))
 # Calls whose effect outlives the example, or absl flags of its own: a process of its own.
@@ -72,11 +74,17 @@ def test_example_runs_in_a_fresh_directory(path, tmp_path, monkeypatch):
     assert repository_files() == before, "the example wrote into the repository"
 
 
+# README's snippets, one per kind of user: each the body of its example, verbatim.
+README_EXAMPLES = ("keras_quickstart.py", "tf2_quickstart.py", "tf1_quickstart.py")
+
+
 def test_there_are_examples_and_readme_links_each_of_mine():
     names = {os.path.basename(p) for p in EXAMPLES}
-    assert "gradient_averager.py" in names
+    assert {"gradient_averager.py", *README_EXAMPLES} <= names
     with open(os.path.join(ROOT, "README.md")) as f:
-        assert "examples/gradient_averager.py" in f.read()
+        text = f.read()
+    for name in ("gradient_averager.py", *README_EXAMPLES):
+        assert f"(examples/{name})" in text, name
 
 
 def python_blocks(markdown_path):
@@ -91,8 +99,15 @@ def example_body(name):
     return source.split('"""\n', 1)[1].strip() + "\n"
 
 
-def test_readmes_mechanism_snippet_is_its_example_verbatim():
-    (snippet,) = [block for block in python_blocks(os.path.join(ROOT, "README.md"))
+def test_readmes_snippets_are_their_examples_verbatim():
+    """README's python blocks are its examples' bodies, in order, and nothing else; the
+    examples themselves run in test_example_runs_in_a_fresh_directory."""
+    assert python_blocks(os.path.join(ROOT, "README.md")) == [
+        example_body(name) for name in README_EXAMPLES]
+
+
+def test_the_mechanism_snippet_is_its_example_verbatim():
+    (snippet,) = [block for block in python_blocks(os.path.join(ROOT, "docs", "averagers.md"))
                   if "trainer.GradientAverager(" in block]
     assert snippet == example_body("gradient_averager.py")
 
@@ -137,9 +152,9 @@ def test_tf2_engine_docs_fit_accumulated_block_runs_and_prints_what_it_says(
     assert printed == block.rstrip().splitlines()[-1].split("# ", 1)[1]
 
 
-def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
-    """The snippets that stand for an example (README's MonitoredTrainingSession and Keras
-    fit blocks; docs' "excerpt" blocks, fenced `py`) are that file's lines, in order."""
+def test_docs_excerpts_are_lines_of_the_examples_they_link():
+    """The snippets that stand for an example (docs/tf1-code.md's "excerpt" blocks, fenced
+    `py`) are that file's lines, in order."""
     def blocks(path, fence, keep=lambda block: True):
         """(block, the last examples/*.py linked before it) for each kept block."""
         with open(os.path.join(ROOT, path)) as f:
@@ -149,10 +164,8 @@ def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
                 for m in re.finditer(rf"```{fence}\n(.*?)```", text, flags=re.S)
                 if keep(m.group(1))]
 
-    excerpts = blocks("README.md", "python", lambda b: "MonitoredTrainingSession(" in b
-                      or "accumulate(make_model()" in b) + blocks("docs/tf1-code.md", "py")
-    assert len(excerpts) >= 4
-    assert "examples/keras_fit.py" in [example for _, example in excerpts]
+    excerpts = blocks("docs/tf1-code.md", "py")
+    assert len(excerpts) >= 3
 
     def code(line):
         return line.split("  # ")[0].strip()  # comments aside
@@ -165,3 +178,46 @@ def test_readme_and_docs_excerpts_are_lines_of_the_examples_they_link():
             if line and line != "...":
                 assert line in lines[position:], (example, line)
                 position = lines.index(line, position) + 1
+
+
+def readme_commands():
+    """README's main.py command lines: (the environment they set, main.py's arguments)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    blocks = re.findall(r"```sh\n(.*?)```", text, flags=re.S)
+    lines = [line for block in blocks
+             for line in block.replace("\\\n", " ").splitlines() if "main.py" in line]
+    lines += re.findall(r"`(main\.py [^`]*)`", text)  # the table's
+    commands = []
+    for line in lines:
+        words = shlex.split(line.split("#")[0])
+        at = next(i for i, word in enumerate(words) if word.endswith("main.py"))
+        env = dict(word.split("=", 1) for word in words[:max(at - 1, 0)])
+        if (env, words[at + 1:]) not in commands:
+            commands.append((env, words[at + 1:]))
+    return commands
+
+
+def test_readmes_command_lines_parse(capsys):
+    """Each of README's command lines passes main.py's flag checks as written."""
+    from absl.testing import flagsaver
+
+    import flags  # noqa: F401  (defines main.py's flags in this process)
+    from experiment import cli
+
+    commands = readme_commands()
+    assert len(commands) >= 5
+    for _, args in commands:
+        with flagsaver.flagsaver():
+            cli.parse_flags(["main.py", *args])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, args", readme_commands())
+def test_readmes_command_lines_train(env, args):
+    """Each of README's command lines trains, shortened to one run of a few mini-batches
+    (later flags win)."""
+    proc = run_cli(*args, "--reps=1", "--iterations=6", "--eval-every=0", env=env,
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Training finished." in proc.stdout
