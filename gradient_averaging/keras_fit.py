@@ -27,6 +27,7 @@ import tensorflow as tf
 from gradient_averaging import _keras_src
 from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import micro_batch as micro_batch_lib
+from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
@@ -109,7 +110,7 @@ def _next_batch(iterator, step):
 
 # Registered under the name the first release used, so that its .keras files load.
 @keras.saving.register_keras_serializable(package="tf2_accumulator")
-class AccumulatingModel(keras.Model):
+class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     """A Keras model whose `fit` applies one update per window of N mini-batches.
 
     Keras's `fit` runs as it is; what changes is its train function
@@ -426,8 +427,13 @@ class AccumulatingModel(keras.Model):
         """Keras's test function; with a micro_batch_size, one that evaluates each batch
         in mini-batches of the micro-batch training uses (the largest that fit so far
         while it is searched for; the whole batch before fit knows one), so that
-        evaluation fits where training does. The metrics are Keras's, over the batch."""
-        if self.micro_batch_size is None:
+        evaluation fits where training does. The metrics are Keras's, over the batch.
+        Under a strategy of several workers, that one too (each batch whole without a
+        micro_batch_size): Keras's reduces each step's logs with strategy.reduce along
+        an axis they do not have, and fails (keras-team/keras#20585); this one reads the
+        metrics across the replicas, as the train function does."""
+        if (self.micro_batch_size is None
+                and replicas_lib.workers(self.distribute_strategy) == 1):
             return super().make_test_function(force)
         if self.test_function is not None and not force:
             return self.test_function

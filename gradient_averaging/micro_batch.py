@@ -52,6 +52,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
 # The default margin: the fraction of the budget kept free for what a trial's peak does
@@ -446,7 +447,7 @@ class Search:
     def on(cls, strategy, effective_batch, budget=None, margin=None):
         """The search for E on `strategy`'s devices (one worker's: each worker would
         find its own), as on_devices."""
-        if _workers(strategy) > 1:
+        if replicas_lib.workers(strategy) > 1:
             raise ValueError(
                 "micro_batch_size='auto' under a strategy of several workers: each would "
                 "find its own, where all must cut a batch alike (and a trial that runs out "
@@ -578,14 +579,6 @@ def _reset_peaks(devices):
 def _peak(devices):
     """The largest peak over the devices since their last reset, in bytes."""
     return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
-
-
-def _workers(strategy):
-    """The worker processes of `strategy`'s cluster (1 without one)."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    return max(1, len(resolver.cluster_spec().as_dict().get("worker", [])))
 
 
 def _nothing_fits(what, peak, budget, margin):

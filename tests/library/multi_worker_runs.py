@@ -1,0 +1,158 @@
+"""Keras fit through accumulate on the workers of one MultiWorkerMirroredStrategy, for
+test_multi_worker: each worker is this module in a process of its own, with its own
+TF_CONFIG on 127.0.0.1 (start() starts them).
+
+    TF_CONFIG=... python -m tests.library.multi_worker_runs --out=DIR [--runs=a,b]
+
+Each worker trains every run of RUNS (tests/library/toys's tiny models and data, as
+Keras's distributed guide writes it: model and compile in the strategy's scope, fit,
+evaluate and predict outside) and writes DIR/worker<index>.npz: per run its weights,
+History, evaluation, predictions and batch-norm moving statistics. Each worker reads the
+whole data; Keras's autosharding gives each its half of every global batch.
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HOST = "127.0.0.1"
+EPOCHS = 2
+
+
+def runs():
+    """name -> (model maker, optimizer maker, fit's data source, fit's batch_size)."""
+    from gradient_averaging import keras_fit
+    from tests.library import toys
+
+    def accumulate(**kwargs):
+        return lambda: keras_fit.accumulate(toys.tiny_model(), **kwargs)
+
+    mini_batches = dict(average_gradients=toys.N)
+    micro_batches = dict(micro_batch_size=toys.B // 4)  # per replica: E/2 = 40 is 4 of 10
+    # The two ways to give the window, on the two kinds of data, one each (a run costs
+    # its workers tens of seconds); batch norm apart (its weights are not the direct
+    # batch's: each forward pass normalizes by a worker's share).
+    return {
+        "n_numpy": (accumulate(**mini_batches), toys.sgd, "numpy", toys.B),
+        "micro_dataset": (accumulate(**micro_batches), toys.OPTIMIZERS["adam"], "tf.data",
+                          toys.N * toys.B),
+        "bn": (lambda: keras_fit.accumulate(toys.bn_model(), toys.N), toys.sgd, "numpy",
+               toys.B),
+    }
+
+
+def train(make_model, make_optimizer, source, batch_size, strategy=None):
+    """A run: (weights, History's history, evaluate's list, predict's array, moving
+    statistics), the model made and compiled in `strategy`'s scope (if any)."""
+    import contextlib
+
+    from tests.library import toys
+    x, y = toys.data()
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = toys.compiled(make_model(), make_optimizer())
+    validation = (x[:64], y[:64])
+    history = toys.fit(model, x, y, batch_size, source, epochs=EPOCHS,
+                       validation_data=validation).history
+    return (model.get_weights(), history, model.evaluate(x, y, verbose=0),
+            model.predict(x, verbose=0), toys.moving_statistics(model))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", default=",".join(runs()))
+    args = parser.parse_args()
+    import numpy as np
+    import tensorflow as tf
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    made = runs()
+    arrays, logs = {}, {}
+    for name in args.runs.split(","):
+        weights, history, evaluation, predictions, moving = train(*made[name], strategy)
+        for i, w in enumerate(weights):
+            arrays[f"{name}/weights/{i}"] = w
+        for i, s in enumerate(moving):
+            arrays[f"{name}/moving/{i}"] = s
+        arrays[f"{name}/predict"] = predictions
+        logs[name] = {"history": history, "evaluate": evaluation}
+    arrays["logs"] = np.array(json.dumps(logs))
+    np.savez(os.path.join(args.out, f"worker{index}.npz"), **arrays)
+
+
+# ---------------------------------------------------------------- the test's side
+
+
+def free_ports(count):
+    """Ports the kernel reports free on 127.0.0.1 (held open together, so distinct)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind((HOST, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def start(module_args, workers=2, envs=None, log_dir=None):
+    """Starts `python -m MODULE_ARGS` as the workers of one cluster on 127.0.0.1, each
+    with its own TF_CONFIG (and its own entries of `envs`, one dict per worker); their
+    output goes to log_dir/worker<i>.log (or is discarded). Returns the Popen objects:
+    the caller must kill() them (stop()), in a `finally`."""
+    from tests.helpers import CPU_ONLY
+    from tests.helpers import ROOT
+    ports = free_ports(workers)
+    cluster = {"worker": [f"{HOST}:{p}" for p in ports]}
+    procs = []
+    for index in range(workers):
+        env = dict(os.environ, **CPU_ONLY, **((envs or [{}] * workers)[index]),
+                   PYTHONPATH=ROOT, TF_CONFIG=json.dumps(
+                       {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        log = (open(os.path.join(log_dir, f"worker{index}.log"), "a") if log_dir
+               else subprocess.DEVNULL)
+        procs.append(subprocess.Popen([sys.executable, "-m", *module_args], cwd=ROOT, env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+        if log_dir:
+            log.close()  # the child holds its own copy
+    return procs
+
+
+def wait(procs, timeout):
+    """Waits for every process to end, at most `timeout` seconds in all, stopping early
+    where one failed (its peers would wait for it). Returns their exit codes (None for
+    one still running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+            return codes
+        time.sleep(0.2)
+    return [p.poll() for p in procs]
+
+
+def stop(procs):
+    """Kills every process still running, and reaps it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def logs(log_dir, workers=2):
+    """The workers' output, for an assertion's message (each log's last 3,000 chars)."""
+    out = []
+    for index in range(workers):
+        path = os.path.join(log_dir, f"worker{index}.log")
+        if os.path.exists(path):
+            with open(path) as f:
+                out.append(f"--- worker {index}:\n{f.read()[-3000:]}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
