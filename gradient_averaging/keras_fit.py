@@ -19,7 +19,9 @@ takes each batch from Keras's iterator first, so that a window that runs out of 
 can be trained again at half the micro-batch (micro_batch.EffectiveWindows).
 """
 
+import contextlib
 import math
+import tempfile
 
 import keras
 import tensorflow as tf
@@ -133,6 +135,13 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     windows' own mini-batches (micro_batch.EffectiveWindows). `evaluate` (and fit's
     validation) evaluates each batch in mini-batches of the micro-batch too.
 
+    Under a MultiWorkerMirroredStrategy of several workers (one TF_CONFIG each), where
+    Keras 3's own fit fails (keras-team/keras#20585), fit, evaluate and predict run: the
+    model is built from its data's spec, not from a first batch reduced eagerly
+    (_keras_src.SpecBuilt), and evaluation reads the metrics across the replicas as the
+    train function does. Each worker reads the whole data; Keras's autosharding gives
+    each replica its share of every global batch (docs/multi-worker.md).
+
     Attributes:
       model: the wrapped Keras model.
       average_gradients: N (1 where each batch is an effective batch).
@@ -222,11 +231,29 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             self._cut_batches(windows)
         if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
-        return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                           validation_data=validation_data, initial_epoch=initial_epoch,
-                           steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                           validation_batch_size=validation_batch_size or batch_size,
-                           validation_freq=validation_freq)
+        with self._chief_writes(callbacks):
+            return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                               validation_data=validation_data, initial_epoch=initial_epoch,
+                               steps_per_epoch=steps_per_epoch,
+                               validation_steps=validation_steps,
+                               validation_batch_size=validation_batch_size or batch_size,
+                               validation_freq=validation_freq)
+
+    def _chief_writes(self, callbacks):
+        """Under several workers, on a worker other than the chief: Keras's callbacks
+        that write (ModelCheckpoint, TensorBoard, BackupAndRestore; Keras 3's have no
+        worker logic) write to a directory of this worker's own, removed after fit, so
+        that each file is written once, by the chief. Every worker still runs them (a
+        save reads the variables, in step with the other workers). A BackupAndRestore
+        restores from its backup_dir on every worker: where the workers are machines,
+        that directory must be on storage they all read (docs/multi-worker.md)."""
+        strategy = self.distribute_strategy
+        if replicas_lib.workers(strategy) == 1 or strategy.extended.should_checkpoint:
+            return contextlib.nullcontext()
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = callbacks.callbacks
+        return _keras_src.elsewhere(list(callbacks or []),
+                                    tempfile.mkdtemp(prefix="gradient_averaging_worker_"))
 
     def _make_window(self, spec):
         """The window step for this model and optimizer (again after a new compile), its

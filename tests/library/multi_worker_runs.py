@@ -3,12 +3,18 @@ test_multi_worker: each worker is this module in a process of its own, with its 
 TF_CONFIG on 127.0.0.1 (start() starts them).
 
     TF_CONFIG=... python -m tests.library.multi_worker_runs --out=DIR [--runs=a,b]
+    TF_CONFIG=... python -m tests.library.multi_worker_runs --out=DIR --resume [--kill-epoch=K]
 
 Each worker trains every run of RUNS (tests/library/toys's tiny models and data, as
 Keras's distributed guide writes it: model and compile in the strategy's scope, fit,
 evaluate and predict outside) and writes DIR/worker<index>.npz: per run its weights,
 History, evaluation, predictions and batch-norm moving statistics. Each worker reads the
 whole data; Keras's autosharding gives each its half of every global batch.
+
+--resume: one run of RESUME_EPOCHS epochs (n_numpy's model) with Keras's writing
+callbacks, BackupAndRestore (DIR/backup, a backup each epoch), ModelCheckpoint
+(DIR/checkpoint.weights.h5) and TensorBoard (DIR/tensorboard); with --kill-epoch=K worker
+1 kills itself (SIGKILL) after the second window of epoch K.
 """
 
 import argparse
@@ -21,6 +27,7 @@ import time
 
 HOST = "127.0.0.1"
 EPOCHS = 2
+RESUME_EPOCHS = 4
 
 
 def runs():
@@ -45,7 +52,8 @@ def runs():
     }
 
 
-def train(make_model, make_optimizer, source, batch_size, strategy=None):
+def train(make_model, make_optimizer, source, batch_size, strategy=None, epochs=EPOCHS,
+          callbacks=None):
     """A run: (weights, History's history, evaluate's list, predict's array, moving
     statistics), the model made and compiled in `strategy`'s scope (if any)."""
     import contextlib
@@ -55,16 +63,41 @@ def train(make_model, make_optimizer, source, batch_size, strategy=None):
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = toys.compiled(make_model(), make_optimizer())
     validation = (x[:64], y[:64])
-    history = toys.fit(model, x, y, batch_size, source, epochs=EPOCHS,
-                       validation_data=validation).history
+    history = toys.fit(model, x, y, batch_size, source, epochs=epochs,
+                       validation_data=validation, callbacks=callbacks).history
     return (model.get_weights(), history, model.evaluate(x, y, verbose=0),
             model.predict(x, verbose=0), toys.moving_statistics(model))
+
+
+def writing_callbacks(out, kill_epoch=None):
+    """BackupAndRestore, ModelCheckpoint and TensorBoard under `out`; with `kill_epoch`,
+    on worker 1, one that kills its process (SIGKILL) mid-epoch."""
+    import signal
+
+    import keras
+
+    class Kill(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == kill_epoch and batch == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    kill = [Kill()] if kill_epoch is not None and index == 1 else []
+    return [keras.callbacks.BackupAndRestore(os.path.join(out, "backup")),
+            keras.callbacks.ModelCheckpoint(os.path.join(out, "checkpoint.weights.h5"),
+                                            save_weights_only=True),
+            keras.callbacks.TensorBoard(os.path.join(out, "tensorboard")), *kill]
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default=",".join(runs()))
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--kill-epoch", type=int)
     args = parser.parse_args()
     import numpy as np
     import tensorflow as tf
@@ -72,8 +105,12 @@ def main():
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     made = runs()
     arrays, logs = {}, {}
-    for name in args.runs.split(","):
-        weights, history, evaluation, predictions, moving = train(*made[name], strategy)
+    names = ["n_numpy"] if args.resume else args.runs.split(",")
+    for name in names:
+        callbacks = writing_callbacks(args.out, args.kill_epoch) if args.resume else None
+        weights, history, evaluation, predictions, moving = train(
+            *made[name], strategy, epochs=RESUME_EPOCHS if args.resume else EPOCHS,
+            callbacks=callbacks)
         for i, w in enumerate(weights):
             arrays[f"{name}/weights/{i}"] = w
         for i, s in enumerate(moving):

@@ -5,11 +5,15 @@ Keras 3.15's own fit fails there (keras-team/keras#20585); the AccumulatingModel
 trains to the one-process direct batch's weights, History (validation included),
 evaluation and predictions, with N mini-batches per update and with a micro-batch size,
 on numpy arrays and on a tf.data dataset each worker reads whole; batch norm's moving
-statistics take the direct batch's steps, pooled across the workers.
+statistics take the direct batch's steps, pooled across the workers. Keras's writing
+callbacks write once, from the chief; BackupAndRestore resumes a job whose worker was
+killed (kill -9) to the uninterrupted run's weights.
 """
 
+import glob
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -79,3 +83,53 @@ def test_batch_norm_statistics_step_once_per_update_across_the_workers(workers):
     for result in results:
         for got, want in zip(arrays(result, "bn", "moving"), moving, strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_backup_and_restore_resumes_a_job_whose_worker_was_killed(tmp_path):
+    """Worker 1 is killed (SIGKILL) mid-epoch 2; the chief, left waiting for it, is
+    stopped; both start again with the same command and end with the uninterrupted
+    run's weights. Each file was written by the chief only; a worker that ends removes
+    the directory it wrote to instead (the killed one cannot)."""
+    out = str(tmp_path)
+    temporary = [tmp_path / f"tmp{i}" for i in range(2)]
+    envs = []
+    for directory in temporary:
+        directory.mkdir()
+        envs.append({"TMPDIR": str(directory)})
+    command = ["tests.library.multi_worker_runs", f"--out={out}", "--resume"]
+    chiefs = []
+    procs = runs_lib.start([*command, "--kill-epoch=2"], envs=envs, log_dir=out)
+    try:
+        chiefs.append(procs[0].pid)
+        # The one-process direct batch, uninterrupted, meanwhile.
+        weights, history, *_ = runs_lib.train(toys.tiny_model, toys.sgd, "numpy",
+                                              toys.N * toys.B, epochs=runs_lib.RESUME_EPOCHS)
+        codes = runs_lib.wait(procs, TIMEOUT)
+        assert codes[1] == -signal.SIGKILL, runs_lib.logs(out)
+    finally:
+        runs_lib.stop(procs)  # the chief waits for its peer: stopped as a job is
+    with open(os.path.join(out, "backup", "training_metadata.json")) as f:
+        assert json.load(f)["epoch"] == 2  # epochs 0 and 1 backed up
+    killed = {str(d): sorted(d.glob("gradient_averaging_worker_*")) for d in temporary}
+    procs = runs_lib.start(command, envs=envs, log_dir=out)
+    try:
+        chiefs.append(procs[0].pid)
+        assert runs_lib.wait(procs, TIMEOUT) == [0, 0], runs_lib.logs(out)
+    finally:
+        runs_lib.stop(procs)
+    for index in range(2):
+        result = saved(out, index)
+        for got, want in zip(arrays(result, "n_numpy", "weights"), weights, strict=True):
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        resumed = json.loads(str(result["logs"]))["n_numpy"]["history"]
+        for key, values in history.items():  # epochs 2 and 3 only
+            np.testing.assert_allclose(resumed[key], values[2:], rtol=1e-5, atol=1e-6)
+    assert os.path.exists(os.path.join(out, "checkpoint.weights.h5"))
+    assert not os.path.exists(os.path.join(out, "backup"))  # deleted at the end
+    events = glob.glob(os.path.join(out, "tensorboard", "**", "events.out.tfevents.*"),
+                       recursive=True)
+    # events.out.tfevents.TIME.HOST.PID.N.v2: the chief's processes', never worker 1's.
+    assert events and {int(os.path.basename(e).split(".")[-3]) for e in events} == set(chiefs)
+    for directory in temporary:  # only what the killed process could not remove
+        assert sorted(directory.glob("gradient_averaging_worker_*")) == killed[str(directory)]
