@@ -231,13 +231,23 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             self._cut_batches(windows)
         if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
-        with self._chief_writes(callbacks):
-            return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                               validation_data=validation_data, initial_epoch=initial_epoch,
-                               steps_per_epoch=steps_per_epoch,
-                               validation_steps=validation_steps,
-                               validation_batch_size=validation_batch_size or batch_size,
-                               validation_freq=validation_freq)
+        try:
+            with self._chief_writes(callbacks):
+                return super().fit(windows, epochs=epochs, verbose=verbose,
+                                   callbacks=callbacks, validation_data=validation_data,
+                                   initial_epoch=initial_epoch,
+                                   steps_per_epoch=steps_per_epoch,
+                                   validation_steps=validation_steps,
+                                   validation_batch_size=validation_batch_size or batch_size,
+                                   validation_freq=validation_freq)
+        except replicas_lib.COLLECTIVE_ERRORS:
+            if replicas_lib.workers(self.distribute_strategy) == 1:
+                raise
+            raise replicas_lib.WorkerFailed(
+                "a collective with another worker failed in fit: that worker failed or went "
+                "away (its own output says why); a collective strategy cannot go on, or "
+                "retry, without it: start every worker again (a "
+                "keras.callbacks.BackupAndRestore resumes from its last backup)") from None
 
     def _chief_writes(self, callbacks):
         """Under several workers, on a worker other than the chief: Keras's callbacks

@@ -4,6 +4,7 @@ TF_CONFIG on 127.0.0.1 (start() starts them).
 
     TF_CONFIG=... python -m tests.library.multi_worker_runs --out=DIR [--runs=a,b]
     TF_CONFIG=... python -m tests.library.multi_worker_runs --out=DIR --resume [--kill-epoch=K]
+    TF_CONFIG=... python -m tests.library.multi_worker_runs --out=DIR --auto [--wide]
 
 Each worker trains every run of RUNS (tests/library/toys's tiny models and data, as
 Keras's distributed guide writes it: model and compile in the strategy's scope, fit,
@@ -15,6 +16,14 @@ whole data; Keras's autosharding gives each its half of every global batch.
 callbacks, BackupAndRestore (DIR/backup, a backup each epoch), ModelCheckpoint
 (DIR/checkpoint.weights.h5) and TensorBoard (DIR/tensorboard); with --kill-epoch=K worker
 1 kills itself (SIGKILL) after the second window of epoch K.
+
+--auto: micro_batch_size="auto" on tests/library/micro_batch_runs's sequence MLP, effective
+batches of AUTO_E, each worker under the memory limit its environment gives
+(TF_CPU_BFC_MEM_LIMIT_IN_MB); DIR/worker<index>.npz holds the weights, the micro-batch
+trained at and the largest one this worker's own trials found to fit. --wide: a model of
+large weights and small activations instead (WIDE), searched with a budget no device
+holds and no margin: a worker whose memory limit is under what the update needs
+runs out of memory in the update, with its collectives in flight.
 """
 
 import argparse
@@ -28,6 +37,10 @@ import time
 HOST = "127.0.0.1"
 EPOCHS = 2
 RESUME_EPOCHS = 4
+AUTO_E = 178  # two replicas' shares of 89 (a prime): micro_batch_runs.MIRRORED_E
+# --wide: 1,024 features into 4,096 units (16 MiB of weights, 64 MiB with Adam's slots and
+# the window's sums; a sample's pass adds its 16 MiB gradient, the update more).
+WIDE = 1024, 4096
 
 
 def runs():
@@ -92,12 +105,63 @@ def writing_callbacks(out, kill_epoch=None):
             keras.callbacks.TensorBoard(os.path.join(out, "tensorboard")), *kill]
 
 
+def auto_micro_batch(strategy=None):
+    """The --auto run (or, without a strategy, its direct batch): {weights/i, and with
+    a strategy micro_batch (trained at), own (this worker's search's largest fit)}."""
+    import contextlib
+
+    import keras
+
+    from gradient_averaging import keras_fit
+    from tests.library import micro_batch_runs
+    from tests.library import toys
+    x, y = micro_batch_runs.data()
+    with strategy.scope() if strategy else contextlib.nullcontext():
+        model = micro_batch_runs.model()
+        if strategy:
+            model = keras_fit.accumulate(model, micro_batch_size="auto")
+        toys.compiled(model, keras.optimizers.Adam(1e-3))
+    model.fit(x, y, batch_size=AUTO_E, epochs=1, shuffle=False, verbose=0)
+    out = {f"weights/{i}": w for i, w in enumerate(model.get_weights())}
+    if strategy:
+        found = model.micro_batch
+        limit = found.budget * (1 - found.margin)
+        out["micro_batch"] = found.micro_batch_size
+        out["own"] = max(size for size, peak in found.trials
+                         if peak is not None and peak <= limit)
+    return out
+
+
+def wide_update(strategy):
+    """The --auto --wide run: fit searches, and raises where the update does not fit."""
+    import keras
+    import numpy as np
+
+    from gradient_averaging import keras_fit
+    from tests.library import toys
+    features, units = WIDE
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, features)).astype(np.float32)
+    y = rng.integers(0, 10, 64)
+    init = keras.initializers.GlorotUniform
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((features,)),
+                                  keras.layers.Dense(units, kernel_initializer=init(1)),
+                                  keras.layers.Dense(10, kernel_initializer=init(2))])
+        model = keras_fit.accumulate(model, micro_batch_size="auto", budget=1 << 30,
+                                     margin=0.0)
+        toys.compiled(model, keras.optimizers.Adam(1e-3))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default=",".join(runs()))
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--kill-epoch", type=int)
+    parser.add_argument("--auto", action="store_true")
+    parser.add_argument("--wide", action="store_true")
     args = parser.parse_args()
     import numpy as np
     import tensorflow as tf
@@ -105,6 +169,13 @@ def main():
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     made = runs()
     arrays, logs = {}, {}
+    if args.wide:
+        wide_update(strategy)
+        return
+    if args.auto:
+        arrays = auto_micro_batch(strategy)
+        np.savez(os.path.join(args.out, f"worker{index}.npz"), **arrays)
+        return
     names = ["n_numpy"] if args.resume else args.runs.split(",")
     for name in names:
         callbacks = writing_callbacks(args.out, args.kill_epoch) if args.resume else None

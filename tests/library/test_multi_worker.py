@@ -7,7 +7,10 @@ evaluation and predictions, with N mini-batches per update and with a micro-batc
 on numpy arrays and on a tf.data dataset each worker reads whole; batch norm's moving
 statistics take the direct batch's steps, pooled across the workers. Keras's writing
 callbacks write once, from the chief; BackupAndRestore resumes a job whose worker was
-killed (kill -9) to the uninterrupted run's weights.
+killed (kill -9) to the uninterrupted run's weights. micro_batch_size="auto" under a
+memory limit per worker: each worker searches its own device, all train at the smallest
+micro-batch any found; where one runs out of memory in the search's update (its
+collectives in flight), every worker ends with one line.
 """
 
 import glob
@@ -22,6 +25,11 @@ from tests.library import multi_worker_runs as runs_lib
 from tests.library import toys
 
 TIMEOUT = 420  # seconds for the workers' runs, on a loaded 2-core machine
+# Each worker's device (the CPU as a BFC allocator): worker 1 holds a replica's whole
+# share of the effective batch (89 samples), worker 0 not.
+LIMITS_MB = (64, 160)
+WIDE_LIMIT_MB = 100  # over a wide model's pass of one sample, under its update
+LOST_PEER_TIMEOUT = 120  # seconds for a worker to end once its peer was killed
 
 
 def saved(out, index):
@@ -87,10 +95,10 @@ def test_batch_norm_statistics_step_once_per_update_across_the_workers(workers):
 
 @pytest.mark.slow
 def test_backup_and_restore_resumes_a_job_whose_worker_was_killed(tmp_path):
-    """Worker 1 is killed (SIGKILL) mid-epoch 2; the chief, left waiting for it, is
-    stopped; both start again with the same command and end with the uninterrupted
-    run's weights. Each file was written by the chief only; a worker that ends removes
-    the directory it wrote to instead (the killed one cannot)."""
+    """Worker 1 is killed (SIGKILL) mid-epoch 2; the chief's fit ends in one line (its
+    collective with the dead worker fails); both start again with the same command and
+    end with the uninterrupted run's weights. Each file was written by the chief only; a
+    worker that ends removes the directory it wrote to instead (the killed one cannot)."""
     out = str(tmp_path)
     temporary = [tmp_path / f"tmp{i}" for i in range(2)]
     envs = []
@@ -107,8 +115,12 @@ def test_backup_and_restore_resumes_a_job_whose_worker_was_killed(tmp_path):
                                               toys.N * toys.B, epochs=runs_lib.RESUME_EPOCHS)
         codes = runs_lib.wait(procs, TIMEOUT)
         assert codes[1] == -signal.SIGKILL, runs_lib.logs(out)
+        # The chief's collective with it fails: fit raises one line, and the chief ends.
+        assert procs[0].wait(timeout=LOST_PEER_TIMEOUT) != 0
+        with open(os.path.join(out, "worker0.log")) as f:
+            assert "WorkerFailed: a collective with another worker failed in fit" in f.read()
     finally:
-        runs_lib.stop(procs)  # the chief waits for its peer: stopped as a job is
+        runs_lib.stop(procs)
     with open(os.path.join(out, "backup", "training_metadata.json")) as f:
         assert json.load(f)["epoch"] == 2  # epochs 0 and 1 backed up
     killed = {str(d): sorted(d.glob("gradient_averaging_worker_*")) for d in temporary}
@@ -133,3 +145,57 @@ def test_backup_and_restore_resumes_a_job_whose_worker_was_killed(tmp_path):
     assert events and {int(os.path.basename(e).split(".")[-3]) for e in events} == set(chiefs)
     for directory in temporary:  # only what the killed process could not remove
         assert sorted(directory.glob("gradient_averaging_worker_*")) == killed[str(directory)]
+
+
+@pytest.mark.slow
+def test_auto_micro_batch_agrees_on_the_smallest_that_any_worker_found(tmp_path):
+    out = str(tmp_path)
+    envs = [{"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_NUM_INTEROP_THREADS": "1",
+             "TF_ENABLE_ONEDNN_OPTS": "0", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(limit)}
+            for limit in LIMITS_MB]
+    procs = runs_lib.start(["tests.library.multi_worker_runs", f"--out={out}", "--auto"],
+                           envs=envs, log_dir=out)
+    try:
+        direct = runs_lib.auto_micro_batch()  # the direct batch, one process, no limit
+        assert runs_lib.wait(procs, TIMEOUT) == [0, 0], runs_lib.logs(out)
+    finally:
+        runs_lib.stop(procs)
+    results = [saved(out, i) for i in range(2)]
+    own = [int(result["own"]) for result in results]
+    assert own[0] < own[1]  # each measured its own device
+    for result in results:
+        assert int(result["micro_batch"]) == own[0]  # both train at the smaller
+        for key, want in direct.items():  # the direct batch's weights
+            np.testing.assert_allclose(result[key], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_out_of_memory_in_the_searchs_update_ends_every_worker_in_one_line(tmp_path):
+    """Worker 0's device holds a sample's pass but not the update, which runs out of
+    memory with its collectives in flight: worker 0 says so, and worker 1, left in
+    them, says another worker failed; neither waits for the other."""
+    out = str(tmp_path)
+    bfc = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_NUM_INTEROP_THREADS": "1",
+           "TF_ENABLE_ONEDNN_OPTS": "0"}
+    envs = [dict(bfc, TF_CPU_BFC_MEM_LIMIT_IN_MB=str(WIDE_LIMIT_MB)), bfc]
+    procs = runs_lib.start(["tests.library.multi_worker_runs", f"--out={out}", "--wide"],
+                           envs=envs, log_dir=out)
+    try:
+        runs_lib.wait(procs, TIMEOUT)
+        for p in procs:
+            p.wait(timeout=LOST_PEER_TIMEOUT)
+    finally:
+        runs_lib.stop(procs)
+    assert [p.returncode != 0 for p in procs] == [True, True], runs_lib.logs(out)
+    lines = []
+    for index in range(2):
+        with open(os.path.join(out, f"worker{index}.log")) as f:
+            lines.append([line for line in f.read().splitlines()
+                          if line.startswith("gradient_averaging.")])
+    assert len(lines[0]) == 1 and lines[0][0].startswith(
+        "gradient_averaging.micro_batch.NothingFits: the update (the optimizer's apply) ran "
+        "out of the device's memory"), lines
+    assert "a collective strategy cannot retry one worker alone" in lines[0][0]
+    assert len(lines[1]) == 1 and lines[1][0].startswith(
+        "gradient_averaging.replicas.WorkerFailed: another worker failed in the micro-batch "
+        "search"), lines
