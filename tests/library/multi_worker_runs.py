@@ -52,11 +52,14 @@ def runs():
         return lambda: keras_fit.accumulate(toys.tiny_model(), **kwargs)
 
     mini_batches = dict(average_gradients=toys.N)
-    micro_batches = dict(micro_batch_size=toys.B // 4)  # per replica: E/2 = 40 is 4 of 10
-    # The two ways to give the window, on the two kinds of data, one each (a run costs
-    # its workers tens of seconds); batch norm apart (its weights are not the direct
-    # batch's: each forward pass normalizes by a worker's share).
+    micro_batches = dict(micro_batch_size=toys.B // 4)  # a replica's 40 of E=80: 8 of 5
+    # The ways to give the window, on the two kinds of data (a run costs its workers
+    # tens of seconds under load: not every pairing); batch norm apart (its weights are
+    # not the direct batch's: each forward pass normalizes by a worker's share).
     return {
+        # accumulate(model, 1): plain training, Keras fit where Keras's own fails.
+        "one_dataset": (accumulate(average_gradients=1), toys.sgd, "tf.data",
+                        toys.N * toys.B),
         "n_numpy": (accumulate(**mini_batches), toys.sgd, "numpy", toys.B),
         "micro_dataset": (accumulate(**micro_batches), toys.OPTIMIZERS["adam"], "tf.data",
                           toys.N * toys.B),

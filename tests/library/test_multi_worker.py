@@ -3,7 +3,8 @@ replica each, 127.0.0.1; tests/library/multi_worker_runs), against one process.
 
 Keras 3.15's own fit fails there (keras-team/keras#20585); the AccumulatingModel's
 trains to the one-process direct batch's weights, History (validation included),
-evaluation and predictions, with N mini-batches per update and with a micro-batch size,
+evaluation and predictions, with one mini-batch per update (accumulate(model, 1): the
+way to run fit there), N per update, and a micro-batch size,
 on numpy arrays and on a tf.data dataset each worker reads whole; batch norm's moving
 statistics take the direct batch's steps, pooled across the workers. Keras's writing
 callbacks write once, from the chief; BackupAndRestore resumes a job whose worker was
@@ -64,7 +65,7 @@ def workers(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["n_numpy", "micro_dataset"])
+@pytest.mark.parametrize("name", ["one_dataset", "n_numpy", "micro_dataset"])
 def test_fit_on_two_workers_equals_the_one_process_direct_batch(workers, name):
     results, references = workers
     weights, history, evaluation, predictions, _ = references[name]
