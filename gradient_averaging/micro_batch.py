@@ -552,9 +552,10 @@ class Search:
             line = _nothing_fits("the update (the optimizer's apply)", peak, self.budget,
                                  self.margin)
             if self.workers > 1:
-                line += ("; under several workers its collectives were in flight: a "
-                         "collective strategy cannot retry one worker alone, and the other "
-                         "workers stop too")
+                line += ("; under several workers" + (" its collectives were in flight:"
+                                                      if peak is None else "") +
+                         " a collective strategy cannot retry one worker alone, and the "
+                         "other workers stop too")
             raise NothingFits(line)
         self.update_peak = max(peak, self.update_peak or 0)
 
