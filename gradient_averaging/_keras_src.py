@@ -1,7 +1,8 @@
 """Every use of Keras's internals, behind a check of the version.
 
 `accumulate` builds on Keras's data adapters, its loss scaling for distribution and two
-private Model methods; the batch-norm statistics on BatchNormalization's `_moments`; the
+private Model methods, and replaces a third (SpecBuilt: Keras's build, which fails under
+several workers); the batch-norm statistics on BatchNormalization's `_moments`; the
 weighting of activity regularizers on how this Keras adds their losses.
 Keras exports none of them and may change any in a release: this module is the one place
 that touches them, and it refuses, in one line, a Keras it was not tested on.
@@ -12,6 +13,8 @@ requirements.txt pins the newest, requirements-low.txt the oldest; pyproject.tom
 
 import contextlib
 import functools
+import os
+import shutil
 
 import keras
 import tensorflow as tf
@@ -43,10 +46,11 @@ from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
-__all__ = ["DataAdapter", "activity_losses_apart", "add_to_logged_loss", "batch_norm_layers",
-           "captured_moments", "check_version", "data_adapters", "losses_from_the_pass",
-           "loss_tracker", "summed_activity", "summed_activity_layers", "symbolic_build",
-           "train_validation_split", "unscale_loss_for_distribution"]
+__all__ = ["DataAdapter", "SpecBuilt", "activity_losses_apart", "add_to_logged_loss",
+           "batch_norm_layers", "captured_moments", "check_version", "data_adapters",
+           "elsewhere",
+           "losses_from_the_pass", "loss_tracker", "summed_activity", "summed_activity_layers",
+           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution"]
 
 
 def symbolic_build(model, data_batch):
@@ -54,6 +58,63 @@ def symbolic_build(model, data_batch):
     does from its first batch (Model._symbolic_build), in the model's strategy scope."""
     with model.distribute_strategy.scope():
         model._symbolic_build(data_batch=data_batch)
+
+
+class SpecBuilt:
+    """Mixin for a keras.Model: fit and evaluate build it from their data's element spec
+    (its shapes and types), never from a batch. Keras's own build (the TensorFlow
+    trainer's _maybe_symbolic_build), for a model made in a strategy's scope, takes the
+    first distributed batch and reduces it eagerly with strategy.reduce("MEAN", ...),
+    which fails under a MultiWorkerMirroredStrategy of several workers
+    (keras-team/keras#20585)."""
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if self._distribute_strategy is None:  # as Keras: built as its functions trace
+            return
+        if iterator is not None:
+            data_batch = iterator.data_adapter.get_tf_dataset().element_spec
+        symbolic_build(self, data_batch)
+
+
+# The paths a writing callback of Keras writes to (and BackupAndRestore reads from).
+_WRITES = {keras.callbacks.ModelCheckpoint: ("filepath",),
+           keras.callbacks.TensorBoard: ("log_dir",),
+           keras.callbacks.BackupAndRestore: ("backup_dir", "_weights_path",
+                                              "_training_metadata_path", "_prev_weights_path",
+                                              "_prev_training_metadata_path")}
+
+
+@contextlib.contextmanager
+def elsewhere(callbacks, directory):
+    """While the block runs, Keras's callbacks that write (ModelCheckpoint, TensorBoard,
+    BackupAndRestore) write under `directory` (made, and removed after) instead: what a
+    worker that is not the chief writes. A BackupAndRestore's directory is copied there
+    first, so that it restores what the chief's saved. Their paths are put back after.
+    Other callbacks are left as they are."""
+    saved = []
+    for callback in callbacks:
+        for kind, names in _WRITES.items():
+            if isinstance(callback, kind):
+                saved.append((callback, {name: getattr(callback, name) for name in names}))
+    os.makedirs(directory, exist_ok=True)
+    try:
+        for index, (callback, paths) in enumerate(saved):
+            own = os.path.join(directory, str(index))
+            if isinstance(callback, keras.callbacks.BackupAndRestore):
+                if os.path.isdir(paths["backup_dir"]):
+                    shutil.copytree(paths["backup_dir"], own)
+                for name, path in paths.items():
+                    setattr(callback, name, own if name == "backup_dir" else os.path.join(
+                        own, os.path.relpath(path, paths["backup_dir"])))
+            else:
+                name, = paths
+                setattr(callback, name, os.path.join(own, os.path.basename(paths[name])))
+        yield
+    finally:
+        for callback, paths in saved:
+            for name, path in paths.items():
+                setattr(callback, name, path)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def loss_tracker(model):

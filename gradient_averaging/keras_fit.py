@@ -19,7 +19,9 @@ takes each batch from Keras's iterator first, so that a window that runs out of 
 can be trained again at half the micro-batch (micro_batch.EffectiveWindows).
 """
 
+import contextlib
 import math
+import tempfile
 
 import keras
 import tensorflow as tf
@@ -27,6 +29,7 @@ import tensorflow as tf
 from gradient_averaging import _keras_src
 from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import micro_batch as micro_batch_lib
+from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
@@ -109,7 +112,7 @@ def _next_batch(iterator, step):
 
 # Registered under the name the first release used, so that its .keras files load.
 @keras.saving.register_keras_serializable(package="tf2_accumulator")
-class AccumulatingModel(keras.Model):
+class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     """A Keras model whose `fit` applies one update per window of N mini-batches.
 
     Keras's `fit` runs as it is; what changes is its train function
@@ -131,6 +134,13 @@ class AccumulatingModel(keras.Model):
     which the rest of the run keeps, and "auto" searches for the micro-batch in the first
     windows' own mini-batches (micro_batch.EffectiveWindows). `evaluate` (and fit's
     validation) evaluates each batch in mini-batches of the micro-batch too.
+
+    Under a MultiWorkerMirroredStrategy of several workers (one TF_CONFIG each), where
+    Keras 3's own fit fails (keras-team/keras#20585), fit, evaluate and predict run: the
+    model is built from its data's spec, not from a first batch reduced eagerly
+    (_keras_src.SpecBuilt), and evaluation reads the metrics across the replicas as the
+    train function does. Each worker reads the whole data; Keras's autosharding gives
+    each replica its share of every global batch (docs/multi-worker.md).
 
     Attributes:
       model: the wrapped Keras model.
@@ -221,11 +231,39 @@ class AccumulatingModel(keras.Model):
             self._cut_batches(windows)
         if self._window.statistics:
             callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
-        return super().fit(windows, epochs=epochs, verbose=verbose, callbacks=callbacks,
-                           validation_data=validation_data, initial_epoch=initial_epoch,
-                           steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-                           validation_batch_size=validation_batch_size or batch_size,
-                           validation_freq=validation_freq)
+        try:
+            with self._chief_writes(callbacks):
+                return super().fit(windows, epochs=epochs, verbose=verbose,
+                                   callbacks=callbacks, validation_data=validation_data,
+                                   initial_epoch=initial_epoch,
+                                   steps_per_epoch=steps_per_epoch,
+                                   validation_steps=validation_steps,
+                                   validation_batch_size=validation_batch_size or batch_size,
+                                   validation_freq=validation_freq)
+        except replicas_lib.COLLECTIVE_ERRORS:
+            if replicas_lib.workers(self.distribute_strategy) == 1:
+                raise
+            raise replicas_lib.WorkerFailed(
+                "a collective with another worker failed in fit: that worker failed or went "
+                "away (its own output says why); a collective strategy cannot go on, or "
+                "retry, without it: start every worker again (a "
+                "keras.callbacks.BackupAndRestore resumes from its last backup)") from None
+
+    def _chief_writes(self, callbacks):
+        """Under several workers, on a worker other than the chief: Keras's callbacks
+        that write (ModelCheckpoint, TensorBoard, BackupAndRestore; Keras 3's have no
+        worker logic) write to a directory of this worker's own, removed after fit, so
+        that each file is written once, by the chief. Every worker still runs them (a
+        save reads the variables, in step with the other workers). A BackupAndRestore
+        restores from its backup_dir on every worker: where the workers are machines,
+        that directory must be on storage they all read (docs/multi-worker.md)."""
+        strategy = self.distribute_strategy
+        if replicas_lib.workers(strategy) == 1 or strategy.extended.should_checkpoint:
+            return contextlib.nullcontext()
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks = callbacks.callbacks
+        return _keras_src.elsewhere(list(callbacks or []),
+                                    tempfile.mkdtemp(prefix="gradient_averaging_worker_"))
 
     def _make_window(self, spec):
         """The window step for this model and optimizer (again after a new compile), its
@@ -426,8 +464,13 @@ class AccumulatingModel(keras.Model):
         """Keras's test function; with a micro_batch_size, one that evaluates each batch
         in mini-batches of the micro-batch training uses (the largest that fit so far
         while it is searched for; the whole batch before fit knows one), so that
-        evaluation fits where training does. The metrics are Keras's, over the batch."""
-        if self.micro_batch_size is None:
+        evaluation fits where training does. The metrics are Keras's, over the batch.
+        Under a strategy of several workers, that one too (each batch whole without a
+        micro_batch_size): Keras's reduces each step's logs with strategy.reduce along
+        an axis they do not have, and fails (keras-team/keras#20585); this one reads the
+        metrics across the replicas, as the train function does."""
+        if (self.micro_batch_size is None
+                and replicas_lib.workers(self.distribute_strategy) == 1):
             return super().make_test_function(force)
         if self.test_function is not None and not force:
             return self.test_function

@@ -52,6 +52,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
 # The default margin: the fraction of the budget kept free for what a trial's peak does
@@ -409,13 +410,51 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
     search.start = start
     held = _sized(sample, effective_batch)  # one effective batch, as training holds it
     trials = _Trials(add, window, state, held, search.devices)
+    several = search.workers > 1
     try:
-        largest_that_fits(trials.peak, trials.update, search)
-    finally:
+        try:
+            largest_that_fits(trials.peak, trials.update, search)
+        except BaseException:
+            # Under several workers the restore's collectives (a metric's assign reads
+            # it across the workers) would wait for workers still in the update's: the
+            # error ends this worker, and so theirs (WorkerFailed there).
+            if not several:
+                trials.restore()
+            raise
         trials.restore()
-    found = search.found(traces=add.experimental_get_tracing_count())
+        found = search.found(traces=add.experimental_get_tracing_count())
+        if several:
+            found = agreed(window.strategy, found)
+    except replicas_lib.COLLECTIVE_ERRORS:
+        if not several:
+            raise
+        raise replicas_lib.WorkerFailed(
+            "another worker failed in the micro-batch search, a collective in flight (out "
+            "of memory there, most likely: its own error says): a collective strategy "
+            "cannot retry one worker alone; give micro_batch_size as an int, or a budget "
+            "every worker's device holds") from None
     logging.info("%s", describe(found))
     return found
+
+
+def agreed(strategy, found):
+    """`found` (this worker's search) cut at the smallest micro-batch any worker of
+    `strategy` found, agreed by a collective (every replica's B gathered): every worker
+    must cut a batch alike, and each searched its own devices. Run by every worker at
+    the same point, after its search: the first collective after the trials."""
+    @tf.function
+    def smallest():
+        sizes = strategy.run(lambda: tf.constant([found.micro_batch_size], tf.int32))
+        return tf.reduce_min(strategy.gather(sizes, axis=0))
+
+    size = int(smallest())
+    if size == found.micro_batch_size:
+        return found
+    logging.info("micro-batch %d per replica: the smallest any worker found (this one's: "
+                 "%d)", size, found.micro_batch_size)
+    cut = plan(found.effective_batch, size, found.replicas)
+    return found._replace(micro_batch_size=cut.micro_batch_size,
+                          average_gradients=cut.average_gradients, last=cut.last)
 
 
 class Search:
@@ -441,18 +480,16 @@ class Search:
         self.limit = budget * (1 - margin)
         self.fits, self.over, self.trials = {}, {}, []
         self.update_peak, self.windows, self.start = None, 0, None
+        self.workers = 1  # the worker processes whose updates run in step (Search.on)
 
     @classmethod
     def on(cls, strategy, effective_batch, budget=None, margin=None):
-        """The search for E on `strategy`'s devices (one worker's: each worker would
-        find its own), as on_devices."""
-        if _workers(strategy) > 1:
-            raise ValueError(
-                "micro_batch_size='auto' under a strategy of several workers: each would "
-                "find its own, where all must cut a batch alike (and a trial that runs out "
-                "of memory aborts the collectives); give micro_batch_size as an int")
-        return cls.on_devices(devices_of(strategy), effective_batch, budget, margin,
-                              strategy.num_replicas_in_sync)
+        """The search for E on `strategy`'s devices, as on_devices: under several
+        workers, this worker's own (each measures its own; find_micro_batch agrees)."""
+        search = cls.on_devices(devices_of(strategy), effective_batch, budget, margin,
+                                strategy.num_replicas_in_sync)
+        search.workers = replicas_lib.workers(strategy)
+        return search
 
     @classmethod
     def on_devices(cls, devices, effective_batch, budget=None, margin=None, replicas=1):
@@ -512,8 +549,14 @@ class Search:
           NothingFits: the update does not fit.
         """
         if peak is None or peak > self.limit:
-            raise NothingFits(_nothing_fits("the update (the optimizer's apply)", peak,
-                                            self.budget, self.margin))
+            line = _nothing_fits("the update (the optimizer's apply)", peak, self.budget,
+                                 self.margin)
+            if self.workers > 1:
+                line += ("; under several workers" + (" its collectives were in flight:"
+                                                      if peak is None else "") +
+                         " a collective strategy cannot retry one worker alone, and the "
+                         "other workers stop too")
+            raise NothingFits(line)
         self.update_peak = max(peak, self.update_peak or 0)
 
     def found(self, traces=None):
@@ -580,14 +623,6 @@ def _peak(devices):
     return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
 
 
-def _workers(strategy):
-    """The worker processes of `strategy`'s cluster (1 without one)."""
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if resolver is None:
-        return 1
-    return max(1, len(resolver.cluster_spec().as_dict().get("worker", [])))
-
-
 def _nothing_fits(what, peak, budget, margin):
     """The line for a step that does not fit even with one sample."""
     needs = ("ran out of the device's memory" if peak is None
@@ -638,6 +673,7 @@ class _Trials:
 
     def __init__(self, add, window, state, held, devices):
         self.add, self.window, self.held, self.devices = add, window, held, devices
+        self.several = replicas_lib.workers(window.strategy) > 1
         self.strategy = window.strategy
         self._apply = tf.function(window.apply)
         self._discard = tf.function(window.discard)
@@ -670,11 +706,19 @@ class _Trials:
         applied = []
         try:
             self._add(1)
-            self._apply()
-            self._add(1)
-            peak = self._measured(lambda: applied.append(bool(self._apply()[0])))
-        finally:
-            self.restore()
+            peak = self._measured(self._apply)  # sets it up; an out-of-memory error: None
+            if peak is not None:
+                self._add(1)
+                peak = self._measured(lambda: applied.append(bool(self._apply()[0])))
+        except BaseException:
+            if not self.several:
+                self.restore()
+            raise
+        if peak is None and self.several:
+            # Its collectives were in flight: the other workers may still wait in them,
+            # where the restore's own would wait for theirs (find_micro_batch).
+            return peak
+        self.restore()
         if applied == [False]:  # skipped (check_finite): the optimizer did not run
             logging.warning("the sample's loss or gradient was not finite: the update was "
                             "skipped, and its memory is not measured")

@@ -59,6 +59,25 @@ def distribute(strategy, batch):
     return strategy.experimental_distribute_values_from_function(share)
 
 
+class WorkerFailed(RuntimeError):
+    """Another worker of a collective strategy failed or went away while a collective
+    was in flight; its message is one line that says what to do."""
+
+
+# What a collective raises on a worker whose peer failed or went away.
+COLLECTIVE_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                     tf.errors.CancelledError, tf.errors.DeadlineExceededError)
+
+
+def workers(strategy):
+    """The worker processes of `strategy`'s cluster (1 without one): a
+    MultiWorkerMirroredStrategy's TF_CONFIG."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    return max(1, len(resolver.cluster_spec().as_dict().get("worker", [])))
+
+
 def local_variable(initial_value, aggregation, name):
     """A replica-local variable: updates stay on the replica; a cross-replica read
     aggregates."""

@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from gradient_averaging import keras_fit
 from gradient_averaging import micro_batch
+from gradient_averaging import replicas
 from gradient_averaging import tf2
 from tests.library import micro_batch_runs as runs_lib
 from tests.library.toys import CLASSES
@@ -398,7 +399,7 @@ def test_device_memory_is_read_where_it_is_known(monkeypatch, tmp_path):
 
 
 def test_workers_are_counted_from_the_strategys_cluster():
-    """'auto' is refused under several workers: each would find its own micro-batch."""
+    """Under several workers 'auto' agrees on one micro-batch (test_multi_worker)."""
     class Resolver:
         def __init__(self, workers):
             self.workers = workers
@@ -410,9 +411,9 @@ def test_workers_are_counted_from_the_strategys_cluster():
         def __init__(self, workers):
             self.cluster_resolver = Resolver(workers)
 
-    assert micro_batch._workers(tf.distribute.get_strategy()) == 1  # noqa: SLF001 (the search's own pieces, tested directly)
-    assert micro_batch._workers(Strategy(1)) == 1  # noqa: SLF001 (the search's own pieces, tested directly)
-    assert micro_batch._workers(Strategy(3)) == 3  # noqa: SLF001 (the search's own pieces, tested directly)
+    assert replicas.workers(tf.distribute.get_strategy()) == 1
+    assert replicas.workers(Strategy(1)) == 1
+    assert replicas.workers(Strategy(3)) == 3
 
 
 def test_the_margin_is_larger_where_the_allocator_grows():
