@@ -170,12 +170,16 @@ def paired_ratio(times, label, base):
 # ---------------------------------------------------------------- profile
 
 
-def op_class(op_type):
-    return next((name for name, pattern in OP_CLASSES if re.search(pattern, op_type)), "other")
+def op_class(op_type, classes=OP_CLASSES):
+    return next((name for name, pattern in classes if re.search(pattern, op_type)), "other")
 
 
-def profile(contender, updates):
+def profile(contender, updates, classes=OP_CLASSES):
     """Where one update's time goes, from a tf.profiler trace of `updates` updates.
+
+    Args:
+      classes: (name, pattern) pairs: an op is counted in the first whose pattern its
+        type matches, else in "other".
 
     Returns:
       {"wall_ms": per update, "kernel_ms": {op class: per update}}: kernel time summed
@@ -204,5 +208,5 @@ def profile(contender, updates):
                 op_type = name.rsplit(":", 1)[1]
                 if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
                     continue
-                kernel_ms[op_class(op_type)] += event.duration_ps / 1e9 / updates
+                kernel_ms[op_class(op_type, classes)] += event.duration_ps / 1e9 / updates
     return {"wall_ms": 1e3 * wall / updates, "kernel_ms": dict(kernel_ms)}
