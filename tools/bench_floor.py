@@ -16,6 +16,7 @@ A model is one entry of WORKLOADS; another (a language model, say) is one more e
 
 import collections
 import gc
+import os
 import statistics
 
 import tensorflow as tf
@@ -214,7 +215,8 @@ def race(workload, n, b, base, noise=False, profiled=()):
         del racing
         keras.utils.clear_session()
         gc.collect()
-    return summary(workload.name, n, b, updates, times, profiles)
+    return dict(summary(workload.name, n, b, updates, times, profiles),
+                load=os.getloadavg()[0])
 
 
 def noise_of(rows, model):
@@ -296,22 +298,25 @@ class Floor(Section):
             if not mine:
                 continue
             noise = noise_of(rows, w.name)
-            lines += ["", f"### {w.name}", "",
-                      f"{w.words[0].upper()}{w.words[1:]}; {w.repeats} rounds, blocks of "
-                      f"{w.mini_batches} mini-batches (at least one update). Time per update, "
-                      f"median ms, and its ratio to the floor; the target: the paths within "
-                      f"{w.limit}x." + (f" This run's noise (`alone` against a second "
-                                        f"`alone`, N={mine[0]['n']} x B={mine[0]['b']}): "
-                                        f"{noise:.1%}." if noise is not None else ""), ""]
+            about = (f"{w.words[0].upper()}{w.words[1:]}; {w.repeats} rounds, blocks of "
+                     f"{w.mini_batches} mini-batches (at least one update). Time per update, "
+                     f"median ms, and its ratio to the floor; the target: the paths within "
+                     f"{w.limit}x. `load`: the machine's load average (one minute) as the "
+                     f"N x B ended, on {os.cpu_count()} cores.")
+            if noise is not None:
+                about += (f" This run's noise (`alone` against a second `alone`, "
+                          f"N={mine[0]['n']} x B={mine[0]['b']}): {noise:.1%}.")
+            lines += ["", f"### {w.name}", "", about, ""]
             lines += table(("N x B", "alone / N", "apply / (N - 1)", "floor",
-                            *REFERENCES, *PATHS, *(f"{k} / keras" for k in PATHS)), [
+                            *REFERENCES, *PATHS, *(f"{k} / keras" for k in PATHS), "load"), [
                 (f"{r['n']} x {r['b']}",
                  f"{r['median_ms']['alone'] / r['n']:.1f} ms",
                  f"{r['median_ms']['apply'] / (r['n'] - 1):.2f} ms",
                  f"{r['median_ms']['floor']:.1f} ms",
                  *(f"{r['median_ms'][k]:.1f} ms, {_ratio(r['vs_floor'][k])}"
                    for k in (*REFERENCES, *PATHS)),
-                 *(_ratio(r["vs_keras"][k]) for k in PATHS)) for r in mine])
+                 *(_ratio(r["vs_keras"][k]) for k in PATHS),
+                 f"{r['load']:.1f}" if "load" in r else "") for r in mine])
             lines += self._profiles(w, mine)
         return lines
 
