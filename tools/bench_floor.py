@@ -184,18 +184,25 @@ def missing(vs_floor, limit):
     return [k for k in PATHS if vs_floor[k]["ratio"] > limit]
 
 
-def summary(model, n, b, updates, times, profiles=None):
-    """A row of the section from interleaved's `times` (a second `alone`, NOISE, where
-    it was raced): {"model", "n", "b", "updates", "times" (with "floor"), "median_ms",
-    "vs_floor", "vs_keras": paired ratios, "noise": |alone_again / alone - 1| or None,
-    "profiles": {label: profile} or {}}."""
+def clock(times):
+    """What one clock's `times` (interleaved's; a second `alone`, NOISE, where it was
+    raced) say: {"times" (with "floor"), "median_ms", "vs_floor", "vs_keras": paired
+    ratios, "noise": |alone_again / alone - 1| or None}."""
     times = with_floor(times)
-    return dict(model=model, n=n, b=b, updates=updates, times=times, profiles=profiles or {},
-                noise=(abs(bc.paired_ratio(times, NOISE, "alone")["ratio"] - 1)
-                       if NOISE in times else None),
+    return dict(times=times, noise=(abs(bc.paired_ratio(times, NOISE, "alone")["ratio"] - 1)
+                                    if NOISE in times else None),
                 median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
                 vs_floor={k: bc.paired_ratio(times, k, "floor") for k in (*REFERENCES, *PATHS)},
                 vs_keras={k: bc.paired_ratio(times, k, "keras") for k in PATHS})
+
+
+def summary(model, n, b, updates, cpu, wall=None, profiles=None):
+    """A row of the section: {"model", "n", "b", "updates", "profiles": {label: profile}
+    or {}, "wall": clock(wall)} and clock(cpu)'s keys, the judged ones: this process's
+    CPU seconds (`cpu`), which the other work of a loaded machine leaves out, where the
+    wall-clock time (`wall`, None: the same) waits for it too."""
+    return dict(model=model, n=n, b=b, updates=updates, profiles=profiles or {},
+                wall=clock(cpu if wall is None else wall), **clock(cpu))
 
 
 def race(workload, n, b, base, noise=False, profiled=()):
@@ -206,8 +213,9 @@ def race(workload, n, b, base, noise=False, profiled=()):
     updates = max(1, workload.mini_batches // n)
     racing = contenders(workload, n, b, base, noise)
     try:
-        times = bc.interleaved(racing, updates, workload.repeats)
-        over = [k for k in missing(summary(workload.name, n, b, updates, times)["vs_floor"],
+        cpu = {}
+        wall = bc.interleaved(racing, updates, workload.repeats, cpu=cpu)
+        over = [k for k in missing(summary(workload.name, n, b, updates, cpu)["vs_floor"],
                                    workload.limit) if k not in profiled]
         profiles = {c.label: bc.profile(c, updates, OP_CLASSES) for c in racing
                     if over and c.label in ("alone", "apply", *over)}
@@ -215,7 +223,7 @@ def race(workload, n, b, base, noise=False, profiled=()):
         del racing
         keras.utils.clear_session()
         gc.collect()
-    return dict(summary(workload.name, n, b, updates, times, profiles),
+    return dict(summary(workload.name, n, b, updates, cpu, wall, profiles),
                 load=os.getloadavg()[0])
 
 
@@ -255,9 +263,9 @@ class Floor(Section):
             # The noise once, and each path's profile once, per workload: time is short.
             row = race(w, n, b, bases[w.name], noise=not mine,
                        profiled={k for r in mine for k in r["profiles"]})
-            run.log("  floor {:.1f} ms; ".format(row["median_ms"]["floor"]) + ", ".join(
-                f"{k}: {row['median_ms'][k]:.1f} ms ({row['vs_floor'][k]['ratio']:.2f}x)"
-                for k in (*REFERENCES, *PATHS)))
+            run.log("  floor {:.1f} CPU ms; ".format(row["median_ms"]["floor"]) + ", ".join(
+                f"{k}: {row['median_ms'][k]:.1f} ms ({row['vs_floor'][k]['ratio']:.2f}x, wall "
+                f"{row['wall']['vs_floor'][k]['ratio']:.2f}x)" for k in (*REFERENCES, *PATHS)))
             rows.append(row)
             run.step()
         return rows
@@ -291,7 +299,13 @@ class Floor(Section):
                  "which each trains a block of updates, the order rotating every round; each "
                  "round's floor is that round's `alone` less its `apply`, each ratio the "
                  "median of the per-round ratios (quartiles in brackets). Under op "
-                 "determinism, as `main.py` runs, so no XLA.", ""]
+                 "determinism, as `main.py` runs, so no XLA.", "",
+                 "Time is this process's CPU time (all its threads), which the targets judge: "
+                 "on a machine that other work loads, the wall-clock time of a block waits "
+                 "for that work as much as for its own (its ratios are the `wall` columns, "
+                 "their quartiles several times as wide). On an idle machine the two agree "
+                 "but for what leaves a core idle (a path's time spent waiting), which CPU "
+                 "time leaves out and the wall-clock counts.", ""]
         lines += [f"- `{k}`: {v}" for k, v in {**FLOOR, **REFERENCES, **PATHS}.items()]
         for w in s["workloads"]:
             mine = [r for r in rows if r["model"] == w.name]
@@ -299,16 +313,18 @@ class Floor(Section):
                 continue
             noise = noise_of(rows, w.name)
             about = (f"{w.words[0].upper()}{w.words[1:]}; {w.repeats} rounds, blocks of "
-                     f"{w.mini_batches} mini-batches (at least one update). Time per update, "
-                     f"median ms, and its ratio to the floor; the target: the paths within "
-                     f"{w.limit}x. `load`: the machine's load average (one minute) as the "
-                     f"N x B ended, on {os.cpu_count()} cores.")
+                     f"{w.mini_batches} mini-batches (at least one update). CPU ms per "
+                     f"update (median) and its ratio to the floor; the target: the paths "
+                     f"within {w.limit}x. `load`: the machine's load average (one minute) as "
+                     f"the N x B ended, on {os.cpu_count()} cores.")
             if noise is not None:
                 about += (f" This run's noise (`alone` against a second `alone`, "
-                          f"N={mine[0]['n']} x B={mine[0]['b']}): {noise:.1%}.")
+                          f"N={mine[0]['n']} x B={mine[0]['b']}): {noise:.1%} in CPU time, "
+                          f"{mine[0]['wall']['noise']:.1%} in wall-clock time.")
             lines += ["", f"### {w.name}", "", about, ""]
             lines += table(("N x B", "alone / N", "apply / (N - 1)", "floor",
-                            *REFERENCES, *PATHS, *(f"{k} / keras" for k in PATHS), "load"), [
+                            *REFERENCES, *PATHS, *(f"{k} / keras" for k in PATHS),
+                            *(f"{k}, wall" for k in PATHS), "load"), [
                 (f"{r['n']} x {r['b']}",
                  f"{r['median_ms']['alone'] / r['n']:.1f} ms",
                  f"{r['median_ms']['apply'] / (r['n'] - 1):.2f} ms",
@@ -316,6 +332,7 @@ class Floor(Section):
                  *(f"{r['median_ms'][k]:.1f} ms, {_ratio(r['vs_floor'][k])}"
                    for k in (*REFERENCES, *PATHS)),
                  *(_ratio(r["vs_keras"][k]) for k in PATHS),
+                 *(_ratio(r["wall"]["vs_floor"][k]) for k in PATHS),
                  f"{r['load']:.1f}" if "load" in r else "") for r in mine])
             lines += self._profiles(w, mine)
         return lines
@@ -326,23 +343,30 @@ class Floor(Section):
         for r in rows:
             if not r["profiles"]:
                 continue
-            floor = floor_profile(r)
-            over = [k for k in PATHS if k in r["profiles"]]
-            p = r["profiles"]
-            wall_floor = p["alone"]["wall_ms"] - p["apply"]["wall_ms"]
+            p, floor = r["profiles"], floor_profile(r)
+            over = [k for k in PATHS if k in p]
+            cpu_floor = p["alone"].get("cpu_ms", 0) - p["apply"].get("cpu_ms", 0)
             classes = sorted({*floor, *(c for k in over for c in p[k]["kernel_ms"])})
+
+            def kernels(k, p=p, floor=floor):
+                return sum(p[k]["kernel_ms"].values()) - sum(floor.values())
+
             lines += ["", f"Where the time over the floor goes, {workload.name} at N={r['n']} "
                       f"x B={r['b']} (each path over {workload.limit}x, at the first N x B "
-                      "where it was): tf.profiler over one "
-                      "block of each after the timed rounds, kernel ms per update by op "
-                      "class, summed over threads (so above the wall time); the floor's is "
-                      "alone's less apply's, each path's is its own less the floor's. "
-                      "`variable adds` are the in-place adds: the paths' sums (each "
-                      "mini-batch's gradients, and the zeroing), Adam's moments in each.",
-                      ""]
+                      "where it was): tf.profiler over one block of each after the timed "
+                      "rounds, ms per update; the floor's is alone's less apply's, each "
+                      "path's is its own less the floor's. `in kernels`: the ops' time by "
+                      "class, summed over threads; `outside kernels`: the rest of the CPU "
+                      "time (Python, calls, the input pipeline, threads waiting). `variable "
+                      "adds` are the in-place adds: the paths' sums (each mini-batch's "
+                      "gradients, and their zeroing), and Adam's moments in each.", ""]
             lines += table(("", "floor", *(f"{k} over it" for k in over)), [
-                ("wall ms, traced", f"{wall_floor:.1f}",
-                 *(f"{p[k]['wall_ms'] - wall_floor:+.1f}" for k in over))] + [
+                ("CPU ms, traced", f"{cpu_floor:.1f}",
+                 *(f"{p[k].get('cpu_ms', 0) - cpu_floor:+.1f}" for k in over)),
+                ("in kernels", f"{sum(floor.values()):.1f}",
+                 *(f"{kernels(k):+.1f}" for k in over)),
+                ("outside kernels", f"{cpu_floor - sum(floor.values()):.1f}",
+                 *(f"{p[k].get('cpu_ms', 0) - cpu_floor - kernels(k):+.1f}" for k in over))] + [
                 (c, f"{floor.get(c, 0):.2f}",
                  *(f"{p[k]['kernel_ms'].get(c, 0) - floor.get(c, 0):+.2f}" for k in over))
                 for c in classes])

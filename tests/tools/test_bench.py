@@ -80,10 +80,11 @@ def test_speed_targets_at_the_posts_configurations_compare_the_paths_with_one_an
     assert {t.status for t in quick if "N=20/B=5" in t.target} == {"not measured"}
 
 
-def _floor_row(model, n, b, profiles=None, **times):
-    """A floor row as bench_floor.race makes it: `times` gives a label's per-round
-    seconds per update; the floor is alone's less apply's, round by round."""
-    return bench_floor.summary(model, n, b, 1, times, profiles)
+def _floor_row(model, n, b, profiles=None, wall=None, **times):
+    """A floor row as bench_floor.race makes it: `times` gives a label's per-round CPU
+    seconds per update (`wall` its wall-clock's, None: the same); the floor is alone's
+    less apply's, round by round."""
+    return bench_floor.summary(model, n, b, 1, times, wall, profiles)
 
 
 def test_the_floor_is_each_rounds_n_steps_less_its_n_minus_1_applies():
@@ -138,26 +139,35 @@ def test_floor_targets_take_each_workloads_worst_path_against_its_limit_and_kera
 
 
 def test_floor_markdown_shows_where_a_missing_paths_time_over_the_floor_goes():
-    def profile(wall, **kernel_ms):
-        return {"wall_ms": wall, "kernel_ms": kernel_ms}
+    def profile(cpu, **kernel_ms):
+        return {"wall_ms": cpu / 2, "cpu_ms": cpu, "kernel_ms": kernel_ms}
 
     # mlp, N=4: alone 4 passes and 4 applies; apply 3 applies: the floor 4 passes, 1 apply.
     profiles = {"alone": profile(400.0, matmul=300.0, **{"variable adds": 40.0}),
                 "apply": profile(90.0, **{"variable adds": 30.0, "elementwise": 60.0}),
-                "window": profile(380.0, matmul=301.0, **{"variable adds": 60.0})}
-    row = _floor_row("mlp", 4, 32, profiles, alone=[0.4] * 3, apply=[0.09] * 3,
-                     direct=[0.3] * 3, keras=[0.33] * 3, window=[0.38] * 3,
-                     mini_batch=[0.32] * 3, accumulate=[0.33] * 3, alone_again=[0.4] * 3)
+                "window": profile(440.0, matmul=301.0, **{"variable adds": 60.0})}
+    row = _floor_row("mlp", 4, 32, profiles, wall=dict(
+        alone=[0.5, 0.5, 0.6], apply=[0.1] * 3, direct=[0.3] * 3, keras=[0.4] * 3,
+        window=[0.44, 0.5, 0.5], mini_batch=[0.4] * 3, accumulate=[0.4] * 3,
+        alone_again=[0.5, 0.6, 0.5]), alone=[0.4] * 3, apply=[0.09] * 3,
+        direct=[0.3] * 3, keras=[0.33] * 3, window=[0.38] * 3,
+        mini_batch=[0.32] * 3, accumulate=[0.33] * 3, alone_again=[0.4] * 3)
     assert bench_floor.floor_profile(row) == {"matmul": 300.0, "variable adds": 10.0,
                                               "elementwise": -60.0}
     text = "\n".join(bench_floor.Floor().markdown([row]))
     assert "### mlp" in text and "### convnet" not in text
     assert "| 4 x 32 | 100.0 ms | 30.00 ms | 310.0 ms |" in text
-    assert "380.0 ms, 1.23x (1.23-1.23)" in text  # window against the floor
-    assert "| wall ms, traced | 310.0 | +70.0 |" in text
+    assert "380.0 ms, 1.23x (1.23-1.23)" in text  # window against the floor, CPU time
+    assert "| 1.10x (1.05-1.17) | 1.00x (0.90-1.00) | 1.00x (0.90-1.00) |" in text  # wall
+    # The floor's CPU 310 ms, 250 of it in kernels (apply's elementwise ops taken out);
+    # the window's 130 ms over it, 111 of them in kernels.
+    assert "| CPU ms, traced | 310.0 | +130.0 |" in text
+    assert "| in kernels | 250.0 | +111.0 |" in text
+    assert "| outside kernels | 60.0 | +19.0 |" in text
     assert "| variable adds | 10.00 | +50.00 |" in text and "| matmul | 300.00 | +1.00 |" in text
     assert "window over it" in text and "mini_batch over it" not in text
-    assert "This run's noise (`alone` against a second `alone`, N=4 x B=32): 0.0%." in text
+    assert ("This run's noise (`alone` against a second `alone`, N=4 x B=32): 0.0% in CPU "
+            "time, 0.0% in wall-clock time.") in text
 
 
 def test_floor_sizes_its_blocks_by_mini_batches_and_its_quick_run_is_one_small_race():
