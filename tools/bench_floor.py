@@ -355,18 +355,20 @@ class Floor(Section):
                       f"x B={r['b']} (each path over {workload.limit}x, at the first N x B "
                       "where it was): tf.profiler over one block of each after the timed "
                       "rounds, ms per update; the floor's is alone's less apply's, each "
-                      "path's is its own less the floor's. `in kernels`: the ops' time by "
-                      "class, summed over threads; `outside kernels`: the rest of the CPU "
-                      "time (Python, calls, the input pipeline, threads waiting). `variable "
-                      "adds` are the in-place adds: the paths' sums (each mini-batch's "
-                      "gradients, and their zeroing), and Adam's moments in each.", ""]
+                      "path's is its own less the floor's. `CPU ms`: the process's; below "
+                      "it, the ops' durations by class, summed over threads (`in kernels`, "
+                      "their sum): each from the op's start to its end, which a loaded "
+                      "machine stretches (its thread waiting for a core), so that they can "
+                      "add up to more than the CPU time; a path's CPU time over the floor "
+                      "that its kernels do not show went to Python, its calls and the input "
+                      "pipeline. `variable adds` are the in-place adds: the paths' sums "
+                      "(each mini-batch's gradients, and their zeroing), and Adam's moments "
+                      "in each.", ""]
             lines += table(("", "floor", *(f"{k} over it" for k in over)), [
                 ("CPU ms, traced", f"{cpu_floor:.1f}",
                  *(f"{p[k].get('cpu_ms', 0) - cpu_floor:+.1f}" for k in over)),
                 ("in kernels", f"{sum(floor.values()):.1f}",
-                 *(f"{kernels(k):+.1f}" for k in over)),
-                ("outside kernels", f"{cpu_floor - sum(floor.values()):.1f}",
-                 *(f"{p[k].get('cpu_ms', 0) - cpu_floor - kernels(k):+.1f}" for k in over))] + [
+                 *(f"{kernels(k):+.1f}" for k in over))] + [
                 (c, f"{floor.get(c, 0):.2f}",
                  *(f"{p[k]['kernel_ms'].get(c, 0) - floor.get(c, 0):+.2f}" for k in over))
                 for c in classes])
