@@ -9,7 +9,9 @@ and what a path takes over it is what accumulating costs: adding each mini-batch
 gradients into the sums, the window's division and zeroing, its calls. The floor's two
 terms are measured in the same interleaved rounds as the paths, Keras's own
 `gradient_accumulation_steps` and the direct batch of N*B: each round's floor from that
-round's step and apply, each ratio the median of the per-round ratios.
+round's step and apply, each ratio the median of the per-round ratios. The time judged
+is the process's CPU time: on a shared machine a block's wall-clock time waits for the
+other work too (its ratios are kept beside).
 
 A model is one entry of WORKLOADS; another (a language model, say) is one more entry.
 """
