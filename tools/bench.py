@@ -28,6 +28,7 @@ from experiment import data
 from experiment import progress
 from experiment import results
 from tools import bench_device
+from tools import bench_floor
 from tools import bench_memory
 from tools import bench_micro_batch
 from tools import bench_speed
@@ -40,8 +41,8 @@ from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
 
-SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatch, bench_speed.Speed,
-            bench_speed.KerasPlain, bench_speed.Kernels, bench_memory.HostGrowth,
+SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatch, bench_floor.Floor,
+            bench_speed.Speed, bench_speed.KerasPlain, bench_speed.Kernels, bench_memory.HostGrowth,
             bench_tf1_wrapper.Wrapper, bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")

@@ -140,9 +140,13 @@ def race_probe(spec):
 # ---------------------------------------------------------------- timing
 
 
-def interleaved(contenders, updates, repeats):
+def interleaved(contenders, updates, repeats, cpu=None):
     """Seconds per update of each contender, `repeats` rounds, turns rotating per round,
     so that drift of a shared machine hits them alike.
+
+    Args:
+      cpu: a dict, or None: filled as the result is, with this process's CPU seconds
+        (all its threads) per update, what another process's load leaves out.
 
     Returns:
       {label: [seconds per update, one per round]}.
@@ -153,9 +157,11 @@ def interleaved(contenders, updates, repeats):
     for r in range(repeats):
         shift = r % len(contenders)
         for c in contenders[shift:] + contenders[:shift]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             c.train(updates)
             times[c.label].append((time.perf_counter() - start) / updates)
+            if cpu is not None:
+                cpu.setdefault(c.label, []).append((time.process_time() - start_cpu) / updates)
     return dict(times)
 
 
@@ -170,24 +176,29 @@ def paired_ratio(times, label, base):
 # ---------------------------------------------------------------- profile
 
 
-def op_class(op_type):
-    return next((name for name, pattern in OP_CLASSES if re.search(pattern, op_type)), "other")
+def op_class(op_type, classes=OP_CLASSES):
+    return next((name for name, pattern in classes if re.search(pattern, op_type)), "other")
 
 
-def profile(contender, updates):
+def profile(contender, updates, classes=OP_CLASSES):
     """Where one update's time goes, from a tf.profiler trace of `updates` updates.
 
+    Args:
+      classes: (name, pattern) pairs: an op is counted in the first whose pattern its
+        type matches, else in "other".
+
     Returns:
-      {"wall_ms": per update, "kernel_ms": {op class: per update}}: kernel time summed
-      over threads; ops that only hold others are left out.
+      {"wall_ms", "cpu_ms" (the process's, all threads): per update, "kernel_ms": {op
+      class: per update}}: kernel time summed over threads; ops that only hold others
+      are left out.
     """
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
     space = xplane_pb2.XSpace()
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as logdir:
         tf.profiler.experimental.start(logdir)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         contender.train(updates)
-        wall = time.perf_counter() - start
+        wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         tf.profiler.experimental.stop()
         with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
                   "rb") as f:
@@ -204,5 +215,6 @@ def profile(contender, updates):
                 op_type = name.rsplit(":", 1)[1]
                 if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
                     continue
-                kernel_ms[op_class(op_type)] += event.duration_ps / 1e9 / updates
-    return {"wall_ms": 1e3 * wall / updates, "kernel_ms": dict(kernel_ms)}
+                kernel_ms[op_class(op_type, classes)] += event.duration_ps / 1e9 / updates
+    return {"wall_ms": 1e3 * wall / updates, "cpu_ms": 1e3 * cpu / updates,
+            "kernel_ms": dict(kernel_ms)}

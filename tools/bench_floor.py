@@ -1,0 +1,381 @@
+"""The speed of accumulation itself: each TF2 path's time per update against its floor.
+
+An update of N mini-batches of B must run N passes (forward and backward) and one apply,
+where N steps of B alone run N passes and N applies. So the floor is
+
+    N x (one training step at B alone) - (N - 1) x (the optimizer's apply alone)
+
+and what a path takes over it is what accumulating costs: adding each mini-batch's
+gradients into the sums, the window's division and zeroing, its calls. The floor's two
+terms are measured in the same interleaved rounds as the paths, Keras's own
+`gradient_accumulation_steps` and the direct batch of N*B: each round's floor from that
+round's step and apply, each ratio the median of the per-round ratios. The time judged
+is the process's CPU time: on a shared machine a block's wall-clock time waits for the
+other work too (its ratios are kept beside).
+
+A model is one entry of WORKLOADS; another (a language model, say) is one more entry.
+"""
+
+import collections
+import gc
+import os
+import statistics
+
+import tensorflow as tf
+
+from tools import bench_contenders as bc
+from tools.bench_section import Section
+from tools.bench_section import table
+from tools.bench_section import worst
+
+SEED = 0
+LEARNING_RATE = 1e-3
+
+
+def _mnist(datasets):
+    return tuple(datasets.train)
+
+
+def _post_model(name):
+    def build():
+        import model  # Keras loads only where a contender is built
+        return model.keras_model(name, 0.5, SEED)
+    return build
+
+
+# One model the section measures. build: () -> a fresh Keras model (seeded); data:
+# (the bench's MNIST) -> (x, y) arrays its batches are cut from; limit: the target, the
+# most a TF2 path may take of the floor; mini_batches: per timed block (at least one
+# update), so that a block is long against a call's overhead; repeats: rounds.
+Workload = collections.namedtuple("Workload", "name build data limit mini_batches repeats words")
+WORKLOADS = (
+    Workload("convnet", _post_model("convnet"), _mnist, 1.05, 64, 7,
+             "the post's ConvNet (44,426 weights, dropout on)"),
+    Workload("mlp", _post_model("mlp"), _mnist, 1.15, 4, 3,
+             "the mlp (two dense layers of 4096, 20.0M weights, dropout on): adding its "
+             "gradients into the sums each mini-batch is a real share of the work"),
+)
+# The TF2 paths the targets hold to, and what each is.
+PATHS = {
+    "window": "fit_accumulated: WindowAccumulator.fit, one call per window",
+    "mini_batch": "MiniBatchAccumulator: a call per mini-batch, one to apply",
+    "accumulate": "accumulate(model, N) + Keras fit",
+}
+REFERENCES = {
+    "direct": "Keras fit on the direct batch of N*B",
+    "keras": "Keras's Adam(gradient_accumulation_steps=N), fit, steps_per_execution=N",
+}
+# The floor's two terms.
+FLOOR = {
+    "alone": "Keras fit at B, steps_per_execution=N: N steps per update",
+    "apply": "the optimizer's apply alone (Adam on constant gradients), N - 1 per update",
+}
+NOISE = "alone_again"  # a second `alone` at a workload's first (N, B): this run's noise
+# Op classes of the profile: the first pattern that matches the op type names it.
+OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
+              ("dropout RNG", r"Random"), ("finite check", r"^(IsFinite|All)$"),
+              ("variable adds", r"^Assign(Add|Sub)VariableOp$"),
+              ("variable assigns", r"^AssignVariableOp$"),
+              ("elementwise", r"^(AddV2|Add|Sub|Mul|RealDiv|Sqrt|Rsqrt|Square|Neg|Maximum|"
+                              r"Relu|ReluGrad|Cast|Select|SelectV2|Pow|Identity)$"))
+
+
+def _loss(reduction="sum_over_batch_size"):
+    import keras
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
+def _adam(**kwargs):
+    import keras
+    return keras.optimizers.Adam(LEARNING_RATE, **kwargs)
+
+
+class Fit:
+    """Keras `fit` on the model: `n` batches per update (steps_per_epoch), `per_call` of
+    them in one compiled call."""
+
+    def __init__(self, label, net, dataset, n, per_call, optimizer):
+        self.label, self.net, self.dataset, self.n = label, net, dataset, n
+        net.compile(optimizer=optimizer, loss=_loss(), jit_compile=False,
+                    steps_per_execution=per_call)
+
+    def train(self, updates):
+        self.net.fit(self.dataset, steps_per_epoch=updates * self.n, epochs=1, verbose=0,
+                     shuffle=False)
+
+
+class Window:
+    """fit_accumulated's default path: a WindowAccumulator's fit, N mini-batches a call,
+    on a dataset of a block's mini-batches made once: each new dataset's first iterator
+    costs as much as a few updates (its graph made, the samples' constant in it: 65 ms
+    for MNIST), where a run's one dataset pays it once."""
+
+    def __init__(self, label, net, dataset, n):
+        from gradient_averaging.tf2 import WindowAccumulator
+        self.label, self.dataset, self.n, self.blocks = label, dataset, n, {}
+        self.accumulator = WindowAccumulator(net, _adam(), _loss(None), average_gradients=n)
+
+    def train(self, updates):
+        if updates not in self.blocks:
+            self.blocks[updates] = self.dataset.take(updates * self.n)
+        self.accumulator.fit(self.blocks[updates])
+
+
+class MiniBatch:
+    """A MiniBatchAccumulator: accumulate per mini-batch, apply per N."""
+
+    def __init__(self, label, net, dataset, n):
+        from gradient_averaging.tf2 import MiniBatchAccumulator
+        self.label, self.n, self.batches = label, n, iter(dataset)
+        self.accumulator = MiniBatchAccumulator(net, _adam(), _loss(None))
+
+    def train(self, updates):
+        for _ in range(updates):
+            for _ in range(self.n):
+                self.accumulator.accumulate(*next(self.batches))
+            self.accumulator.apply()
+
+
+class Apply:
+    """The optimizer's apply alone: Adam on constant gradients, N - 1 applies per update,
+    in one call (a loop inside it), as a step's apply runs inside its call."""
+
+    def __init__(self, label, net, n):
+        self.label, self.n = label, n
+        optimizer, variables = _adam(), net.trainable_variables
+        optimizer.build(variables)
+        gradients = [tf.fill(v.shape, tf.constant(1e-3, v.dtype)) for v in variables]
+
+        @tf.function
+        def applies(count):
+            for _ in tf.range(count):
+                optimizer.apply_gradients(zip(gradients, variables))
+
+        self.applies = applies
+        applies(tf.constant(1))  # traced
+
+    def train(self, updates):
+        self.applies(tf.constant(updates * (self.n - 1)))
+
+
+def contenders(workload, n, b, base, noise=False):
+    """The floor's terms, the references and the paths at N x B, each on its own model;
+    `base`: the workload's samples as an endless dataset; `noise`: one more `alone`."""
+    from gradient_averaging.keras_fit import accumulate
+    batches = base.batch(b, drop_remainder=True).prefetch(2)
+    out = [Fit("alone", workload.build(), batches, n, n, _adam()),
+           Apply("apply", workload.build(), n),
+           Fit("direct", workload.build(), base.batch(n * b, drop_remainder=True).prefetch(2),
+               1, 1, _adam()),
+           Fit("keras", workload.build(), batches, n, n, _adam(gradient_accumulation_steps=n)),
+           Window("window", workload.build(), batches, n),
+           MiniBatch("mini_batch", workload.build(), batches, n),
+           Fit("accumulate", accumulate(workload.build(), n), batches, n, 1, _adam())]
+    if noise:
+        out.append(Fit(NOISE, workload.build(), batches, n, n, _adam()))
+    return out
+
+
+def with_floor(times):
+    """`times` (interleaved's) with each round's floor: alone - apply (N - 1 applies)."""
+    return dict(times, floor=[a - p for a, p in zip(times["alone"], times["apply"])])
+
+
+def missing(vs_floor, limit):
+    """The paths over `limit` times the floor."""
+    return [k for k in PATHS if vs_floor[k]["ratio"] > limit]
+
+
+def clock(times):
+    """What one clock's `times` (interleaved's; a second `alone`, NOISE, where it was
+    raced) say: {"times" (with "floor"), "median_ms", "vs_floor", "vs_keras": paired
+    ratios, "noise": |alone_again / alone - 1| or None}."""
+    times = with_floor(times)
+    return dict(times=times, noise=(abs(bc.paired_ratio(times, NOISE, "alone")["ratio"] - 1)
+                                    if NOISE in times else None),
+                median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                vs_floor={k: bc.paired_ratio(times, k, "floor") for k in (*REFERENCES, *PATHS)},
+                vs_keras={k: bc.paired_ratio(times, k, "keras") for k in PATHS})
+
+
+def summary(model, n, b, updates, cpu, wall=None, profiles=None):
+    """A row of the section: {"model", "n", "b", "updates", "profiles": {label: profile}
+    or {}, "wall": clock(wall)} and clock(cpu)'s keys, the judged ones: this process's
+    CPU seconds (`cpu`), which the other work of a loaded machine leaves out, where the
+    wall-clock time (`wall`, None: the same) waits for it too."""
+    return dict(model=model, n=n, b=b, updates=updates, profiles=profiles or {},
+                wall=clock(cpu if wall is None else wall), **clock(cpu))
+
+
+def race(workload, n, b, base, noise=False, profiled=()):
+    """One (N, B) of a workload, interleaved; where a path misses the limit (and is not
+    in `profiled`, the paths traced at an earlier (N, B)), it and the floor's terms traced
+    after (bench_contenders.profile). Returns its summary()."""
+    import keras
+    updates = max(1, workload.mini_batches // n)
+    racing = contenders(workload, n, b, base, noise)
+    try:
+        cpu = {}
+        wall = bc.interleaved(racing, updates, workload.repeats, cpu=cpu)
+        over = [k for k in missing(summary(workload.name, n, b, updates, cpu)["vs_floor"],
+                                   workload.limit) if k not in profiled]
+        profiles = {c.label: bc.profile(c, updates, OP_CLASSES) for c in racing
+                    if over and c.label in ("alone", "apply", *over)}
+    finally:
+        del racing
+        keras.utils.clear_session()
+        gc.collect()
+    return dict(summary(workload.name, n, b, updates, cpu, wall, profiles),
+                load=os.getloadavg()[0])
+
+
+def noise_of(rows, model):
+    """This run's noise for a workload: its `alone` against a second one (None: not
+    measured)."""
+    return next((r["noise"] for r in rows if r["model"] == model and r["noise"] is not None),
+                None)
+
+
+def floor_profile(row):
+    """{op class: kernel ms per update} of the floor: alone's less the N - 1 applies'."""
+    alone, apply = row["profiles"]["alone"]["kernel_ms"], row["profiles"]["apply"]["kernel_ms"]
+    return {c: alone.get(c, 0.0) - apply.get(c, 0.0) for c in {*alone, *apply}}
+
+
+class Floor(Section):
+    name, title = "floor", "Speed: each path against the floor"
+    FULL = dict(workloads=WORKLOADS, batches=(32, 128), ns=(4, 16))
+    QUICK = dict(workloads=(WORKLOADS[0]._replace(mini_batches=8, repeats=2),),
+                 batches=(32,), ns=(4,))
+
+    def configs(self):
+        s = self.settings
+        return [(w, n, b) for w in s["workloads"] for b in s["batches"] for n in s["ns"]]
+
+    def steps(self):
+        return len(self.configs())
+
+    def measure(self, run):
+        rows, bases = [], {}
+        for w, n, b in self.configs():
+            if w.name not in bases:
+                bases[w.name] = tf.data.Dataset.from_tensor_slices(w.data(run.datasets)).repeat()
+            run.log(f"Floor: {w.name} at N={n} x B={b}")
+            mine = [r for r in rows if r["model"] == w.name]
+            # The noise once, and each path's profile once, per workload: time is short.
+            row = race(w, n, b, bases[w.name], noise=not mine,
+                       profiled={k for r in mine for k in r["profiles"]})
+            run.log("  floor {:.1f} CPU ms; ".format(row["median_ms"]["floor"]) + ", ".join(
+                f"{k}: {row['median_ms'][k]:.1f} ms ({row['vs_floor'][k]['ratio']:.2f}x, wall "
+                f"{row['wall']['vs_floor'][k]['ratio']:.2f}x)" for k in (*REFERENCES, *PATHS)))
+            rows.append(row)
+            run.step()
+        return rows
+
+    def targets(self, rows):
+        out = []
+        for w in self.settings["workloads"]:
+            mine, noise = [r for r in rows if r["model"] == w.name], noise_of(rows, w.name)
+            if not mine:
+                continue
+
+            def ratios(key, mine=mine):
+                return {f"{k} at N={r['n']}/B={r['b']}": r[key][k] for r in mine for k in PATHS}
+
+            out.append(worst(f"{w.name}: every TF2 path within {w.limit}x of the floor "
+                             f"(N x B alone - (N - 1) x apply)", ratios("vs_floor"), w.limit,
+                             noise=noise))
+            out.append(worst(f"{w.name}: every TF2 path at or faster than Keras's "
+                             f"gradient_accumulation_steps", ratios("vs_keras"), 1.0,
+                             noise=noise))
+        return out
+
+    def markdown(self, rows):
+        s = self.settings
+        lines = [f"## {self.title}", "",
+                 "What accumulation itself costs: each path's time per update of N "
+                 "mini-batches of B against the floor `N x (one step at B alone) - (N - 1) "
+                 "x (the optimizer's apply alone)`: N passes are unavoidable, one apply "
+                 "instead of N is the gain. Real MNIST, Adam 1e-3, every contender on its "
+                 "own model, built once, trained one untimed block, then timed in rounds in "
+                 "which each trains a block of updates, the order rotating every round; each "
+                 "round's floor is that round's `alone` less its `apply`, each ratio the "
+                 "median of the per-round ratios (quartiles in brackets). Under op "
+                 "determinism, as `main.py` runs, so no XLA.", "",
+                 "Time is this process's CPU time (all its threads), which the targets judge: "
+                 "on a machine that other work loads, the wall-clock time of a block waits "
+                 "for that work as much as for its own (its ratios are the `wall` columns, "
+                 "their quartiles several times as wide). On an idle machine the two agree "
+                 "but for what leaves a core idle (a path's time spent waiting), which CPU "
+                 "time leaves out and the wall-clock counts.", ""]
+        lines += [f"- `{k}`: {v}" for k, v in {**FLOOR, **REFERENCES, **PATHS}.items()]
+        for w in s["workloads"]:
+            mine = [r for r in rows if r["model"] == w.name]
+            if not mine:
+                continue
+            noise = noise_of(rows, w.name)
+            about = (f"{w.words[0].upper()}{w.words[1:]}; {w.repeats} rounds, blocks of "
+                     f"{w.mini_batches} mini-batches (at least one update). CPU ms per "
+                     f"update (median) and its ratio to the floor; the target: the paths "
+                     f"within {w.limit}x. `load`: the machine's load average (one minute) as "
+                     f"the N x B ended, on {os.cpu_count()} cores.")
+            if noise is not None:
+                about += (f" This run's noise (`alone` against a second `alone`, "
+                          f"N={mine[0]['n']} x B={mine[0]['b']}): {noise:.1%} in CPU time, "
+                          f"{mine[0]['wall']['noise']:.1%} in wall-clock time.")
+            lines += ["", f"### {w.name}", "", about, ""]
+            lines += table(("N x B", "alone / N", "apply / (N - 1)", "floor",
+                            *REFERENCES, *PATHS, *(f"{k} / keras" for k in PATHS),
+                            *(f"{k}, wall" for k in PATHS), "load"), [
+                (f"{r['n']} x {r['b']}",
+                 f"{r['median_ms']['alone'] / r['n']:.1f} ms",
+                 f"{r['median_ms']['apply'] / (r['n'] - 1):.2f} ms",
+                 f"{r['median_ms']['floor']:.1f} ms",
+                 *(f"{r['median_ms'][k]:.1f} ms, {_ratio(r['vs_floor'][k])}"
+                   for k in (*REFERENCES, *PATHS)),
+                 *(_ratio(r["vs_keras"][k]) for k in PATHS),
+                 *(_ratio(r["wall"]["vs_floor"][k]) for k in PATHS),
+                 f"{r['load']:.1f}" if "load" in r else "") for r in mine])
+            lines += self._profiles(w, mine)
+        return lines
+
+    def _profiles(self, workload, rows):
+        """Where the time over the floor goes, at each (N, B) where a path missed."""
+        lines = []
+        for r in rows:
+            if not r["profiles"]:
+                continue
+            p, floor = r["profiles"], floor_profile(r)
+            over = [k for k in PATHS if k in p]
+            cpu_floor = p["alone"].get("cpu_ms", 0) - p["apply"].get("cpu_ms", 0)
+            classes = sorted({*floor, *(c for k in over for c in p[k]["kernel_ms"])})
+
+            def kernels(k, p=p, floor=floor):
+                return sum(p[k]["kernel_ms"].values()) - sum(floor.values())
+
+            lines += ["", f"Where the time over the floor goes, {workload.name} at N={r['n']} "
+                      f"x B={r['b']} (each path over {workload.limit}x, at the first N x B "
+                      "where it was): tf.profiler over one block of each after the timed "
+                      "rounds, ms per update; the floor's is alone's less apply's, each "
+                      "path's is its own less the floor's. `CPU ms`: the process's; below "
+                      "it, the ops' durations by class, summed over threads (`in kernels`, "
+                      "their sum): each from the op's start to its end, which a loaded "
+                      "machine stretches (its thread waiting for a core), so that they can "
+                      "add up to more than the CPU time; a path's CPU time over the floor "
+                      "that its kernels do not show went to Python, its calls and the input "
+                      "pipeline. `variable adds` are the in-place adds: the paths' sums "
+                      "(each mini-batch's gradients, and their zeroing), and Adam's moments "
+                      "in each.", ""]
+            lines += table(("", "floor", *(f"{k} over it" for k in over)), [
+                ("CPU ms, traced", f"{cpu_floor:.1f}",
+                 *(f"{p[k].get('cpu_ms', 0) - cpu_floor:+.1f}" for k in over)),
+                ("in kernels", f"{sum(floor.values()):.1f}",
+                 *(f"{kernels(k):+.1f}" for k in over))] + [
+                (c, f"{floor.get(c, 0):.2f}",
+                 *(f"{p[k]['kernel_ms'].get(c, 0) - floor.get(c, 0):+.2f}" for k in over))
+                for c in classes])
+        return lines
+
+
+def _ratio(r):
+    return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
