@@ -6,10 +6,12 @@ import contextlib
 import json
 import os
 import re
+import signal
 import time
 
 import pytest
 import tensorflow as tf
+from tensorflow.core.util import event_pb2
 
 from experiment import checkpoint
 from experiment import config as config_lib
@@ -70,13 +72,22 @@ def one_error_line(path):
 @pytest.mark.slow
 def test_workers_killed_mid_run_resume_to_the_uninterrupted_weights(tmp_path, mnist_dir):
     """Both workers kill -9'ed while they train, then the same command: the weights of
-    the run never interrupted, bit for bit; another number of workers is refused."""
+    the run never interrupted, bit for bit; another number of workers is refused.
+
+    The run never interrupted also writes events (--logdir, which launch_workers gives the
+    chief alone): every worker then reads the loss totals after each window."""
     def args(tag):
         return [*ARGS, f"--data-dir={mnist_dir}", f"--checkpoint-dir={tmp_path / tag}",
                 f"--results={tmp_path / tag}.json"]
 
-    codes, outputs = launch_workers.launch(args("whole"), timeout=400, env=CPU_ONLY)
+    codes, outputs = launch_workers.launch([*args("whole"), f"--logdir={tmp_path / 'events'}"],
+                                           timeout=400, env=CPU_ONLY)
     assert codes == [0, 0], outputs
+    (events,) = (tmp_path / "events").rglob("events.out.tfevents.*")
+    losses = [event_pb2.Event.FromString(record.numpy()).step
+              for record in tf.data.TFRecordDataset(str(events))
+              if "train/loss" in str(event_pb2.Event.FromString(record.numpy()).summary)]
+    assert losses == list(range(1, 41))  # one per update
     (whole,) = json.loads((tmp_path / "whole.json").read_text())["runs"]
     whole_loss = LOSS_LINE.findall(outputs[0])
     assert len(whole_loss) == 1, outputs[0]
@@ -119,6 +130,20 @@ def test_workers_killed_mid_run_resume_to_the_uninterrupted_weights(tmp_path, mn
         "(how each mini-batch is split shapes its bits); start 2, or use another "
         "checkpoint directory"], proc.stderr
 
+    # Worker 1 given a directory without the chief's checkpoint (as on a machine that does
+    # not share the chief's file system): both refuse.
+    procs, logs = start([args("killed"), [*args("killed")[:-2], f"--checkpoint-dir={tmp_path}"
+                                          "/elsewhere"]], tmp_path, "elsewhere")
+    wait(procs, 300)
+    assert [p.returncode for p in procs] == [2, 2]
+    for log, (index, found, directory) in zip(logs, [(0, "a finished run", "killed"),
+                                                     (1, "no checkpoint", "elsewhere")]):
+        assert one_error_line(log) == (
+            f"error: --checkpoint-dir: worker {index} finds {found} in "
+            f"{tmp_path / directory / 'rep-0'}, another worker finds otherwise: every worker "
+            "must read the directory the chief (worker 0) writes, under the same flags (on "
+            "several machines, a file system they share)")
+
 
 # ---------------------------------------------------------------- refusals
 
@@ -141,13 +166,28 @@ def test_workers_given_other_settings_refuse_in_one_line(tmp_path, mnist_dir):
             "--logdir, which only worker 0 writes)")
 
 
+@pytest.mark.slow
+def test_workers_given_other_data_refuse_in_one_line(tmp_path, mnist_dirs):
+    """The same flags, but worker 1's --data-dir holds fewer test images."""
+    common = ["--batch-size=24", "--iterations=40", "--eval-every=0", "--reps=1"]
+    procs, logs = start([[*common, f"--data-dir={d}"] for d in mnist_dirs], tmp_path, "data")
+    wait(procs, 300)
+    assert [p.returncode for p in procs] == [2, 2]
+    assert "--data-dir (its files' contents) differs; this one, worker 1, has '" in (
+        one_error_line(logs[1]))
+
+
 # ---------------------------------------------------------------- a lost worker
 
 
 @pytest.mark.slow
-def test_a_killed_worker_stops_the_other_in_one_line_within_the_timeout(tmp_path, mnist_dir):
-    """Worker 1 killed while they train: worker 0 stops within --worker-timeout (20 s), in
-    one line naming worker 1 and the checkpoint in force, and the same command resumes."""
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])
+def test_a_lost_worker_stops_the_other_in_one_line_within_the_timeout(tmp_path, mnist_dir,
+                                                                      signum):
+    """Worker 1 killed, or stopped by Ctrl-C, while they train: worker 0 stops within
+    --worker-timeout (20 s), in one line naming worker 1 and the checkpoint in force.
+    Stopped by a signal, worker 1 saves no checkpoint of its own (a save is a collective):
+    its line names the one in force."""
     args = ["--average-gradients=4", "--batch-size=24", "--iterations=100000",
             "--eval-every=0", "--reps=1", "--checkpoint-every=5", "--worker-timeout=20",
             f"--data-dir={mnist_dir}", f"--checkpoint-dir={tmp_path / 'ckpt'}"]
@@ -156,17 +196,21 @@ def test_a_killed_worker_stops_the_other_in_one_line_within_the_timeout(tmp_path
     deadline = time.monotonic() + 300
     while not state.exists() and time.monotonic() < deadline and procs[0].poll() is None:
         time.sleep(0.1)
-    procs[1].kill()
+    procs[1].send_signal(signum)
     seconds = wait(procs, 120)
     assert procs[0].returncode == 3 and seconds[0] is not None and seconds[0] <= 20
-    line = one_error_line(logs[0])
     in_force = json.loads(state.read_text())
-    assert re.fullmatch(
-        r"error: run 1 of 1: worker 1 \(127\.0\.0\.1:\d+\) cannot be reached \([^)]*\); "
-        r"stopped at iteration \d+ \(\d mini-batches in the open window\); the checkpoint "
-        rf"in force is {re.escape(str(tmp_path / 'ckpt' / 'rep-0'))}/model\.ckpt-"
-        rf"{in_force['iteration']} \(iteration {in_force['iteration']}\): the same command "
-        r"resumes from it", line), line
+    where = (rf"stopped at iteration \d+ \(\d mini-batches in the open window\); the checkpoint "
+             rf"in force is {re.escape(str(tmp_path / 'ckpt' / 'rep-0'))}/model\.ckpt-"
+             rf"{in_force['iteration']} \(iteration {in_force['iteration']}\): the same command "
+             r"resumes from it")
+    line = one_error_line(logs[0])
+    assert re.fullmatch(r"error: run 1 of 1: worker 1 \(127\.0\.0\.1:\d+\) cannot be reached "
+                        rf"\([^)]*\); {where}", line), line
+    if signum == signal.SIGINT:
+        assert procs[1].returncode == 128 + signum
+        assert re.fullmatch(f"error: run 1 of 1: interrupted by SIGINT; {where}",
+                            one_error_line(logs[1]))
 
 
 # ---------------------------------------------------------------- one worker's part, alone
