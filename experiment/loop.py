@@ -10,6 +10,7 @@ The engine's contract is interfaces.Engine (and interfaces.EngineModule for its 
 config.ENGINES names the engines and loads one on use.
 """
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -86,24 +87,28 @@ def _agree(config, values, flags=()):
     return any_of
 
 
-class _losing_workers:
+@contextlib.contextmanager
+def _losing_workers(config, where):
     """Turns what a collective raises where a peer worker is lost into WorkerLost:
     `reason; where` (where: a str, or a callable giving it once the error is known)."""
-
-    def __init__(self, config, where):
-        self.config, self.where = config, where
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, unused_traceback):
-        if not isinstance(error, tf.errors.OpError):
-            return False
-        reason = workers.lost_reason(error, self.config)
+    try:
+        yield
+    except tf.errors.OpError as e:
+        reason = workers.lost_reason(e, config)
         if reason is None:
-            return False
-        where = self.where() if callable(self.where) else self.where
-        raise WorkerLost(f"{reason}; {where}") from None
+            raise
+        raise WorkerLost(f"{reason}; {where() if callable(where) else where}") from None
+
+
+def _agree_at_start(config, runs, datasets):
+    """Under multi_worker, that every worker was given the same settings and data;
+    returns whether any worker writes events (the chief, given --logdir): every worker
+    then reads the loss totals after each window, a collective."""
+    if config.distribute != "multi_worker":
+        return False
+    values = dict(workers.settings(config, runs), events=bool(runs.logdir),
+                  **{workers.DATA: workers.data_digest(datasets)})
+    return _agree(config, values, flags=("events",))["events"]
 
 
 def bad_windows_verdict(config, consecutive_bad, last_bad):
@@ -147,18 +152,16 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
       The runs' result dicts.
 
     Raises:
-      Stopped: a run stopped early (the message names the rep).
-      checkpoint.CheckpointError: a rep's checkpoint is unusable or of another config.
+      Stopped: a run stopped early (the message names the rep); WorkerLost: a
+        multi_worker peer is lost.
+      checkpoint.CheckpointError: a rep's checkpoint is unusable or of another config;
+        WorkersDiffer: the multi_worker workers' settings, data or checkpoint differ.
       results.WriteError: a checkpoint or the results file could not be written; no
         later rep is started (the message names the rep and what is kept).
     """
     log = log or _print
     finished = []
-    # Every worker reads the loss totals after each window (a collective) where the
-    # chief writes events.
-    events = _agree(config, dict(workers.settings(config, runs), events=bool(runs.logdir), **{
-        workers.DATA: workers.data_digest(datasets)}) if config.distribute == "multi_worker"
-        else {}, flags=("events",)).get("events", False)
+    events = _agree_at_start(config, runs, datasets)
     # The reps' bars share it, to show an ETA for all of them beside each run's own.
     clock = progress.RunsClock(runs.reps) if runs.reps > 1 else None
     for rep in range(runs.reps):

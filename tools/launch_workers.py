@@ -4,8 +4,9 @@
 
 Each worker is `main.py --engine=tf2 --distribute=multi_worker ARGS` with its own TF_CONFIG
 on 127.0.0.1 (free ports): each trains its slice of the same global mini-batches. Worker 0
-(the chief) writes to this terminal and alone writes `--results` and `--logdir`; another
-worker's output is shown if it fails. If a worker fails or the job runs past --timeout,
+(the chief) writes to this terminal and alone writes `--results`, `--logdir` and the
+checkpoints under `--checkpoint-dir` (which every worker is given: they resume from it);
+another worker's output is shown if it fails. If a worker fails or the job runs past --timeout,
 the others are stopped, so nothing is left waiting for a peer.
 """
 
@@ -53,7 +54,7 @@ def chief_only(args):
 def role(index):
     """What worker `index` does in the job, in a few words."""
     if index == 0:
-        return "chief: its output follows; writes --results and --logdir"
+        return "chief: its output follows; writes --results, --logdir and the checkpoints"
     return "worker: trains its slice of each mini-batch; its output is shown if it fails"
 
 
