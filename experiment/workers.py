@@ -18,6 +18,8 @@ import json
 import os
 import re
 
+import numpy as np
+
 from experiment import config as config_lib
 
 # Settings each worker may have of its own: the chief alone writes --results and
@@ -92,7 +94,7 @@ def data_digest(datasets):
     digest = hashlib.sha256()
     for split in datasets:
         for array in split:
-            digest.update(memoryview(array).cast("B"))
+            digest.update(memoryview(np.ascontiguousarray(array)).cast("B"))
     return digest.hexdigest()
 
 
@@ -104,7 +106,6 @@ def _hash(value):
 def gather(strategy, row):
     """Every worker's `row` (ints), worker 0's first: one collective all-gather, which
     every worker must run at the same point."""
-    import numpy as np
     import tensorflow as tf  # here, not at import: results.py imports this module
 
     local = strategy.num_replicas_in_sync // count_from(strategy)
