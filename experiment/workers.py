@@ -32,10 +32,14 @@ CHECKPOINTS = "checkpoint-dir (given or not)"
 
 def task():
     """(this worker's index, the workers' addresses) from TF_CONFIG: (0, []) without a
-    cluster (a single local worker)."""
+    cluster (a single local worker). A cluster with a `chief` task counts it first, as
+    TensorFlow does: it is worker 0, and `worker` I is worker I + 1."""
     try:
         tf_config = json.loads(os.environ.get("TF_CONFIG") or "{}")
-        return int(tf_config["task"]["index"]), list(tf_config["cluster"]["worker"])
+        cluster, me = tf_config["cluster"], tf_config["task"]
+        chief = list(cluster.get("chief", ()))
+        index = int(me["index"]) + (0 if me.get("type") == "chief" else len(chief))
+        return index, chief + list(cluster["worker"])
     except (ValueError, KeyError, TypeError):
         return 0, []
 

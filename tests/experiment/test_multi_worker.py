@@ -288,3 +288,13 @@ def test_lost_reason_names_the_worker_that_stopped_sending_heartbeats(worker_1):
     out_of_memory = tf.errors.ResourceExhaustedError(None, None, "OOM")
     assert workers.lost_reason(out_of_memory, config) is None
     assert workers.lost_reason(reset, config_lib.Config()) is None  # one process: not lost
+
+
+def test_a_cluster_with_a_chief_task_counts_it_as_worker_0(monkeypatch):
+    cluster = {"chief": ["host0:1"], "worker": ["host1:1", "host2:1"]}
+    for task, index in ((("chief", 0), 0), (("worker", 0), 1), (("worker", 1), 2)):
+        monkeypatch.setenv("TF_CONFIG", json.dumps(
+            {"cluster": cluster, "task": {"type": task[0], "index": task[1]}}))
+        assert workers.task() == (index, ["host0:1", "host1:1", "host2:1"])
+    monkeypatch.setenv("TF_CONFIG", tf_config(1))
+    assert workers.task() == (1, ["127.0.0.1:1000", "127.0.0.1:1001"])
