@@ -20,6 +20,12 @@ or interrupted save left (partial files, tf2's `model.ckpt-<i>_temp/` directorie
 `.tmp-*` files of atomic writes) when the run is loaded again: nothing in the directory
 but what `state.json` names survives, so the next save never trips over it. That clean-up
 assumes one run per directory, which main.py's lock (runlock.py) ensures.
+
+Under --distribute=multi_worker the chief (worker 0) alone writes and cleans the
+directory; every other worker reads the chief's checkpoint to resume (so the directory
+must be one every worker reads: a file system they share, on several machines) and, at
+each save, writes its own part (the variables, as TensorFlow's multi-worker checkpointing
+has every worker write) to a directory of its own, removed once written.
 """
 
 import hashlib
@@ -51,16 +57,20 @@ class CheckpointError(ValueError):
 class RunCheckpoint:
     """The checkpoint directory of one run (one rep)."""
 
-    def __init__(self, directory, identity):
+    def __init__(self, directory, identity, own_part=None):
         """
         Args:
           directory: this run's directory (created on first save).
           identity: the settings that shape training (model, N, B, seed, averager,
             ...); a checkpoint made with other values is refused, never mixed in.
+          own_part: a multi_worker worker other than the chief: it reads `directory` and
+            writes nothing there; each save writes its variables under `own_part`, then
+            removes it.
         """
         self.directory = directory
         self.identity = dict(identity)
         self.state_path = os.path.join(directory, STATE_FILE)
+        self.own_part = own_part
         self.in_force = None  # the state that state.json holds: loaded, or last saved
 
     def load(self):
@@ -96,17 +106,31 @@ class RunCheckpoint:
                 "run over")
 
     def in_force_line(self):
-        """Which checkpoint the same command would resume from, for a failure's message."""
-        if self.in_force and not self.in_force.get("finished"):
+        """Which checkpoint the same command would resume from, for a failure's message
+        (a worker other than the chief reads it from the chief's state.json)."""
+        in_force = self.in_force
+        if self.own_part:
+            try:
+                with open(self.state_path) as f:
+                    in_force = json.load(f)
+            except (OSError, ValueError):
+                pass
+        if in_force and not in_force.get("finished"):
             return (f"the checkpoint in force is "
-                    f"{os.path.join(self.directory, self.in_force['checkpoint'])} (iteration "
-                    f"{self.in_force['iteration']}): the same command resumes from it")
+                    f"{os.path.join(self.directory, in_force['checkpoint'])} (iteration "
+                    f"{in_force['iteration']}): the same command resumes from it")
         return "no checkpoint of this run is in force yet: the same command starts it over"
 
     def _check_identity(self, saved):
         # A setting renamed since (--strategy is --distribute) still names the same thing.
         saved = {config.RENAMED.get(key, key): value for key, value in saved.items()}
         for key, value in self.identity.items():
+            if key == "workers" and key in saved and saved[key] != value:
+                raise CheckpointError(
+                    f"checkpoint {self.directory} was made by {saved[key]} workers, this job "
+                    f"has {value}: a multi_worker run resumes with as many workers as made "
+                    f"its checkpoint (how each mini-batch is split shapes its bits); start "
+                    f"{saved[key]}, or use another checkpoint directory")
             if key in saved and saved[key] != value:
                 raise CheckpointError(
                     f"checkpoint {self.directory} was made with {key}={saved[key]}, this run "
@@ -133,6 +157,11 @@ class RunCheckpoint:
             return self.in_force
         path = os.path.join(self.directory, prefix)
         window_name = f"window-{iteration}.npz"
+        if self.own_part:
+            self._write_own_part(engine, prefix)
+            self.in_force = dict(state, identity=self.identity, finished=False,
+                                 checkpoint=prefix, window=window_name)
+            return self.in_force
         try:
             os.makedirs(self.directory, exist_ok=True)
             faults.check(path)
@@ -152,6 +181,22 @@ class RunCheckpoint:
         self.in_force = full
         self._remove_stale()
         return full
+
+    def _write_own_part(self, engine, prefix):
+        """A worker's part of a save: its variables, under own_part, then removed.
+
+        Raises:
+          results.WriteError: they could not be written.
+        """
+        path = os.path.join(self.own_part, prefix)
+        try:
+            engine.write_variables(path)
+        except (OSError, tf.errors.OpError, ValueError) as e:
+            raise results.WriteError(f"cannot write this worker's part of the checkpoint "
+                                     f"{path} ({results.cause(e)}); "
+                                     f"{self.in_force_line()}") from None
+        finally:
+            shutil.rmtree(self.own_part, ignore_errors=True)
 
     def restore(self, engine, state):
         """Restores what `save` saved of an interfaces.Engine (variables, then window).
@@ -179,6 +224,9 @@ class RunCheckpoint:
             unchanged.
         """
         finished = {"identity": self.identity, "finished": True, "result": result}
+        if self.own_part:  # the chief writes it
+            self.in_force = finished
+            return
         try:
             os.makedirs(self.directory, exist_ok=True)
             results.atomic_write_json(self.state_path, finished)
@@ -193,7 +241,11 @@ class RunCheckpoint:
         """Removes what state.json does not name: the previous checkpoint's files, and what
         failed or interrupted saves left (partial files, tf2's `<prefix>_temp/`
         directories, `.tmp-*` files). Best effort: what cannot be removed now is removed
-        by a later save or load."""
+        by a later save or load. A worker other than the chief removes only its own part
+        (left by a save it was killed in)."""
+        if self.own_part:
+            shutil.rmtree(self.own_part, ignore_errors=True)
+            return
         if self.in_force is None and os.path.exists(self.state_path):
             return  # never loaded: what it names is unknown, so nothing is stale
         state = self.in_force or {}

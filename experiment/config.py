@@ -159,6 +159,11 @@ class Config:
         0, "Replicas for --distribute=mirrored: the first K GPUs, or without a GPU the CPU "
         "split into K logical devices (0: every visible device). --batch-size stays the "
         "global mini-batch, split over the replicas.", lower=0)
+    worker_timeout: int = setting(
+        180, "--distribute=multi_worker: seconds a collective waits for the other workers "
+        "before this worker stops with one line (a dead or unreachable worker is found "
+        "sooner, by TensorFlow's heartbeats); longer than any worker's evaluation or "
+        "checkpoint. 0: wait forever.", lower=0)
     # A checkpoint records it through engine_tf2.identity (XLA gives other bits).
     jit_compile: bool = setting(
         False, "tf2 engine: compile each mini-batch's pass with XLA (other bits than without). "
@@ -262,10 +267,6 @@ RULES = (
          lambda v: not (v["eval-every"] and v["eval-every-updates"]),
          "--eval-every-updates replaces the per-iteration cadence: pass --eval-every=0 "
          "with it"),
-    Rule(("distribute", "checkpoint-dir"),
-         lambda v: v["distribute"] != "multi_worker" or not v["checkpoint-dir"],
-         "--checkpoint-dir does not work with --distribute=multi_worker (every worker "
-         "would write the same files); use --distribute=none or mirrored"),
 )
 
 

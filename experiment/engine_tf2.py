@@ -18,6 +18,7 @@ import model
 from experiment import checkpoint
 from experiment import config as config_lib
 from experiment import data
+from experiment import workers
 from gradient_averaging import micro_batch
 from gradient_averaging.tf2 import WindowAccumulator
 from trainer import Outcome
@@ -88,8 +89,10 @@ def prepare(config):
             tf.config.threading.set_inter_op_parallelism_threads(config.threads)
         if config.distribute == "mirrored":
             strategy = tf.distribute.MirroredStrategy(_mirrored_devices(config.replicas))
-        elif config.distribute == "multi_worker":
-            strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        elif config.distribute == "multi_worker":  # a collective that waits longer fails
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                communication_options=tf.distribute.experimental.CommunicationOptions(
+                    timeout_seconds=config.worker_timeout or None))
         else:
             strategy = tf.distribute.get_strategy()
     except RuntimeError as e:  # TensorFlow's runtime already started
@@ -135,15 +138,11 @@ def identity(config):
     The replica count shapes the saved loss totals (one copy per replica), so it counts.
     XLA (jit_compile) trains to other bits, so a run with it resumes only from its own
     checkpoints; it is recorded only where on, so checkpoints made before the flag existed
-    still resume without it.
-
-    Raises:
-      ConfigError: multi_worker, where every worker would write the same files.
+    still resume without it. Under multi_worker the number of workers is recorded first
+    (before the replicas it implies), so that the refusal names it.
     """
-    if config.distribute == "multi_worker":
-        raise ConfigError("checkpoints do not work with distribute=multi_worker (every "
-                          "worker would write the same files)")
-    return dict({"distribute": config.distribute,
+    cluster = {"workers": workers.count(config)} if config.distribute == "multi_worker" else {}
+    return dict({"distribute": config.distribute, **cluster,
                  "replicas": prepare(config).num_replicas_in_sync},
                 **({"jit_compile": True} if config.jit_compile else {}))
 
@@ -378,6 +377,19 @@ class Engine:
         except (KeyError, ValueError, IndexError) as e:  # RunCheckpoint names the file
             raise ValueError(f"its window file does not hold the open window ({e})") from None
         self._open = open_
+        if self.config.distribute == "multi_worker":
+            self._restore_loss_totals(*state["loss_totals"])
+
+    def _restore_loss_totals(self, loss, samples):
+        """The loss totals of a multi_worker checkpoint, from the state's sums over every
+        replica: the variables hold a copy per replica and the chief saved only its own,
+        so the first replica takes the loss sum (read as a SUM) and every replica the
+        samples (read from the first)."""
+        for i, local in enumerate(self.strategy.experimental_local_results(
+                self.accumulator.loss_total)):
+            local.assign(loss if workers.index(self.config) == 0 and i == 0 else 0.0)
+        for local in self.strategy.experimental_local_results(self.accumulator.samples_total):
+            local.assign(samples)
 
 
 def weights_digest(net):

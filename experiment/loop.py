@@ -10,8 +10,8 @@ The engine's contract is interfaces.Engine (and interfaces.EngineModule for its 
 config.ENGINES names the engines and loads one on use.
 """
 
+import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -26,6 +26,7 @@ from experiment import faults
 from experiment import memory
 from experiment import progress
 from experiment import results
+from experiment import workers
 from experiment.config import IDENTITY_FIELDS
 from experiment.config import Runs
 from experiment.config import evaluation_due
@@ -43,6 +44,16 @@ class Stopped(Exception):
     """Training stopped before the end; the message says where and what was kept."""
 
 
+class WorkerLost(Stopped):
+    """A multi_worker worker died, cannot be reached, or did not answer a collective
+    within --worker-timeout; the message names it and the checkpoint in force."""
+
+
+class WorkersDiffer(checkpoint.CheckpointError):
+    """The workers of a multi_worker job were not given the same settings, data or
+    checkpoint; the message names what differs."""
+
+
 def engine_module(name):
     """The engine's module; Keras and tf.distribute load only for the tf2 engine."""
     return config_lib.ENGINES[name].load()
@@ -50,11 +61,54 @@ def engine_module(name):
 
 def prepare(config):
     """The engine's process-wide set-up; call it before TensorFlow's runtime starts.
+    Under multi_worker, the workers then check they were given the same Config (before
+    anything else runs a collective: --batch-size=auto's search does).
 
     Raises:
-      ValueError: the engine cannot run this configuration here; the message says why.
+      ValueError: the engine cannot run this configuration here; the message says why
+        (WorkersDiffer: the workers' settings differ).
     """
     engine_module(config.engine).prepare(config)
+    _agree(config, workers.settings(config, None))
+
+
+def _agree(config, values, flags=()):
+    """workers.differing under multi_worker: raises WorkersDiffer, naming the first
+    setting that is not equal on every worker (every worker raises it), or WorkerLost;
+    returns {flag: whether any worker has it} ({} without several workers)."""
+    if config.distribute != "multi_worker":
+        return {}
+    with _losing_workers(config, "no run has started"):
+        differ, any_of = workers.differing(engine_module(config.engine).prepare(config),
+                                           values, flags)
+    if differ:
+        raise WorkersDiffer(workers.differ_line(differ, values, workers.index(config),
+                                                workers.count(config)))
+    return any_of
+
+
+@contextlib.contextmanager
+def _losing_workers(config, where):
+    """Turns what a collective raises where a peer worker is lost into WorkerLost:
+    `reason; where` (where: a str, or a callable giving it once the error is known)."""
+    try:
+        yield
+    except tf.errors.OpError as e:
+        reason = workers.lost_reason(e, config)
+        if reason is None:
+            raise
+        raise WorkerLost(f"{reason}; {where() if callable(where) else where}") from None
+
+
+def _agree_at_start(config, runs, datasets):
+    """Under multi_worker, that every worker was given the same settings and data;
+    returns whether any worker writes events (the chief, given --logdir): every worker
+    then reads the loss totals after each window, a collective."""
+    if config.distribute != "multi_worker":
+        return False
+    values = dict(workers.settings(config, runs), events=bool(runs.logdir),
+                  **{workers.DATA: workers.data_digest(datasets)})
+    return _agree(config, values, flags=("events",))["events"]
 
 
 def bad_windows_verdict(config, consecutive_bad, last_bad):
@@ -98,13 +152,16 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
       The runs' result dicts.
 
     Raises:
-      Stopped: a run stopped early (the message names the rep).
-      checkpoint.CheckpointError: a rep's checkpoint is unusable or of another config.
+      Stopped: a run stopped early (the message names the rep); WorkerLost: a
+        multi_worker peer is lost.
+      checkpoint.CheckpointError: a rep's checkpoint is unusable or of another config;
+        WorkersDiffer: the multi_worker workers' settings, data or checkpoint differ.
       results.WriteError: a checkpoint or the results file could not be written; no
         later rep is started (the message names the rep and what is kept).
     """
     log = log or _print
     finished = []
+    events = _agree_at_start(config, runs, datasets)
     # The reps' bars share it, to show an ETA for all of them beside each run's own.
     clock = progress.RunsClock(runs.reps) if runs.reps > 1 else None
     for rep in range(runs.reps):
@@ -116,7 +173,7 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
                 checkpoint_dir=runs.checkpoint_dir and os.path.join(
                     runs.checkpoint_dir, f"rep-{rep}"),
                 checkpoint_every=runs.checkpoint_every, should_stop=should_stop,
-                run_index=rep + 1, runs=runs.reps, clock=clock)
+                run_index=rep + 1, runs=runs.reps, clock=clock, read_losses=events)
         except (Stopped, results.WriteError) as e:
             raise type(e)(f"run {rep + 1} of {runs.reps}: {e}") from None
         finished.append(run)
@@ -160,17 +217,12 @@ def _warning(line):
 def is_chief(config):
     """Whether this process is the one that reports: not a multi_worker worker other than
     task 0 (every worker trains the same run; one progress bar on a shared terminal)."""
-    if config.distribute != "multi_worker":
-        return True
-    try:
-        return json.loads(os.environ.get("TF_CONFIG") or "{}")["task"]["index"] == 0
-    except (ValueError, KeyError, TypeError):
-        return True  # no cluster: a single local worker
+    return workers.index(config) == 0
 
 
 def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
                checkpoint_dir=None, checkpoint_every=CHECKPOINT_EVERY, should_stop=None,
-               run_index=1, runs=1, clock=None):
+               run_index=1, runs=1, clock=None, read_losses=False):
     """Trains one run with config.engine (resuming it from `checkpoint_dir`) and tests it.
 
     Evaluates every `config.eval_every` iterations (mini-batches), or every
@@ -187,6 +239,8 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
         saves a checkpoint and raises Stopped.
       run_index, runs: this run's number (from 1) and how many there are, for the bar.
       clock: the progress.RunsClock of all the runs, for the bar's ETA of all of them.
+      read_losses: read the loss totals after each window without `logdir` too: a
+        multi_worker worker whose chief writes events (the read is a collective).
 
     Returns:
       dict with seed, best_accuracy, best_iteration, final_accuracy, updates,
@@ -196,41 +250,56 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
       tf2 engine with an effective batch, on one replica).
 
     Raises:
-      Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite).
-      checkpoint.CheckpointError: the checkpoint is unusable or of another configuration.
+      Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite);
+        WorkerLost: a multi_worker peer is lost.
+      checkpoint.CheckpointError: the checkpoint is unusable or of another configuration
+        (WorkersDiffer: the workers do not read the same checkpoint).
       results.WriteError: a checkpoint could not be written (the message names the one
         in force).
     """
     log = log or _print
     module = engine_module(config.engine)
-    ckpt = saved = None
-    if checkpoint_dir:
-        # E only where set: checkpoints made before it existed still resume without it.
-        identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS
-                         if key != "effective_batch_size" or config.effective_batch_size},
-                        seed=seed, **module.identity(config))
-        ckpt = checkpoint.RunCheckpoint(checkpoint_dir, identity)
-        saved = ckpt.load()
-        if saved and saved["finished"]:
-            return saved["result"]
-    engine = module.Engine(config, seed)
-    writer = _EventWriter(logdir) if logdir else None
-    closers = [engine.close] + ([writer.close] if writer else [])
-    try:
-        if verbose and engine.summary():
-            log(engine.summary())
-        run = _Run(config, datasets, seed, engine, ckpt, checkpoint_every, writer, verbose,
-                   log, (run_index, runs, clock))
-        if saved:
-            run.restore(saved)
-        result = run.train(should_stop)
-    except BaseException:
-        for close in closers:  # an error while closing must not hide the one raised
-            try:
-                close()
-            except Exception:
-                pass
-        raise
+    ckpt = saved = run = None
+
+    def where():
+        """Where a run stopped by a lost worker stands."""
+        kept = (ckpt.in_force_line() if ckpt
+                else "no checkpoint directory, so this run is lost")
+        if run is None:
+            return kept
+        return (f"stopped at iteration {run.iteration} ({run.engine.window_size()} "
+                f"mini-batches in the open window); {kept}")
+
+    with _losing_workers(config, where):
+        if checkpoint_dir:
+            # E only where set: checkpoints made before it existed still resume without it.
+            identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS
+                             if key != "effective_batch_size" or config.effective_batch_size},
+                            seed=seed, **module.identity(config))
+            ckpt = checkpoint.RunCheckpoint(checkpoint_dir, identity,
+                                            workers.own_part(checkpoint_dir, config))
+            saved = ckpt.load()
+            _agree_on_checkpoint(config, ckpt, saved)
+            if saved and saved["finished"]:
+                return saved["result"]
+        engine = module.Engine(config, seed)
+        writer = _EventWriter(logdir) if logdir else None
+        closers = [engine.close] + ([writer.close] if writer else [])
+        try:
+            if verbose and engine.summary():
+                log(engine.summary())
+            run = _Run(config, datasets, seed, engine, ckpt, checkpoint_every, writer,
+                       verbose, log, (run_index, runs, clock), read_losses)
+            if saved:
+                run.restore(saved)
+            result = run.train(should_stop)
+        except BaseException:
+            for close in closers:  # an error while closing must not hide the one raised
+                try:
+                    close()
+                except Exception:
+                    pass
+            raise
     for close in closers:
         close()
     if ckpt:
@@ -238,14 +307,36 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
     return result
 
 
+def _agree_on_checkpoint(config, ckpt, saved):
+    """Under multi_worker, that every worker found the same checkpoint (none, finished,
+    or the same iteration): the chief's, in a directory they all read.
+
+    Raises:
+      WorkersDiffer: a worker found another.
+    """
+    found = (None if not saved else "finished" if saved["finished"]
+             else (saved["iteration"], saved["checkpoint"]))
+    try:
+        _agree(config, {"checkpoint": found})
+    except WorkersDiffer:
+        seen = ("no checkpoint" if found is None else "a finished run" if found == "finished"
+                else f"the checkpoint of iteration {found[0]}")
+        raise WorkersDiffer(
+            f"--checkpoint-dir: worker {workers.index(config)} finds {seen} in "
+            f"{ckpt.directory}, another worker finds otherwise: every worker must read the "
+            f"directory the chief (worker 0) writes, under the same flags (on several "
+            f"machines, a file system they share)") from None
+
+
 class _Run:
     """One run's loop and the state a checkpoint must hold to continue it."""
 
     def __init__(self, config, datasets, seed, engine, ckpt, checkpoint_every, writer,
-                 verbose, log, position=(1, 1, None)):
+                 verbose, log, position=(1, 1, None), read_losses=False):
         self.config, self.datasets, self.seed = config, datasets, seed
         self.engine, self.ckpt, self.checkpoint_every = engine, ckpt, checkpoint_every
         self.writer = writer
+        self.read_losses = bool(writer) or read_losses  # after each window (train_once)
         if writer:
             writer.warn = self._warn
         self.verbose, self.log = verbose, log
@@ -288,15 +379,19 @@ class _Run:
         if self.ckpt:
             self.ckpt.save(self.engine, self.iteration, self.state())
 
-    def stop(self, reason):
-        """Saves a checkpoint and raises Stopped, saying where (or, when the save fails,
-        which checkpoint is in force)."""
-        try:
-            self.save()
-            where = (f"checkpoint in {self.ckpt.directory}; run the same command to resume"
-                     if self.ckpt else "no checkpoint directory, so this run is lost")
-        except results.WriteError as e:
-            where = str(e)
+    def stop(self, reason, save=True):
+        """Saves a checkpoint (unless not `save`) and raises Stopped, saying where (or,
+        when the save fails or is not made, which checkpoint is in force)."""
+        if not self.ckpt:
+            where = "no checkpoint directory, so this run is lost"
+        elif not save:
+            where = self.ckpt.in_force_line()
+        else:
+            try:
+                self.save()
+                where = f"checkpoint in {self.ckpt.directory}; run the same command to resume"
+            except results.WriteError as e:
+                where = str(e)
         raise self._stopped(reason, where)
 
     def _stopped(self, reason, where):
@@ -368,7 +463,10 @@ class _Run:
                 self.periodic_save(should_stop)
             reason = should_stop() if should_stop else None
             if reason:
-                self.stop(f"interrupted by {reason}")
+                # A save is a collective under multi_worker, and a signal may reach the
+                # workers at different mini-batches: the periodic checkpoint stays.
+                self.stop(f"interrupted by {reason}",
+                          save=self.config.distribute != "multi_worker")
 
         held = engine.window_size()
         start = time.perf_counter()
@@ -397,13 +495,13 @@ class _Run:
             self.consecutive_bad += 1
             self.last_bad = f"iterations {self.window_start}-{self.iteration}"
             self._warn(SKIPPED_WINDOW % (self.last_bad, self.counts.skipped_windows))
-            if self.writer:  # the next update's loss leaves this window out
+            if self.read_losses:  # the next update's loss leaves this window out
                 self.update_mark = self.engine.loss_totals()
         else:
             self.consecutive_bad = 0
-            if self.writer:
+            if self.read_losses:
                 loss, self.update_mark = self._mean_loss_since(self.update_mark)
-                if loss is not None:
+                if loss is not None and self.writer:
                     self.writer.scalar("train/loss", loss, self.counts.updates)
         self.window_start = self.iteration + 1
         verdict = bad_windows_verdict(self.config, self.consecutive_bad, self.last_bad)

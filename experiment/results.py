@@ -10,6 +10,7 @@ import tempfile
 from experiment import faults
 from experiment import runlock
 from experiment import stats
+from experiment import workers
 
 
 class ResultsError(OSError):
@@ -155,13 +156,26 @@ def check_outputs(config, runs, held):
       held: a contextlib.ExitStack that holds the lock (runlock.DirectoryLock) until it
         closes.
 
+    Under multi_worker, a worker other than the chief writes no results or events (the
+    chief does), and locks and checks only its own directory under the checkpoint
+    directory (workers.own_directory), whose runs it reads.
+
     Returns:
-      `runs`, without its logdir where that is full.
+      `runs`, without its logdir where that is full (without its results and logdir on
+      a worker other than the chief).
 
     Raises:
       ResultsError: a path that cannot be written; runlock.LockError: the checkpoint
         directory is in use by another run, or cannot be locked.
     """
+    worker = workers.index(config)
+    if worker:
+        runs = dataclasses.replace(runs, results_path=None, logdir=None)
+        if runs.checkpoint_dir:
+            own = workers.own_directory(runs.checkpoint_dir, worker)
+            check_directory(own, "--checkpoint-dir")
+            held.enter_context(runlock.DirectoryLock(own))
+        return runs
     if runs.results_path:
         check_writable(runs.results_path)
     seeds = range(runs.seed, runs.seed + runs.reps)

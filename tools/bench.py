@@ -27,6 +27,7 @@ from absl import flags
 from experiment import data
 from experiment import progress
 from experiment import results
+from tools import bench_collective
 from tools import bench_device
 from tools import bench_floor
 from tools import bench_memory
@@ -43,7 +44,7 @@ FLAGS = flags.FLAGS
 
 SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatch, bench_floor.Floor,
             bench_speed.Speed, bench_speed.KerasPlain, bench_speed.Kernels, bench_memory.HostGrowth,
-            bench_tf1_wrapper.Wrapper, bench_device.Device)
+            bench_tf1_wrapper.Wrapper, bench_collective.Collective, bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")

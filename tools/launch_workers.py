@@ -4,8 +4,9 @@
 
 Each worker is `main.py --engine=tf2 --distribute=multi_worker ARGS` with its own TF_CONFIG
 on 127.0.0.1 (free ports): each trains its slice of the same global mini-batches. Worker 0
-(the chief) writes to this terminal and alone writes `--results` and `--logdir`; another
-worker's output is shown if it fails. If a worker fails or the job runs past --timeout,
+(the chief) writes to this terminal and alone writes `--results`, `--logdir` and the
+checkpoints under `--checkpoint-dir` (which every worker is given: they resume from it);
+another worker's output is shown if it fails. If a worker fails or the job runs past --timeout,
 the others are stopped, so nothing is left waiting for a peer.
 """
 
@@ -53,8 +54,32 @@ def chief_only(args):
 def role(index):
     """What worker `index` does in the job, in a few words."""
     if index == 0:
-        return "chief: its output follows; writes --results and --logdir"
+        return "chief: its output follows; writes --results, --logdir and the checkpoints"
     return "worker: trains its slice of each mini-batch; its output is shown if it fails"
+
+
+def start(worker_args, outputs, python=sys.executable, env=None, live=False):
+    """Starts one worker per list of arguments in `worker_args` (worker 0's first), each
+    `main.py --engine=tf2 --distribute=multi_worker ARGS` with its TF_CONFIG; returns
+    their subprocess.Popen objects.
+
+    `outputs`: per worker, the file its stdout and stderr go to (None: this process's).
+    `live`: first print a line per worker (address, role).
+    """
+    ports = free_ports(len(worker_args))
+    cluster = {"worker": [f"{HOST}:{p}" for p in ports]}
+    if live:
+        for index, address in enumerate(cluster["worker"]):
+            print(f"worker {index} at {address}: {role(index)}", flush=True)
+    procs = []
+    for index, (args, output) in enumerate(zip(worker_args, outputs)):
+        worker_env = dict(os.environ, **(env or {}), TF_CONFIG=json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        procs.append(subprocess.Popen(
+            [python, common.MAIN, "--engine=tf2", "--distribute=multi_worker", *args],
+            cwd=common.ROOT, env=worker_env, stdout=output,
+            stderr=None if output is None else subprocess.STDOUT, text=True))
+    return procs
 
 
 def launch(args, workers=2, timeout=300, python=sys.executable, env=None, live=False):
@@ -65,22 +90,10 @@ def launch(args, workers=2, timeout=300, python=sys.executable, env=None, live=F
     stdout and stderr as it runs (its progress bar too, on a terminal); its output is then
     not captured ("").
     """
-    ports = free_ports(workers)
-    cluster = {"worker": [f"{HOST}:{p}" for p in ports]}
-    if live:
-        for index, address in enumerate(cluster["worker"]):
-            print(f"worker {index} at {address}: {role(index)}", flush=True)
-    procs, logs = [], []
-    for index in range(workers):
-        worker_env = dict(os.environ, **(env or {}), TF_CONFIG=json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        worker_args = args if index == 0 else chief_only(args)
-        log = None if live and index == 0 else tempfile.TemporaryFile(mode="w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [python, common.MAIN, "--engine=tf2", "--distribute=multi_worker", *worker_args],
-            cwd=common.ROOT, env=worker_env, stdout=log,
-            stderr=None if log is None else subprocess.STDOUT, text=True))
+    logs = [None if live and index == 0 else tempfile.TemporaryFile(mode="w+")
+            for index in range(workers)]
+    procs = start([args if index == 0 else chief_only(args) for index in range(workers)],
+                  logs, python=python, env=env, live=live)
     deadline = time.monotonic() + timeout
     try:
         while any(p.poll() is None for p in procs):

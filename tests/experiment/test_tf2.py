@@ -409,8 +409,6 @@ def test_parallel_mini_batches_train_the_same_bits_on_the_command_line(tmp_path,
     (["--engine=tf2", "--replicas=2"], "--replicas needs --distribute=mirrored"),
     (["--engine=tf2", "--accumulate=fused"], "--accumulate picks a tf1 averager"),
     (["--lr-decay-rate=0"], "--lr-decay-rate must be in (0, 1]"),
-    (["--engine=tf2", "--distribute=multi_worker", "--checkpoint-dir=/tmp"],
-     "--checkpoint-dir does not work with --distribute=multi_worker"),
 ])
 def test_bad_tf2_flags_get_one_line(capsys, args, message):
     with flagsaver.flagsaver():

@@ -373,13 +373,14 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     committed = os.path.join(ROOT, "BENCHMARKS.md")
     before = open(committed).read() if os.path.exists(committed) else None
     out = tmp_path / "quick.md"
-    proc = run_cli("--quick", f"--output={out}", module="tools.bench", timeout=400)
+    proc = run_cli("--quick", f"--output={out}", module="tools.bench", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for heading in ("## Targets", "## Speed: each path against the floor", "### convnet",
                     "## Speed at the post's configurations", "## Profile",
                     "## The same on Eigen kernels", "## Host memory as N grows",
-                    "## AveragingOptimizer's train op", "## Device memory and speed"):
+                    "## AveragingOptimizer's train op",
+                    "## One exchange of the gradients per update", "## Device memory and speed"):
         assert heading in text, heading
     assert "## Keras used plainly" not in text  # left out of --quick
     assert "## Tensor memory" in text and "| accumulate |" in text
