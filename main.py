@@ -25,7 +25,7 @@ def main(argv):
     from experiment import results
 
     config, runs = flags.train_config(), flags.runs()
-    with cli.one_line_errors():  # the engine cannot run this configuration here
+    with cli.one_line_errors():  # a configuration refused here, or a worker lost
         loop.prepare(config)  # devices are fixed once TensorFlow's runtime starts
         config, cut = loop.effective_batch(config)  # --batch-size=auto: found here
     if cut:

@@ -67,7 +67,8 @@ def one_line_errors(config=None, checkpoint_dir=None, stop=None):
 
     Args:
       config: the config.Config being trained; None around the set-up before training,
-        where a ValueError is the engine refusing the configuration here (exit 2).
+        where a ValueError is the engine refusing the configuration here (exit 2) and a
+        loop.Stopped a multi_worker peer lost (exit 3).
       checkpoint_dir: the run's --checkpoint-dir, which an out-of-memory line names.
       stop: the StopSignals of the training loop: a stopped run exits 128 + its signal.
     """
@@ -92,8 +93,10 @@ def _line_and_code(error, config, checkpoint_dir, stop):
     from experiment import runlock
     from gradient_averaging import micro_batch
 
-    if config is None:
-        return (str(error), 2) if isinstance(error, ValueError) else (None, None)
+    if config is None:  # the set-up: a configuration refused here, or a worker lost
+        codes = {ValueError: 2, loop.Stopped: 3}
+        return next(((str(error), c) for kind, c in codes.items() if isinstance(error, kind)),
+                    (None, None))
     codes = {  # the error's own text is its line
         data.DataError: 2,  # --data-dir: missing, unreadable or corrupt files
         results.ResultsError: 2,  # an output path that cannot be written

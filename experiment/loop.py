@@ -129,12 +129,14 @@ def effective_batch(config):
 
     Raises:
       ValueError: the micro-batch cannot be found (the device's memory unknown; nothing
-        fits: micro_batch.NothingFits); the message says why.
+        fits: micro_batch.NothingFits); the message says why. WorkerLost: a multi_worker
+        peer is lost while the workers agree on it.
     """
     if not config.effective_batch_size:
         return config, None
     if config.batch_size == config_lib.AUTO:
-        found = engine_module("tf2").find_micro_batch(config)  # auto needs --engine=tf2
+        with _losing_workers(config, "no run has started"):  # the search's update agrees
+            found = engine_module("tf2").find_micro_batch(config)  # auto needs --engine=tf2
         config = config_lib.with_micro_batch(config, found.micro_batch_size * found.replicas)
     else:  # the whole mini-batch, as --batch-size is
         found = micro_batch.plan(config.effective_batch_size, config.batch_size)
