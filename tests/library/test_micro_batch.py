@@ -210,6 +210,35 @@ def test_fit_accumulated_trains_a_window_that_ran_out_of_memory_again_at_half(ru
     assert_direct_weights(out, "tf2_sequences", reference="direct_sequences")
 
 
+@pytest.mark.slow
+def test_under_xla_the_search_and_training_compile_few_programs(tmp_path):
+    """Under jit_compile=True XLA compiles a program for each mini-batch size: Keras fit
+    and fit_accumulated, each searching and training EPOCHS epochs of two effective
+    batches, compile at most about log2(E) + 2 programs, each counted as the file it
+    writes to a fresh persistent cache (a process of its own, under the limit); the B
+    found is still at least 80% of the smallest size tried that did not fit."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = memory.probe_env(LIMIT_MB)
+    env["TF_XLA_FLAGS"] = (env.get("TF_XLA_FLAGS", "")
+                           + f" --tf_xla_persistent_cache_directory={cache}").strip()
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.library.micro_batch_runs", f"--out={tmp_path}",
+         f"--limit-mb={LIMIT_MB}", f"--xla={cache}"],
+        cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    bound = math.ceil(math.log2(runs_lib.E)) + 2
+    for name, result in results.items():
+        found = result["found"]
+        assert_found(found, runs_lib.E)
+        assert 1 <= result["compilations"] <= bound, (name, result)
+        limit = found["budget"] * (1 - found["margin"])
+        over = [s for s, peak in found["trials"] if peak is None or peak > limit]
+        if over:
+            assert found["micro_batch_size"] >= 0.8 * min(over), (name, found)
+
+
 # ---------------------------------------------------------------- in this process
 
 
