@@ -294,6 +294,36 @@ def test_the_search_finds_the_largest_size_under_the_limit(most, jump_at):
     assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
 
 
+@pytest.mark.parametrize("jump_at", [None, 700])
+@pytest.mark.parametrize("most", [1, 3, 100, 509, 5000])
+def test_under_xla_the_search_tries_sizes_on_a_grid(most, jump_at):
+    """Each size tried a program compiled: sizes on micro_batch.grid, few of them (about
+    log2 of the largest that fits), and the size found over 80% of the largest that
+    fits (any size, not only the grid's)."""
+    device, limit = 100.0, 90.0
+    peak, peak_at, tried = curve(10.0, 0.1, device, jump_at, jump=9.0)
+    search = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
+                                           micro_batch.Search(most, limit, 0.0, xla=True))
+    largest = max(s for s in range(1, most + 1) if (peak(s) or math.inf) <= limit)
+    assert set(tried) <= set(micro_batch.grid(most)), tried
+    assert search.largest > 0.8 * largest or search.largest == largest, (search.largest, tried)
+    assert len(set(tried)) <= math.log2(largest) + 3, tried
+    assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
+    # The samples a window has left, in sizes tried that fit, the largest first.
+    pieces = search.pieces(most + 7)
+    assert sum(size * number for size, number in pieces) == most + 7
+    assert all(size in search.fits for size, _ in pieces)
+    assert [size for size, _ in pieces] == sorted({size for size, _ in pieces}, reverse=True)
+
+
+def test_the_grid_steps_by_at_most_a_quarter():
+    sizes = micro_batch.grid(509)
+    assert sizes[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16] and sizes[-1] == 509
+    assert all(b <= 1.25 * a for a, b in zip(sizes[7:], sizes[8:]))
+    assert micro_batch.grid(1) == [1] and micro_batch.grid(12) == [1, 2, 3, 4, 5, 6, 7, 8,
+                                                                   10, 12]
+
+
 def test_after_an_out_of_memory_error_the_search_takes_the_largest_size_below_it():
     """A device that runs out of memory well before the limit (fragmentation): an OOM or
     two, then the largest size that fitted, within OOM_NEAR of the smallest that did not."""
