@@ -20,6 +20,12 @@ what a trial does not see (an allocator's fragmentation over a long run; a batch
 input pipeline prefetches later): 10% of it, or 25% where the allocator grows by regions
 (default_margin; reserve_cpu_memory makes the CPU's one region, as a GPU's).
 
+Under XLA (the trainer's jit_compile) each size tried is a program compiled, which costs
+more than a pass: the sizes tried are on a grid (grid: four an octave, so that the size
+found is over 80% of the largest that fits), aimed at the limit itself (_grid_guess), and
+a trial window's samples left are added in sizes compiled already (Search.pieces), so
+that a search and its training compile about log2(E) + 2 programs.
+
 In training (EffectiveWindows, on one replica) the trials are the first windows' own
 mini-batches, each of the size the search asks for, and their updates are measured: the
 update does not depend on how a window is cut, so the search trains as training would:
