@@ -24,7 +24,9 @@ Under XLA (the trainer's jit_compile) each size tried is a program compiled, whi
 more than a pass: the sizes tried are on a grid (grid: four an octave, so that the size
 found is over 80% of the largest that fits), aimed at the limit itself (_grid_guess), and
 a trial window's samples left are added in sizes compiled already (Search.pieces), so
-that a search and its training compile about log2(E) + 2 programs.
+that a search and its training compile about log2(E) + 2 programs; and a trial holds the
+margin's memory while it runs (Search.hold: XLA's temporaries are one buffer, which the
+allocator may hand a whole free chunk, counted whole).
 
 In training (EffectiveWindows, on one replica) the trials are the first windows' own
 mini-batches, each of the size the search asks for, and their updates are measured: the
