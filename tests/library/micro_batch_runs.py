@@ -377,12 +377,42 @@ def xla_runs(cache):
     return results
 
 
+def xla_hold():
+    """One XLA program whose temporaries (three matmuls' outputs, 48 MiB on a 16 MiB
+    input) are more than half the free memory of a 100 MiB device held as one region:
+    its peak read without a hold, and with the margin held (Search.hold), against the
+    search's limit."""
+    import tensorflow as tf
+
+    from gradient_averaging import micro_batch
+    micro_batch.reserve_cpu_memory()
+    search = micro_batch.Search.on_devices(["CPU:0"], 1, xla=True)
+
+    @tf.function(jit_compile=True)
+    def program(x):
+        w = tf.eye(1024) * 0.5
+        h = tf.matmul(x, w)
+        h2 = tf.matmul(h, w)
+        return tf.reduce_sum(h * tf.matmul(h2, w)) + tf.reduce_sum(h2)
+
+    x = tf.ones([16 * 1024 // 4, 1024])  # one buffer: no hole left before it
+    run = lambda: program(x).numpy()  # noqa: E731 (the same run twice)
+    run()  # compiled outside the measures
+    return {"limit": search.limit, "hold": search.hold,
+            "without": micro_batch.measured_peak(run, ["CPU:0"]),
+            "with": micro_batch.measured_peak(run, ["CPU:0"], search.hold)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--limit-mb", type=int)
     parser.add_argument("--out", required=True)
     parser.add_argument("--xla", help="the XLA runs (xla_runs), counted in this cache folder")
+    parser.add_argument("--hold", action="store_true", help="xla_hold alone")
     args = parser.parse_args()
+    if args.hold:
+        print(json.dumps(xla_hold()))
+        return
     if args.xla:
         print(json.dumps(xla_runs(args.xla)))
         return

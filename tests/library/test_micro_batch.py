@@ -239,6 +239,23 @@ def test_under_xla_the_search_and_training_compile_few_programs(tmp_path):
             assert found["micro_batch_size"] >= 0.8 * min(over), (name, found)
 
 
+@pytest.mark.slow
+def test_under_xla_a_trial_holds_the_margin_so_a_whole_chunk_reads_at_most_the_limit():
+    """An XLA program's temporaries, one buffer of more than half the free memory: the
+    BFC allocator hands it the whole free chunk, and the peak reads the device full, over
+    the search's limit though the program needs less; with the margin held (Search.hold)
+    it reads at most the limit."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.library.micro_batch_runs", "--out=.", "--hold"],
+        cwd=common.ROOT, env=memory.probe_env(100), capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["hold"] == 10 * MIB  # the reserved CPU's margin: 10%
+    assert result["without"] > result["limit"], result
+    assert 70 * MIB < result["with"] <= result["limit"], result  # needs 16 + 48 MiB
+
+
 # ---------------------------------------------------------------- in this process
 
 
