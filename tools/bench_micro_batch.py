@@ -45,10 +45,11 @@ class MicroBatch(Section):
     def _row(self, model, effective, limit, log, xla=False):
         """One model and limit: the direct batch, the found B, then the bisection up from
         it (from it, not from 1: the OOM edge need not be monotone in B); `xla`: every
-        probe compiled with jit_compile=True."""
-        compiled = {"jit_compile": True} if xla else {}
-
+        probe of the accumulate path compiled with jit_compile=True (the direct batch's
+        is not: on the CPU, Keras's XLA step that runs out of memory aborts the process,
+        TensorFlow's `Check failed: h != kInvalidChunkHandle` in bfc_allocator.cc)."""
         def probe(path, micro_batch=None, timed=0):
+            compiled = {"jit_compile": True} if xla and path != "direct" else {}
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
                              micro_batch=micro_batch, timed=timed, **compiled)
             # Halved in training (EffectiveWindows): an OOM at the B it began with.
@@ -168,8 +169,10 @@ class MicroBatch(Section):
                 "Where the direct batch fits (a model whose own memory, its weights, "
                 "optimizer slots, accumulators and update, outweighs a batch's activations, "
                 "so that the finder's margin needs a limit the direct batch fits in), a row "
-                "measures what that margin costs. `(XLA)`: every probe of the row compiled "
-                "with `jit_compile=True`, as Keras compiles by default on a GPU: each "
+                "measures what that margin costs. `(XLA)`: the row's probes of accumulate "
+                "compiled with `jit_compile=True`, as Keras compiles by default on a GPU (its "
+                "direct batch's not: on this CPU Keras's XLA step that runs out of memory "
+                "aborts the process, in TensorFlow's BFC allocator): each "
                 "mini-batch size is an XLA program compiled, so the search tries sizes on a "
                 "grid and its seconds include its programs' compilations (less the given "
                 "process's own, of B and the last mini-batch; docs/effective-batch.md).", "",
