@@ -303,7 +303,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             self._cut = micro_batch_lib.plan(samples, self.micro_batch_size,
                                              strategy.num_replicas_in_sync)
         elif strategy.num_replicas_in_sync == 1:
-            self._cut = micro_batch_lib.Search.on(strategy, samples, self.budget, self.margin)
+            self._cut = micro_batch_lib.Search.on(strategy, samples, self.budget, self.margin,
+                                                  xla=bool(self.jit_compile))
         else:
             self._cut = micro_batch_lib.find_micro_batch(self, first, samples, self.budget,
                                                          self.margin)

@@ -20,6 +20,14 @@ what a trial does not see (an allocator's fragmentation over a long run; a batch
 input pipeline prefetches later): 10% of it, or 25% where the allocator grows by regions
 (default_margin; reserve_cpu_memory makes the CPU's one region, as a GPU's).
 
+Under XLA (the trainer's jit_compile) each size tried is a program compiled, which costs
+more than a pass: the sizes tried are on a grid (grid: four an octave, so that the size
+found is over 80% of the largest that fits), aimed at the limit itself (_grid_guess), and
+a trial window's samples left are added in sizes compiled already (Search.pieces), so
+that a search and its training compile about log2(E) + 2 programs; and a trial holds the
+margin's memory while it runs (Search.hold: XLA's temporaries are one buffer, which the
+allocator may hand a whole free chunk, counted whole).
+
 In training (EffectiveWindows, on one replica) the trials are the first windows' own
 mini-batches, each of the size the search asks for, and their updates are measured: the
 update does not depend on how a window is cut, so the search trains as training would:
@@ -76,6 +84,8 @@ DEVICE_ERRORS = (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
 TOLERANCE = 0.05
 OOM_NEAR = 0.25  # the same, where the smallest size that does not fit ran out of memory
 MOST_TRIALS = 20
+# Under XLA (a program compiled for each size tried), the size tried after one sample.
+GRID_FIRST = 8
 
 
 class MicroBatch(collections.namedtuple(
@@ -406,10 +416,12 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None)
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, tf.as_dtype(t.dtype)),
                                  sample)
     add, window, state = trainer.trial_window(spec)
-    search = Search.on(window.strategy, effective_batch, budget, margin)
+    # Under XLA (the trainer's jit_compile) each size tried is a program compiled.
+    search = Search.on(window.strategy, effective_batch, budget, margin,
+                       xla=bool(getattr(trainer, "jit_compile", False)))
     search.start = start
     held = _sized(sample, effective_batch)  # one effective batch, as training holds it
-    trials = _Trials(add, window, state, held, search.devices)
+    trials = _Trials(add, window, state, held, search.devices, search.hold)
     several = search.workers > 1
     try:
         try:
@@ -473,7 +485,7 @@ class Search:
         set-up before it), or None.
     """
 
-    def __init__(self, effective_batch, budget, margin, replicas=1, devices=None):
+    def __init__(self, effective_batch, budget, margin, replicas=1, devices=None, xla=False):
         self.effective_batch, self.replicas = effective_batch, replicas
         self.most = math.ceil(effective_batch / replicas)
         self.budget, self.margin, self.devices = budget, margin, devices
@@ -481,28 +493,41 @@ class Search:
         self.fits, self.over, self.trials = {}, {}, []
         self.update_peak, self.windows, self.start = None, 0, None
         self.workers = 1  # the worker processes whose updates run in step (Search.on)
+        self.grid = grid(self.most) if xla else None
 
     @classmethod
-    def on(cls, strategy, effective_batch, budget=None, margin=None):
+    def on(cls, strategy, effective_batch, budget=None, margin=None, xla=False):
         """The search for E on `strategy`'s devices, as on_devices: under several
         workers, this worker's own (each measures its own; find_micro_batch agrees)."""
         search = cls.on_devices(devices_of(strategy), effective_batch, budget, margin,
-                                strategy.num_replicas_in_sync)
+                                strategy.num_replicas_in_sync, xla)
         search.workers = replicas_lib.workers(strategy)
         return search
 
     @classmethod
-    def on_devices(cls, devices, effective_batch, budget=None, margin=None, replicas=1):
+    def on_devices(cls, devices, effective_batch, budget=None, margin=None, replicas=1,
+                   xla=False):
         """The search for E on `devices`, checked: allocators that keep statistics, a
         budget (None: the smallest device's memory) and a margin (None: the largest
-        default_margin of theirs)."""
+        default_margin of theirs). `xla`: the pass is XLA-compiled, a program for each
+        size: the sizes tried are on grid(E)."""
         effective_batch = check_effective_batch(effective_batch)
         margin = check_margin(margin)
         check_statistics(devices)
         budget = check_budget(budget) or min(device_memory(d) for d in devices)
         if margin is None:
             margin = max(default_margin(d) for d in devices)
-        return cls(effective_batch, budget, margin, replicas, devices)
+        return cls(effective_batch, budget, margin, replicas, devices, xla)
+
+    @property
+    def hold(self):
+        """The bytes a trial holds on each device while it runs: under XLA the margin's,
+        else none. XLA allocates a program's temporaries as one buffer, and an allocator
+        (TensorFlow's BFC) hands a whole free chunk to a request of more than half of it,
+        counted whole: a peak then reads the device full (measured: 149 of 150 MiB at a
+        mini-batch that needs 77). With the margin held, a need up to the limit reads at
+        most the limit, and one over it runs out of memory."""
+        return self.budget - int(self.limit) if self.grid else 0
 
     @property
     def largest(self):
@@ -525,7 +550,21 @@ class Search:
             # Close to the largest size worth trying, with nothing over the limit: that
             # size, so that a whole share of E is one mini-batch where it fits.
             return self.most if largest < self.most < too_large else None
+        if self.grid:
+            return _grid_guess(self.fits, self.over, self.most, self.limit, self.grid)
         return _guess(self.fits, self.over, self.most, self.limit)
+
+    def pieces(self, samples):
+        """`samples` as (size, mini-batches) of sizes that fit, the largest first: as
+        many of the largest as they fill, the rest of sizes tried already. Under XLA a
+        trial window's samples left are added so, of programs compiled already (one
+        sample always fits, where any does)."""
+        pieces = []
+        for size in sorted(self.fits, reverse=True):
+            if samples >= size:
+                pieces.append((size, samples // size))
+                samples %= size
+        return pieces
 
     def record(self, size, peak):
         """A trial's peak (None where it ran out of memory).
@@ -600,17 +639,28 @@ def devices_of(strategy):
         return [default_device()]
 
 
-def measured_peak(run, devices):
+def measured_peak(run, devices, hold=0):
     """run()'s peak in bytes over the devices (the largest), or None where it ran out of
-    memory (another error is raised)."""
-    _reset_peaks(devices)
+    memory (another error is raised).
+
+    Args:
+      hold: bytes held on each device while run() runs (Search.hold: under XLA, the
+        margin's), not counted in the peak; where they do not fit, None.
+    """
+    held = []
     try:
+        for device in devices if hold else ():
+            with tf.device(device):  # uninitialized: no page is touched
+                held.append(tf.raw_ops.Empty(shape=[hold // 4], dtype=tf.float32, init=False))
+        _reset_peaks(devices)
         run()
     except DEVICE_ERRORS as error:
         if not is_out_of_memory(error):
             raise
         return None
-    return _peak(devices)
+    finally:
+        del held[:]
+    return _peak(devices) - (hold // 4) * 4
 
 
 def _reset_peaks(devices):
@@ -657,6 +707,41 @@ def _guess(fits, over, most, limit):
     return min(max(guess, largest + step), too_large - 1)
 
 
+def grid(most):
+    """The sizes a search tries where each is a program compiled (XLA): 1 to 8, then
+    four an octave (m x 2^k, m in 4..7: each at most 1.25 times the one before, so that
+    the largest that fits of them is over 80% of the largest that fits), and `most`."""
+    sizes, k = {most, *range(1, min(most, 8) + 1)}, 1
+    while 4 << k <= most:
+        sizes.update(m << k for m in (4, 5, 6, 7) if m << k <= most)
+        k += 1
+    return sorted(sizes)
+
+
+def _grid_guess(fits, over, most, limit, sizes):
+    """_guess where every size tried is a compilation (XLA): a size of `sizes` (grid)
+    above the largest that fits and below the smallest that does not, or None where
+    there is none. Until a size is too large: the largest at most where the steepest
+    slope measured (as _guess) meets the limit itself, not halfway to it, and at most
+    twice the largest or GRID_FIRST (the next above where that is none): a step on the
+    grid is coarse, each size tried costs a compilation, and below GRID_FIRST samples a
+    kernel's fixed scratch memory, not the samples, makes the peak. Then the middle one
+    between."""
+    largest, too_large = max(fits), min(over, default=most + 1)
+    between = [size for size in sizes if largest < size < too_large]
+    if not between:
+        return None
+    if too_large <= most:
+        return between[(len(between) - 1) // 2]
+    aim = max(2 * largest, GRID_FIRST)
+    slope = max(((fits[largest] - fits[size]) / (largest - size)
+                 for size in fits if 2 * size <= largest), default=0)
+    if slope > 0:
+        aim = min(aim, largest + math.floor((limit - max(fits.values())) / slope))
+    below = [size for size in between if size <= aim]
+    return below[-1] if below else between[0]
+
+
 def _sized(batch, size):
     """`batch`'s first `size` samples, its samples repeated where it holds fewer."""
     first = tf.convert_to_tensor(tf.nest.flatten(batch)[0])
@@ -671,9 +756,10 @@ class _Trials:
     """The trials on one trainer: a mini-batch's pass added to the window and discarded,
     the update measured once, every variable a trial may change put back after."""
 
-    def __init__(self, add, window, state, held, devices):
+    def __init__(self, add, window, state, held, devices, hold=0):
         self.add, self.window, self.held, self.devices = add, window, held, devices
         self.several = replicas_lib.workers(window.strategy) > 1
+        self.hold = hold  # Search.hold
         self.strategy = window.strategy
         self._apply = tf.function(window.apply)
         self._discard = tf.function(window.discard)
@@ -682,8 +768,8 @@ class _Trials:
         self._saved = [(v, np.array(v.numpy(), copy=True)) for v in unique.values()]
         self._warm = False
 
-    def _measured(self, run):
-        return measured_peak(run, self.devices)
+    def _measured(self, run, hold=0):
+        return measured_peak(run, self.devices, hold)
 
     def _add(self, size):
         self.add(_sized(self.held, size))
@@ -695,7 +781,7 @@ class _Trials:
             self._measured(lambda: self._add(1))
             self._discard()
             self._warm = True
-        peak = self._measured(lambda: self._add(size))
+        peak = self._measured(lambda: self._add(size), self.hold)
         self._discard()
         return peak
 
@@ -838,9 +924,12 @@ class EffectiveWindows:
         while offset < samples:
             size = search.next_size()
             take = min(size or 0, samples - offset)
-            if take <= search.largest:  # done, or the samples left fit: the rest at once
+            # Done, or the samples left fit: the rest at once. Under XLA also where fewer
+            # samples are left than the size asked (each size a program): the search goes
+            # on in the next window.
+            if take <= search.largest or (search.grid and take < size):
                 try:
-                    return count + self._added(_part(batch, offset, samples), search.largest)
+                    return count + self._rest(batch, offset, samples, search)
                 except DEVICE_ERRORS as error:
                     if not is_out_of_memory(error):
                         raise
@@ -860,11 +949,24 @@ class EffectiveWindows:
                 offset, count = offset + take, count + added
         return count
 
+    def _rest(self, batch, offset, stop, search):
+        """Adds samples offset..stop of `batch` at the largest size that fit, the last
+        mini-batch shorter; under XLA (the search's grid) in sizes it compiled already
+        (Search.pieces). Returns the mini-batches added."""
+        if not search.grid:
+            return self._added(_part(batch, offset, stop), search.largest)
+        count = 0
+        for size, number in search.pieces(stop - offset):
+            count += self._added(_part(batch, offset, offset + size * number), size)
+            offset += size * number
+        return count
+
     def _measured(self, batch, size, search):
         """(the mini-batches added, the peak: None where it ran out of memory) of adding
         `batch` as mini-batches of `size`, on the search's devices."""
         added = []
-        peak = measured_peak(lambda: added.append(self._added(batch, size)), search.devices)
+        peak = measured_peak(lambda: added.append(self._added(batch, size)), search.devices,
+                             search.hold)
         return (added or [0])[0], peak
 
     def _added(self, batch, found):

@@ -297,7 +297,8 @@ class _Accumulator:
         if size != "auto":
             found = micro_batch_lib.plan(samples, size, replicas)
         elif replicas == 1:
-            found = micro_batch_lib.Search.on(self.strategy, samples, budget, margin)
+            found = micro_batch_lib.Search.on(self.strategy, samples, budget, margin,
+                                              xla=self.jit_compile)
         else:
             found = micro_batch_lib.find_micro_batch(self, first, samples, budget, margin)
         # A dataset's batches may differ in more than their samples (sequences padded

@@ -1,7 +1,8 @@
 """The micro-batch finder against bisection: for each model and device limit, the
 micro-batch accumulate(model, micro_batch_size="auto") finds for an effective batch E,
 against the largest that fits (bisection, one tools.memory probe per trial), the search's
-seconds against an epoch's, and the time per update at each.
+seconds against an epoch's, and the time per update at each; a row under XLA
+(jit_compile=True, Keras's default on a GPU), where each size tried is a compilation.
 """
 
 import math
@@ -19,42 +20,49 @@ TOLERANCE = 0.02  # the bisection stops when the sizes either side are this clos
 
 class MicroBatch(Section):
     name, title = "micro_batch", "The micro-batch found against the largest that fits"
-    # (model, E, limits in MiB): E prime, so that no B divides it. The convnet's limits
-    # are under its direct batch's peak; the mlp's just over the least at which the
-    # finder's margin leaves its update room, and a step above.
+    # (model, E, limits in MiB[, XLA]): E prime, so that no B divides it. The convnet's
+    # limits are under its direct batch's peak; the mlp's just over the least at which
+    # the finder's margin leaves its update room, and a step above. The XLA row: every
+    # probe of it compiled with jit_compile=True.
     # The search's seconds are the median of search_repeats searches, each beside a fresh
     # process given its B: one process's first call (it traces) took seconds more than
     # another's, and the mlp's search of 3 windows read 0.6 s in one run, 8.9 in the next.
-    FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800))), timed=2,
-                search_repeats=3)
+    FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800)),
+                      ("convnet", 257, (150,), True)), timed=2, search_repeats=3)
     QUICK = None  # minutes of probes: see test_bench for its targets and markdown
 
     def steps(self):
-        return sum(len(limits) for _, _, limits in self.settings["runs"])
+        return sum(len(limits) for _, _, limits, *_ in self.settings["runs"])
 
     def measure(self, run):
         rows = []
-        for model, effective, limits in self.settings["runs"]:
+        for model, effective, limits, *xla in self.settings["runs"]:
             for limit in limits:
-                rows.append(self._row(model, effective, limit, run.log))
+                rows.append(self._row(model, effective, limit, run.log, bool(xla and xla[0])))
                 run.step()
         return rows
 
-    def _row(self, model, effective, limit, log):
+    def _row(self, model, effective, limit, log, xla=False):
         """One model and limit: the direct batch, the found B, then the bisection up from
-        it (from it, not from 1: the OOM edge need not be monotone in B)."""
+        it (from it, not from 1: the OOM edge need not be monotone in B); `xla`: every
+        probe of the accumulate path compiled with jit_compile=True (the direct batch's
+        is not: on the CPU, Keras's XLA step that runs out of memory aborts the process,
+        TensorFlow's `Check failed: h != kInvalidChunkHandle` in bfc_allocator.cc)."""
         def probe(path, micro_batch=None, timed=0):
+            compiled = {"jit_compile": True} if xla and path != "direct" else {}
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
-                             micro_batch=micro_batch, timed=timed)
+                             micro_batch=micro_batch, timed=timed, **compiled)
             # Halved in training (EffectiveWindows): an OOM at the B it began with.
             r = dict(r, oom=r.get("oom") or bool(r.get("halved")))
-            log(f"micro-batch: {model}, E={effective} under {limit} MiB, {path} "
+            log(f"micro-batch: {_name(model, xla)}, E={effective} under {limit} MiB, {path} "
                 f"B={micro_batch or effective}: " + (
                     r.get("error") or ("OOM" if r["oom"] else f"fits (peak "
                                        f"{r['peak_mb']:.1f} MiB, {r['update_ms']:.0f} ms)")))
             return r
 
         row = dict(model=model, effective=effective, limit_mb=limit, probes=0, error=None)
+        if xla:
+            row["xla"] = True
         direct = probe("direct")
         row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
                          else "fits")
@@ -120,12 +128,12 @@ class MicroBatch(Section):
         rows = []
         for r in result:
             if r["error"]:
-                rows.append([r["model"], r["effective"], r["limit_mb"], r["direct"],
-                             r["error"]] + ["–"] * 8)
+                rows.append([_name(r["model"], r.get("xla")), r["effective"], r["limit_mb"],
+                             r["direct"], r["error"]] + ["–"] * 8)
                 continue
             over = f" ({r['over']}: OOM)" if r["over"] else ""
-            rows.append([r["model"], r["effective"], r["limit_mb"], r["direct"],
-                         f"{r['found']} ({r['given']})", f"{r['largest']}{over}",
+            rows.append([_name(r["model"], r.get("xla")), r["effective"], r["limit_mb"],
+                         r["direct"], f"{r['found']} ({r['given']})", f"{r['largest']}{over}",
                          f"{r['found'] / r['largest']:.2f}",
                          f"{r['search_s']:.1f} ("
                          + ", ".join(f"{s:.1f}" for s in r.get("searches", ())) +
@@ -161,7 +169,13 @@ class MicroBatch(Section):
                 "Where the direct batch fits (a model whose own memory, its weights, "
                 "optimizer slots, accumulators and update, outweighs a batch's activations, "
                 "so that the finder's margin needs a limit the direct batch fits in), a row "
-                "measures what that margin costs.", "",
+                "measures what that margin costs. `(XLA)`: the row's probes of accumulate "
+                "compiled with `jit_compile=True`, as Keras compiles by default on a GPU (its "
+                "direct batch's not: on this CPU Keras's XLA step that runs out of memory "
+                "aborts the process, in TensorFlow's BFC allocator): each "
+                "mini-batch size is an XLA program compiled, so the search tries sizes on a "
+                "grid and its seconds include its programs' compilations (less the given "
+                "process's own, of B and the last mini-batch; docs/effective-batch.md).", "",
                 *table(["model", "E", "limit MiB", "direct batch", "B found (fresh)",
                         "largest B", "found / largest", "search s (each; trials, windows)",
                         "epoch s",
@@ -186,5 +200,9 @@ def search_seconds(found, given):
             - (windows - 1) * given["update_ms"]) / 1e3
 
 
+def _name(model, xla):
+    return f"{model} (XLA)" if xla else model
+
+
 def _where(row):
-    return f"{row['model']} under {row['limit_mb']} MiB"
+    return f"{_name(row['model'], row.get('xla'))} under {row['limit_mb']} MiB"

@@ -88,7 +88,7 @@ def probe_env(limit_mb=None, gpu=False):
 
 
 def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, save=None,
-          micro_batch=None, timed=0, held=None):
+          micro_batch=None, timed=0, held=None, jit_compile=False):
     """One measurement in a fresh process.
 
     Args:
@@ -106,6 +106,8 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
       held: where the peak's growth in N is measured, the samples (at least N*B) the
         process holds on the device before the warm-up, the same at every N, and feeds
         a batch at a time; None: N*B samples, in a tf.data dataset of batches (_fit).
+      jit_compile: the direct and accumulate paths only: compiled with
+        jit_compile=True (XLA), as Keras compiles by default on a GPU.
 
     Returns:
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
@@ -120,7 +122,7 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
                          f"Received: model={model!r}, path={path!r}")
     spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu),
                 save=None if save is None else str(save), micro_batch=micro_batch,
-                timed=int(timed), held=held)
+                timed=int(timed), held=held, **({"jit_compile": True} if jit_compile else {}))
     if path.startswith("tf1") and model not in TF1_MODELS:
         return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
     return bench_probe.spawn(run_probe, spec, probe_env(limit_mb, gpu), timeout)
@@ -351,8 +353,8 @@ def _adam(**kwargs):
     return keras.optimizers.Adam(epsilon=ADAM_EPSILON, **kwargs)
 
 
-def _compiled(model, optimizer=None):
-    model.compile(optimizer=optimizer or _adam(), loss=_loss())
+def _compiled(model, optimizer=None, jit_compile="auto"):
+    model.compile(optimizer=optimizer or _adam(), loss=_loss(), jit_compile=jit_compile)
     return model
 
 
@@ -382,8 +384,8 @@ def _path_alone(model, n, b, x, y):
             _values(net.trainable_weights))
 
 
-def _path_direct(model, n, b, x, y):
-    net = _compiled(_keras_model(model))
+def _path_direct(model, n, b, x, y, jit_compile="auto"):
+    net = _compiled(_keras_model(model), jit_compile=jit_compile)
     return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
@@ -394,14 +396,14 @@ def _path_keras(model, n, b, x, y):
             _values(net.trainable_weights))
 
 
-def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1):
+def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compile="auto"):
     from gradient_averaging.keras_fit import accumulate
     net = _keras_model(model)
     if micro_batch is None:
         return (_fit(_compiled(accumulate(net, n, parallel_mini_batches=parallel)), x, y, b,
                      n * b), net.weights,
                 net.trainable_weights, _values(net.trainable_weights))
-    cut = _compiled(accumulate(net, micro_batch_size=micro_batch))
+    cut = _compiled(accumulate(net, micro_batch_size=micro_batch), jit_compile=jit_compile)
     update = _fit(cut, x, y, n * b, n * b)
 
     def one_update():
@@ -593,6 +595,8 @@ def run_probe(spec):
         micro_batch.reserve_cpu_memory(None if spec["limit_mb"] else RESERVE_MB)
     phase = "warm-up"
     cut = {"micro_batch": spec["micro_batch"]} if spec.get("micro_batch") else {}
+    if spec.get("jit_compile"):
+        cut["jit_compile"] = True
     try:
         x, y = _data(spec["model"], max(spec["n"] * spec["b"], spec.get("held") or 0))
         if spec.get("held"):

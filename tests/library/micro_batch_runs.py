@@ -3,6 +3,7 @@
 
     python -m tests.library.micro_batch_runs --limit-mb=64 --out=DIR   # the trainings
     python -m tests.library.micro_batch_runs --out=DIR                 # the direct batches
+    python -m tests.library.micro_batch_runs --limit-mb=64 --xla=CACHE --out=DIR  # XLA
 
 Prints one JSON line: what each run found (the direct batch: its peak) and the CPU
 seconds it took; the weights go to DIR as .npz files. The limited process has two
@@ -337,11 +338,84 @@ def nothing_fits():
     return None
 
 
+def compilations(cache):
+    """The XLA programs compiled so far in this process: one file each in the persistent
+    cache folder (TF_XLA_FLAGS=--tf_xla_persistent_cache_directory=CACHE, empty at the
+    start), a file per program, written as it is compiled."""
+    return len(os.listdir(cache))
+
+
+def xla_runs(cache):
+    """Keras fit and fit_accumulated under jit_compile=True, "auto", on data of whole
+    effective batches (no short batch an epoch): the XLA programs each compiled (its
+    search's and its training's), beside what it found."""
+    import numpy as np
+    import tensorflow as tf
+
+    from gradient_averaging import keras_fit
+    from gradient_averaging import tf2
+    x, y = (np.concatenate([a, a])[:2 * E] for a in data())
+
+    def keras_xla():
+        accumulating = keras_fit.accumulate(model(), micro_batch_size="auto")
+        accumulating.compile(optimizer=adam(), loss=loss(), jit_compile=True)
+        accumulating.fit(x, y, batch_size=E, epochs=EPOCHS, shuffle=False, verbose=0)
+        return accumulating.micro_batch
+
+    def tf2_xla():
+        batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(E).repeat(EPOCHS)
+        return tf2.fit_accumulated(model(), batches, adam(), loss(None), jit_compile=True,
+                                   micro_batch_size="auto").micro_batch
+
+    results = {}
+    for name, run in (("keras", keras_xla), ("tf2", tf2_xla)):
+        before, start = compilations(cache), time.perf_counter()
+        micro_batch = run()
+        results[name] = {"found": found(micro_batch),
+                         "compilations": compilations(cache) - before,
+                         "seconds": time.perf_counter() - start}
+    return results
+
+
+def xla_hold():
+    """One XLA program whose temporaries (three matmuls' outputs, 48 MiB on a 16 MiB
+    input) are more than half the free memory of a 100 MiB device held as one region:
+    its peak read without a hold, and with the margin held (Search.hold), against the
+    search's limit."""
+    import tensorflow as tf
+
+    from gradient_averaging import micro_batch
+    micro_batch.reserve_cpu_memory()
+    search = micro_batch.Search.on_devices(["CPU:0"], 1, xla=True)
+
+    @tf.function(jit_compile=True)
+    def program(x):
+        w = tf.eye(1024) * 0.5
+        h = tf.matmul(x, w)
+        h2 = tf.matmul(h, w)
+        return tf.reduce_sum(h * tf.matmul(h2, w)) + tf.reduce_sum(h2)
+
+    x = tf.ones([16 * 1024 // 4, 1024])  # one buffer: no hole left before it
+    run = lambda: program(x).numpy()  # noqa: E731 (the same run twice)
+    run()  # compiled outside the measures
+    return {"limit": search.limit, "hold": search.hold,
+            "without": micro_batch.measured_peak(run, ["CPU:0"]),
+            "with": micro_batch.measured_peak(run, ["CPU:0"], search.hold)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--limit-mb", type=int)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--xla", help="the XLA runs (xla_runs), counted in this cache folder")
+    parser.add_argument("--hold", action="store_true", help="xla_hold alone")
     args = parser.parse_args()
+    if args.hold:
+        print(json.dumps(xla_hold()))
+        return
+    if args.xla:
+        print(json.dumps(xla_runs(args.xla)))
+        return
     if not args.limit_mb:
         results = {"direct": direct(args.out, E, "direct", EPOCHS),
                    "direct_mirrored": direct(args.out, MIRRORED_E, "direct_mirrored")}

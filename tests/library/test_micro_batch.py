@@ -211,6 +211,52 @@ def test_fit_accumulated_trains_a_window_that_ran_out_of_memory_again_at_half(ru
     assert_direct_weights(out, "tf2_sequences", reference="direct_sequences")
 
 
+@pytest.mark.slow
+def test_under_xla_the_search_and_training_compile_few_programs(tmp_path):
+    """Under jit_compile=True XLA compiles a program for each mini-batch size: Keras fit
+    and fit_accumulated, each searching and training EPOCHS epochs of two effective
+    batches, compile at most about log2(E) + 2 programs, each counted as the file it
+    writes to a fresh persistent cache (a process of its own, under the limit); the B
+    found is still at least 80% of the smallest size tried that did not fit."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = memory.probe_env(LIMIT_MB)
+    env["TF_XLA_FLAGS"] = (env.get("TF_XLA_FLAGS", "")
+                           + f" --tf_xla_persistent_cache_directory={cache}").strip()
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.library.micro_batch_runs", f"--out={tmp_path}",
+         f"--limit-mb={LIMIT_MB}", f"--xla={cache}"],
+        cwd=common.ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    bound = math.ceil(math.log2(runs_lib.E)) + 2
+    for name, result in results.items():
+        found = result["found"]
+        assert_found(found, runs_lib.E)
+        assert 1 <= result["compilations"] <= bound, (name, result)
+        limit = found["budget"] * (1 - found["margin"])
+        over = [s for s, peak in found["trials"] if peak is None or peak > limit]
+        if over:
+            assert found["micro_batch_size"] >= 0.8 * min(over), (name, found)
+
+
+@pytest.mark.slow
+def test_under_xla_a_trial_holds_the_margin_so_a_whole_chunk_reads_at_most_the_limit():
+    """An XLA program's temporaries, one buffer of more than half the free memory: the
+    BFC allocator hands it the whole free chunk, and the peak reads the device full, over
+    the search's limit though the program needs less; with the margin held (Search.hold)
+    it reads at most the limit."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.library.micro_batch_runs", "--out=.", "--hold"],
+        cwd=common.ROOT, env=memory.probe_env(100), capture_output=True, text=True,
+        timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["hold"] == 10 * MIB  # the reserved CPU's margin: 10%
+    assert result["without"] > result["limit"], result
+    assert 70 * MIB < result["with"] <= result["limit"], result  # needs 16 + 48 MiB
+
+
 # ---------------------------------------------------------------- in this process
 
 
@@ -264,6 +310,36 @@ def test_the_search_finds_the_largest_size_under_the_limit(most, jump_at):
     assert size >= (1 - micro_batch.TOLERANCE) * largest, (size, largest, tried)
     assert len(tried) < micro_batch.MOST_TRIALS  # done before the cap on trials
     assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
+
+
+@pytest.mark.parametrize("jump_at", [None, 700])
+@pytest.mark.parametrize("most", [1, 3, 100, 509, 5000])
+def test_under_xla_the_search_tries_sizes_on_a_grid(most, jump_at):
+    """Each size tried a program compiled: sizes on micro_batch.grid, few of them (about
+    log2 of the largest that fits), and the size found over 80% of the largest that
+    fits (any size, not only the grid's)."""
+    device, limit = 100.0, 90.0
+    peak, peak_at, tried = curve(10.0, 0.1, device, jump_at, jump=9.0)
+    search = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
+                                           micro_batch.Search(most, limit, 0.0, xla=True))
+    largest = max(s for s in range(1, most + 1) if (peak(s) or math.inf) <= limit)
+    assert set(tried) <= set(micro_batch.grid(most)), tried
+    assert search.largest > 0.8 * largest or search.largest == largest, (search.largest, tried)
+    assert len(set(tried)) <= math.log2(largest) + 3, tried
+    assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
+    # The samples a window has left, in sizes tried that fit, the largest first.
+    pieces = search.pieces(most + 7)
+    assert sum(size * number for size, number in pieces) == most + 7
+    assert all(size in search.fits for size, _ in pieces)
+    assert [size for size, _ in pieces] == sorted({size for size, _ in pieces}, reverse=True)
+
+
+def test_the_grid_steps_by_at_most_a_quarter():
+    sizes = micro_batch.grid(509)
+    assert sizes[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16] and sizes[-1] == 509
+    assert all(b <= 1.25 * a for a, b in zip(sizes[7:], sizes[8:]))
+    assert micro_batch.grid(1) == [1] and micro_batch.grid(12) == [1, 2, 3, 4, 5, 6, 7, 8,
+                                                                   10, 12]
 
 
 def test_after_an_out_of_memory_error_the_search_takes_the_largest_size_below_it():

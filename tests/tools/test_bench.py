@@ -335,6 +335,34 @@ def test_micro_batch_stops_at_a_search_that_fails(monkeypatch):
     assert calls == [None, "auto", 50, "auto"]  # no probe after the failed search
 
 
+def test_micro_batch_probes_an_xla_row_compiled(monkeypatch):
+    """A run marked XLA: every probe of its row's accumulate path compiled with
+    jit_compile=True (the direct batch's not), and the row and its targets named so."""
+    from tools import bench_micro_batch
+    from tools import memory
+    compiled = []
+
+    def probe(model, path, n, b, limit_mb=None, micro_batch=None, timed=0, **kwargs):
+        if path == "direct":  # not compiled: Keras's XLA step aborts where it runs out
+            assert "jit_compile" not in kwargs
+            return dict(oom=True)
+        compiled.append(kwargs.get("jit_compile"))
+        size = 64 if micro_batch == "auto" else micro_batch
+        return dict(oom=size > 70, peak_mb=1.0, update_ms=100.0, micro_batch_size=size,
+                    search_s=1.0, search_windows=1, trials=[(1, 1.0)], warmup_ms=2000.0)
+
+    monkeypatch.setattr(memory, "probe", probe)
+    section = bench_micro_batch.MicroBatch()
+    section.settings = dict(section.settings, runs=(("convnet", 257, (150,), True),))
+    result = section.measure(Run(log=lambda line: None))
+    assert compiled and all(compiled), compiled
+    assert (result[0]["found"], result[0]["largest"]) == (64, 70)
+    assert "| convnet (XLA) | 257 | 150 | OOM | 64 (fits) | 70 (71: OOM) |" in "\n".join(
+        section.markdown(result))
+    share, _ = section.targets(result)
+    assert share.measured == "0.91x"  # one row: no worst to name
+
+
 def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps():
     advanced, lines = [], []
     run = Run(log=lines.append, advance=advanced.append)
