@@ -211,9 +211,26 @@ def cut(batch, size, add, parallel=1):
 
 def add_in_place(sums, gradients):
     """Adds each gradient into its sum variable, in the sum's own buffer (zero_sums
-    empties them between windows). Returns the ops."""
-    return [total.assign_add(tf.cast(gradient, total.dtype), read_value=False)
+    empties them between windows); a gradient that arrives as rows (`tf.IndexedSlices`:
+    an embedding lookup's) is added as its rows (add_rows), never made dense. Returns
+    the ops."""
+    return [add_rows(total, gradient) if isinstance(gradient, tf.IndexedSlices)
+            else total.assign_add(tf.cast(gradient, total.dtype), read_value=False)
             for total, gradient in zip(sums, gradients) if gradient is not None]
+
+
+def add_rows(total, rows):
+    """Adds `rows` (tf.IndexedSlices, ids repeated or not) into the dense sum variable
+    `total`, row by row, in its own buffer: no table-sized temporary, no pass over the
+    table. A scatter switches TensorFlow's variable to copy-on-read (every later read
+    and dense add then copies it: the mlp's peak once rose 435 -> 499 MiB so, 3ac8db3);
+    the switch is turned off again at once, so that the window's close reads the sum
+    without a copy. Returns the op."""
+    handle = total.handle  # a replica-local variable's: this replica's (replica context)
+    scatter = tf.raw_ops.ResourceScatterAdd(
+        resource=handle, indices=rows.indices, updates=tf.cast(rows.values, total.dtype))
+    with tf.control_dependencies([scatter]):
+        return tf.raw_ops.DisableCopyOnRead(resource=handle)
 
 
 def zeros(shape, dtype):
