@@ -21,6 +21,7 @@ first): the optimizer does not step, so its `iterations`, and an LR schedule, st
 
 import collections
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
@@ -103,19 +104,33 @@ def one_variable_at_a_time(optimizer):
     previous variable's value after its update (a read, ordered after the update's
     writes by the function's automatic control dependencies; it shares the buffer)."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    own, written = inner.update_step, []
+    # A strategy's replicas enter the block at once, in threads of their own, and Keras
+    # updates the variables once, in a merge call that all of them wait in: the
+    # wrapper is put on as the first enters and taken off as the last leaves.
+    with _ORDERED:
+        depth = inner.__dict__.get(_DEPTH, 0)
+        if not depth:
+            own, written = inner.update_step, []
 
-    def update_step(gradient, variable, learning_rate):
-        with tf.control_dependencies(written):
-            gradient = tf.identity(gradient)
-        own(gradient, variable, learning_rate)
-        written[:] = [tf.convert_to_tensor(variable)]
+            def update_step(gradient, variable, learning_rate):
+                with tf.control_dependencies(written):
+                    gradient = tf.identity(gradient)
+                own(gradient, variable, learning_rate)
+                written[:] = [tf.convert_to_tensor(variable)]
 
-    inner.__dict__["update_step"] = update_step
+            inner.__dict__["update_step"] = update_step
+        inner.__dict__[_DEPTH] = depth + 1
     try:
         yield
     finally:
-        del inner.__dict__["update_step"]
+        with _ORDERED:
+            inner.__dict__[_DEPTH] -= 1
+            if not inner.__dict__[_DEPTH]:
+                del inner.__dict__["update_step"], inner.__dict__[_DEPTH]
+
+
+_ORDERED = threading.Lock()
+_DEPTH = "_gradient_averaging_ordered_depth"
 
 
 def pass_moments(statistics, step):
