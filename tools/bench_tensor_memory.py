@@ -25,7 +25,7 @@ class TensorMemory(Section):
     # Five probes a figure: the BFC allocator counts a chunk of up to twice a request
     # whole, so a path's peak falls in one of a few modes from process to process; the
     # median of three landed on another mode from run to run.
-    FULL = dict(models=memory.MODELS, paths=memory.PATHS + memory.REFERENCES, n=8, b=32,
+    FULL = dict(models=memory.MODELS, paths=memory.PATHS + memory.TF1_REFERENCES, n=8, b=32,
                 repeats=5,
                 growth_model="convnet", growth_repeats=7,
                 growth_ns=(2, 32), growth_paths=("accumulate", "window", "mini_batch"),

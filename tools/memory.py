@@ -28,6 +28,7 @@ The parent imports no TensorFlow: only the probes do.
 import concurrent.futures
 import functools
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -57,7 +58,12 @@ PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1"
 # (plain Adam at B, N updates): the tf1 path's bound, since a TF1 session holds what
 # Keras does not (the zeros its variables were initialized from, in the initializer's
 # cached constant, for as long as it lives).
-REFERENCES = ("tf1_direct", "tf1_alone")
+TF1_REFERENCES = ("tf1_direct", "tf1_alone")
+REFERENCES = TF1_REFERENCES + ("dense_direct",)
+# dense_direct: the direct batch with an Embedding's gradient made dense before Adam, the
+# reference of the accumulating paths' weights on a language model: the window applies
+# its mean dense, and Keras's Adam applies a batch's rows otherwise where ids repeat
+# (docs/tf2-engine.md); on the other models it is the direct batch.
 TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
 # The bound's margin: 5% of it, at least 4 MiB (small models).
 MARGIN, MARGIN_MIN_MB = 0.05, 4.0
@@ -114,7 +120,8 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
         process holds on the device before the warm-up, the same at every N, and feeds
         a batch at a time; None: N*B samples, in a tf.data dataset of batches (_fit).
       profile: run the measured update under TensorFlow's profiler and list the tensors
-        alive at its peak that it allocated (`at_peak`: _profiled).
+        alive at its peak that it allocated (`at_peak`) and the largest allocation of
+        each op name (`largest_by_op`): _profiled.
 
     Returns:
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
@@ -372,13 +379,13 @@ def _data(model, samples):
     return x, rng.integers(0, CLASSES, samples).astype(np.int32)
 
 
-def _keras_model(model):
+def _keras_model(model, dense_rows=False):
     """The model, seeded: convnet (activations dominate), mlp (weights dominate), bn."""
     import keras
     from keras import layers
     keras.utils.set_random_seed(SEED)
     if model in VOCABULARIES:
-        return _language_model(VOCABULARIES[model])
+        return _language_model(VOCABULARIES[model], dense_rows)
     if model == "mlp":
         body = [layers.Dense(4096, activation="relu"), layers.Dense(4096, activation="relu")]
     elif model == "convnet":
@@ -393,13 +400,24 @@ def _keras_model(model):
                              layers.Dense(CLASSES)])
 
 
-def _language_model(vocabulary):
+def _language_model(vocabulary, dense_rows=False):
     """A decoder in plain Keras: a token Embedding of V x WIDTH, BLOCKS pre-norm blocks
-    of causal MultiHeadAttention and a GELU feed-forward, an untied Dense(V) output."""
+    of causal MultiHeadAttention and a GELU feed-forward, an untied Dense(V) output.
+    dense_rows: the Embedding's gradient made dense (the same weights, drawn alike)."""
     import keras
+    import tensorflow as tf
     from keras import layers
+
+    @tf.custom_gradient
+    def dense_gradient(table):
+        return tf.identity(table), tf.convert_to_tensor
+
+    class DenseRows(layers.Embedding):
+        def call(self, ids):
+            return tf.gather(dense_gradient(self.embeddings), ids)
+
     tokens = keras.Input((SEQUENCE,), dtype="int32")
-    h = layers.Embedding(vocabulary, WIDTH)(tokens)
+    h = (DenseRows if dense_rows else layers.Embedding)(vocabulary, WIDTH)(tokens)
     for _ in range(BLOCKS):
         a = layers.LayerNormalization()(h)
         h = h + layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
@@ -619,7 +637,14 @@ def _path_tf1(model, n, b, x, y, plain=None):
     return update, weights, weights, lambda: session.run(weights)
 
 
+def _path_dense_direct(model, n, b, x, y):
+    net = _compiled(_keras_model(model, dense_rows=True))
+    return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
+
+
 _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
+          "dense_direct": _path_dense_direct,
           "accumulate": _path_accumulate, "window": _path_window,
           "mini_batch": _path_mini_batch, "tf1": _path_tf1,
           "tf1_direct": lambda *args: _path_tf1(*args, plain="direct"),
@@ -655,7 +680,9 @@ def _profiled(update, top=PROFILE_TOP):
     """Runs `update` under TensorFlow's profiler and reads its allocator's events: the
     tensors alive at the update's peak that the update allocated (what it held beyond
     the state before it), the largest first. Returns ([the update's ms], [[the op that
-    allocated it, its shape, MiB], ...]): `top` of them, and one row summing the rest."""
+    allocated it, its shape, MiB], ...]: `top` of them, and one row summing the rest,
+    {an op's name without its scopes and number: the largest allocation ops so named
+    made in the update, MiB})."""
     import glob
     import tempfile
 
@@ -685,11 +712,13 @@ def _profiled(update, top=PROFILE_TOP):
                 if str(stats.get("allocator_name", "")).startswith("bfc"):
                     events.append((line.timestamp_ns * 1000 + event.offset_ps, kind, stats))
     events.sort(key=lambda e: e[0])
-    live, peak, at_peak = {}, -1, {}
+    live, peak, at_peak, largest = {}, -1, {}, {}
     for _, kind, stats in events:
         if kind == "MemoryAllocation":
             live[stats["addr"]] = (stats.get("tf_op") or "?", stats.get("shape") or "",
                                    stats.get("allocation_bytes") or 0)
+            op_type = re.sub(r"_\d+$", "", live[stats["addr"]][0].rsplit("/", 1)[-1])
+            largest[op_type] = max(largest.get(op_type, 0), live[stats["addr"]][2] / MIB)
             if stats.get("bytes_allocated", 0) > peak:
                 peak, at_peak = stats["bytes_allocated"], dict(live)
         else:
@@ -699,7 +728,7 @@ def _profiled(update, top=PROFILE_TOP):
     rest = sum(nbytes for _, _, nbytes in tensors[top:])
     if rest:
         rows.append([f"{len(tensors) - top} more", "", rest / MIB])
-    return times, rows
+    return times, rows, largest
 
 
 def _stat(stat, names):
@@ -745,9 +774,9 @@ def run_probe(spec):
         current = tf.config.experimental.get_memory_info(device)["current"]
         tf.config.experimental.reset_memory_stats(device)
         if spec.get("profile"):
-            times, at_peak = _profiled(update)
+            times, at_peak, largest = _profiled(update)
         else:
-            times, at_peak = [_milliseconds(update)], None
+            times, at_peak, largest = [_milliseconds(update)], None, None
         peak = tf.config.experimental.get_memory_info(device)["peak"]
         if spec.get("save"):  # the trainable weights after the two updates
             np.savez(spec["save"], *values())
@@ -758,7 +787,8 @@ def run_probe(spec):
         return dict(spec, oom=True, phase=phase, message=message.strip()[:300])
     return dict(spec, oom=False, device=device, peak_mb=peak / MIB, current_mb=current / MIB,
                 update_ms=min(times), warmup_ms=warmup_ms,
-                **({} if at_peak is None else {"at_peak": at_peak}),
+                **({} if at_peak is None else {"at_peak": at_peak,
+                                               "largest_by_op": largest}),
                 **_sizes(weights, trainable), **(more[0]() if more else {}))
 
 
