@@ -21,6 +21,7 @@ first): the optimizer does not step, so its `iterations`, and an LR schedule, st
 
 import collections
 import contextlib
+import threading
 
 import keras
 import tensorflow as tf
@@ -49,12 +50,13 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
       optimizer: scales the activity losses as it scales the loss (summed_activity).
 
     Returns:
-      MiniBatch(gradients: a tensor or None per weight, no_gradient: which are None,
+      MiniBatch(gradients: a tensor, rows (tf.IndexedSlices: an embedding's, added
+      as rows, window.add_rows) or None per weight, no_gradient: which are None,
       state: the model's other state after the pass (batch norm's moving statistics
       as they were, where they step once per update), extra: what `objective`
       returned beside its scalar, moments: the batch-norm moments of the pass,
-      activity: (the activity losses' gradients, a tensor or None per weight, their
-      float32 sum), or None where summed_activity is).
+      activity: (the activity losses' gradients, a tensor, rows or None per weight,
+      their float32 sum), or None where summed_activity is).
     """
     moments, records = [], []
     capture = statistics.capture(moments) if statistics else contextlib.nullcontext()
@@ -74,8 +76,7 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
     grads = tape.gradient(value, weights)
     activity = None
     if records:
-        activity_grads = [None if g is None else tf.convert_to_tensor(g)
-                          for g in tape.gradient(activity_value, weights)]
+        activity_grads = tape.gradient(activity_value, weights)
         # A weight that only the activity losses reach still has a loss gradient, zero,
         # so that it is applied (a weight without one is left out of the apply); made as
         # the pass runs, not a constant that Grappler folds and the executor keeps.
@@ -85,8 +86,51 @@ def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics
     no_gradient = [g is None for g in grads]
     if all(no_gradient):
         raise ValueError("no variable receives a gradient from the loss")
-    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     return MiniBatch(grads, no_gradient, after, extra, moments, activity)
+
+
+@contextlib.contextmanager
+def one_variable_at_a_time(optimizer):
+    """Within the block, `optimizer` (a LossScaleOptimizer's inner one) updates its
+    variables one after another, each once the one before is written.
+
+    A window's shares all exist when its apply starts, so the executor ran the
+    optimizer's updates of several variables at once, each with its temporaries the
+    size of its variable (Adam: two or three): the language model's accumulate path
+    peaked there, with three 31 MiB temporaries of its two tables alive. B alone's
+    gradients come one by one out of the backward pass, which spreads its updates.
+    Keras calls `update_step` once per variable (its TensorFlow optimizer's
+    _distributed_tf_update_step); each call's gradient is made to wait for the
+    previous variable's value after its update (a read, ordered after the update's
+    writes by the function's automatic control dependencies; it shares the buffer)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    # A strategy's replicas enter the block at once, in threads of their own, and Keras
+    # updates the variables once, in a merge call that all of them wait in: the
+    # wrapper is put on as the first enters and taken off as the last leaves.
+    with _ORDERED:
+        depth = inner.__dict__.get(_DEPTH, 0)
+        if not depth:
+            own, written = inner.update_step, []
+
+            def update_step(gradient, variable, learning_rate):
+                with tf.control_dependencies(written):
+                    gradient = tf.identity(gradient)
+                own(gradient, variable, learning_rate)
+                written[:] = [tf.convert_to_tensor(variable)]
+
+            inner.__dict__["update_step"] = update_step
+        inner.__dict__[_DEPTH] = depth + 1
+    try:
+        yield
+    finally:
+        with _ORDERED:
+            inner.__dict__[_DEPTH] -= 1
+            if not inner.__dict__[_DEPTH]:
+                del inner.__dict__["update_step"], inner.__dict__[_DEPTH]
+
+
+_ORDERED = threading.Lock()
+_DEPTH = "_gradient_averaging_ordered_depth"
 
 
 def pass_moments(statistics, step):
@@ -116,7 +160,15 @@ def unscaled(optimizer, gradients, n_local):
     if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return gradients
     mean_over = _mean_over(n_local)
-    return [None if g is None else g * tf.cast(mean_over, g.dtype) for g in gradients]
+    return [None if g is None else _times(g, tf.cast(mean_over, g.dtype)) for g in gradients]
+
+
+def _times(gradient, factor):
+    """A gradient times a scalar; rows (tf.IndexedSlices) stay rows."""
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.IndexedSlices(gradient.values * factor, gradient.indices,
+                                gradient.dense_shape)
+    return gradient * factor
 
 
 def _mean_over(n_local):
@@ -373,8 +425,9 @@ class WindowStep:
         variables = [v for v, none in zip(self.variables, self.no_gradient) if not none]
 
         def apply_shares(shares):
-            optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
-                                       for share, v in zip(shares, variables)])
+            with one_variable_at_a_time(optimizer):
+                optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
+                                           for share, v in zip(shares, variables)])
 
         def apply():
             # Run from the cross-replica context, inside the branch: the optimizer's

@@ -28,6 +28,7 @@ The parent imports no TensorFlow: only the probes do.
 import concurrent.futures
 import functools
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -44,7 +45,9 @@ FLAGS = flags.FLAGS
 
 SEED = 0
 MIB = 1 << 20
-MODELS = ("convnet", "mlp", "bn")
+# lm: a decoder language model (lm_128k: its vocabulary four times larger, for the growth
+# in V), whose embedding's gradient arrives as rows (IndexedSlices).
+MODELS = ("convnet", "mlp", "bn", "lm", "lm_128k")
 # The paths, each a small function below (_PATHS); B alone, the direct batch and Keras's
 # own accumulation are the references a path's peak is compared with; the _p2 paths run
 # two mini-batches' passes at once (parallel_mini_batches=2), for the option's price.
@@ -55,11 +58,17 @@ PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1"
 # (plain Adam at B, N updates): the tf1 path's bound, since a TF1 session holds what
 # Keras does not (the zeros its variables were initialized from, in the initializer's
 # cached constant, for as long as it lives).
-REFERENCES = ("tf1_direct", "tf1_alone")
+TF1_REFERENCES = ("tf1_direct", "tf1_alone")
+REFERENCES = TF1_REFERENCES + ("dense_direct",)
+# dense_direct: the direct batch with an Embedding's gradient made dense before Adam, the
+# reference of the accumulating paths' weights on a language model: the window applies
+# its mean dense, and Keras's Adam applies a batch's rows otherwise where ids repeat
+# (docs/tf2-engine.md); on the other models it is the direct batch.
 TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
 # The bound's margin: 5% of it, at least 4 MiB (small models).
 MARGIN, MARGIN_MIN_MB = 0.05, 4.0
 PROBE_TIMEOUT = 600  # seconds; a probe takes 5-15 s
+PROFILE_TOP = 8  # the tensors a profiled probe lists, alive at its peak
 RESERVE_MB = 2048  # the CPU's one region where a probe has no limit (above every peak)
 SEARCH_WINDOWS = 40  # the most windows the accumulate path's warm-up trains while it searches
 # Adam's epsilon: above the float32 noise of a near-zero gradient, which the default's
@@ -70,6 +79,10 @@ SEARCH_WINDOWS = 40  # the most windows the accumulate path's warm-up trains whi
 ADAM_EPSILON = 1e-5
 INPUT_SHAPES = {"convnet": (32, 32, 3), "mlp": (784,), "bn": (32, 32, 3)}
 CLASSES = 10
+# The language models: vocabulary V, sequences of SEQUENCE tokens, width WIDTH, a GELU
+# feed-forward of FEED_FORWARD, BLOCKS pre-norm blocks of HEADS causal attention heads.
+VOCABULARIES = {"lm": 32_000, "lm_128k": 128_000}
+SEQUENCE, WIDTH, FEED_FORWARD, BLOCKS, HEADS = 32, 256, 1024, 2, 4
 
 
 # ---------------------------------------------------------------- the parent: probes
@@ -88,7 +101,7 @@ def probe_env(limit_mb=None, gpu=False):
 
 
 def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, save=None,
-          micro_batch=None, timed=0, held=None, jit_compile=False):
+          micro_batch=None, timed=0, held=None, jit_compile=False, profile=False):
     """One measurement in a fresh process.
 
     Args:
@@ -108,6 +121,9 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
         a batch at a time; None: N*B samples, in a tf.data dataset of batches (_fit).
       jit_compile: the direct and accumulate paths only: compiled with
         jit_compile=True (XLA), as Keras compiles by default on a GPU.
+      profile: run the measured update under TensorFlow's profiler and list the tensors
+        alive at its peak that it allocated (`at_peak`) and the largest allocation of
+        each op name (`largest_by_op`): _profiled.
 
     Returns:
       The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
@@ -122,7 +138,8 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
                          f"Received: model={model!r}, path={path!r}")
     spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu),
                 save=None if save is None else str(save), micro_batch=micro_batch,
-                timed=int(timed), held=held, **({"jit_compile": True} if jit_compile else {}))
+                timed=int(timed), held=held, profile=bool(profile),
+                **({"jit_compile": True} if jit_compile else {}))
     if path.startswith("tf1") and model not in TF1_MODELS:
         return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
     return bench_probe.spawn(run_probe, spec, probe_env(limit_mb, gpu), timeout)
@@ -148,16 +165,38 @@ def describe(result):
         return f"{what}: {result['error']}"
     if result.get("oom"):
         return f"{what}: OOM in the {result['phase']} ({result['seconds']:.1f} s)"
-    return f"{what}: peak {result['peak_mb']:.1f} MiB ({result['seconds']:.1f} s)"
+    line = f"{what}: peak {result['peak_mb']:.1f} MiB ({result['seconds']:.1f} s)"
+    if result.get("at_peak"):
+        line += "; alive at the peak, of the update's: " + at_peak_text(result["at_peak"])
+    return line
+
+
+def at_peak_text(rows):
+    """A profiled probe's tensors alive at its peak, in one line."""
+    return ", ".join(f"{op} {shape} {mb:.1f}".replace("  ", " ") for op, shape, mb in rows)
 
 
 # ---------------------------------------------------------------- the bound and the table
 
 
-def bound_mb(alone_mb, accumulators_mb, largest_mb):
-    """What accumulation may cost: B alone's peak, plus one accumulator per trainable
-    variable (in its accumulation dtype), plus one temporary the size of the largest
-    variable; plus MARGIN of that, MARGIN_MIN_MB at least."""
+# The paths held to bound_mb; the others (TF1's session, two passes at once) to
+# bound_with_sums_mb.
+ONE_PASS_TF2 = ("accumulate", "window", "mini_batch")
+
+
+def bound_mb(alone_mb, largest_mb):
+    """What a TF2 path at parallel_mini_batches=1 may cost: B alone's peak plus one
+    temporary the size of the largest variable (the sums stand in for the gradient set
+    B alone holds anyway; one variable's gradient or update in flight beside them);
+    plus MARGIN of that, MARGIN_MIN_MB at least."""
+    base = alone_mb + largest_mb
+    return base + max(MARGIN * base, MARGIN_MIN_MB)
+
+
+def bound_with_sums_mb(alone_mb, accumulators_mb, largest_mb):
+    """The TF1 graph's and the _p2 paths' bound: B alone's peak, plus one accumulator
+    per trainable variable (in its accumulation dtype), plus one temporary the size of
+    the largest variable; plus MARGIN of that, MARGIN_MIN_MB at least."""
     base = alone_mb + accumulators_mb + largest_mb
     return base + max(MARGIN * base, MARGIN_MIN_MB)
 
@@ -194,8 +233,12 @@ def with_ratios(rows):
         tf1 = row["path"].startswith("tf1") and "tf1_alone" in peaks
         alone, direct = (peaks.get("tf1_alone"), peaks.get("tf1_direct")) if tf1 else (
             peaks.get("alone"), peaks.get("direct"))
-        bound = (bound_mb(alone, sizes["accumulators_mb"], sizes["largest_mb"])
-                 if alone is not None and sizes else None)
+        bound = None
+        if alone is not None and sizes:
+            bound = (bound_mb(alone, sizes["largest_mb"])
+                     if row["path"] in ONE_PASS_TF2 + ("alone", "direct", "keras")
+                     else bound_with_sums_mb(alone, sizes["accumulators_mb"],
+                                             sizes["largest_mb"]))
         references = {"bound": bound, "alone": alone, "direct": direct,
                       "keras": peaks.get("keras")}
         return dict(row, bound_mb=bound, **{f"to_{name}": ratio(row["peak_mb"], reference)
@@ -205,14 +248,14 @@ def with_ratios(rows):
 
 
 def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
-          log=None, held=None):
+          log=None, held=None, profile=False):
     """Every path's peak at N x B, each the median of `repeats` probes.
 
     The probes take turns (each repeat runs every path once). Returns a list of dicts,
     one per path in `paths`' order: summarize's row with with_ratios' bound and ratios.
     """
-    specs = [dict(model=model, path=path, n=n, b=b, limit_mb=limit_mb, gpu=gpu, held=held)
-             for _ in range(repeats) for path in paths]
+    specs = [dict(model=model, path=path, n=n, b=b, limit_mb=limit_mb, gpu=gpu, held=held,
+                  profile=profile) for _ in range(repeats) for path in paths]
     results = probes(specs, jobs, log)
     return with_ratios([summarize([r for r in results if r["path"] == path])
                         for path in paths])
@@ -269,11 +312,19 @@ def markdown(rows):
     first = rows[0]
     sizes = next((row for row in rows if row["weights_mb"] is not None), first)
     limit = f", a limit of {first['limit_mb']} MiB" if first["limit_mb"] else ""
+    alone = next((row for row in rows if row["path"] == "alone"), first)
+    moonshot = (None if alone["peak_mb"] is None else
+                alone["peak_mb"] + max(MARGIN * alone["peak_mb"], MARGIN_MIN_MB))
+    with_sums = next((row["bound_mb"] for row in rows if row["path"].endswith("_p2")), None)
     lines = [f"{first['model']}, N={first['n']} x B={first['b']}{limit}: weights "
              f"{_mb(sizes['weights_mb'])} MiB, accumulators {_mb(sizes['accumulators_mb'])}"
              f" MiB, largest variable {_mb(sizes['largest_mb'])} MiB; bound "
-             f"{_mb(first['bound_mb'])} MiB (B alone + accumulators + largest variable, "
-             f"+{MARGIN:.0%}, {MARGIN_MIN_MB:.0f} MiB at least). Peak MiB, median of "
+             f"{_mb(alone['bound_mb'])} MiB (B alone + largest variable, "
+             f"+{MARGIN:.0%}, {MARGIN_MIN_MB:.0f} MiB at least), the moonshot "
+             f"{_mb(moonshot)} MiB (B alone + {MARGIN:.0%})"
+             + ("" if with_sums is None else
+                f"; the _p2 rows' bound {_mb(with_sums)} MiB (B alone + accumulators + "
+                "largest variable + 5%)") + ". Peak MiB, median of "
              f"{first['probes']} probes (one process each)."
              + tf1_bound(rows), "",
              "| path | peak | before the update | peak / bound | / B alone | / direct "
@@ -284,6 +335,9 @@ def markdown(rows):
                      f"{_ratio(row['to_direct'])} | {_ratio(row['to_keras'])} | "
                      f"{row['seconds']:.1f} |")
     lines += [f"- {row['path']}: {e}" for row in rows for e in row["errors"]]
+    lines += [f"- {row['path']}, alive at its peak (a profiled probe, {row['at_peak_mb']:.1f} "
+              f"MiB), of what the update allocated, MiB: {at_peak_text(row['at_peak'])}"
+              for row in rows if row.get("at_peak")]
     return "\n".join(lines) + "\n"
 
 
@@ -294,8 +348,9 @@ def tf1_bound(rows):
         return ""
     return (f" The tf1 rows' B alone and direct batch are the TF1 graph's own (plain Adam "
             f"in a session: tf1_alone, tf1_direct), so their bound is "
-            f"{_mb(tf1['bound_mb'])} MiB: a TF1 session holds the zeros its variables were "
-            "initialized from for as long as it lives, whatever it trains.")
+            f"{_mb(tf1['bound_mb'])} MiB (B alone + accumulators + largest variable + 5%): "
+            "a TF1 session holds the zeros its variables were initialized from for as long "
+            "as it lives, whatever it trains.")
 
 
 def growth_markdown(rows):
@@ -317,17 +372,23 @@ def growth_markdown(rows):
 
 
 def _data(model, samples):
-    """Random inputs and labels of the model's shapes, the same for every path."""
+    """Random inputs and labels of the model's shapes, the same for every path (a
+    language model's: token sequences and the same shifted by one, the next tokens)."""
     rng = np.random.default_rng(SEED)
+    if model in VOCABULARIES:
+        tokens = rng.integers(0, VOCABULARIES[model], (samples, SEQUENCE + 1)).astype(np.int32)
+        return tokens[:, :-1], tokens[:, 1:]
     x = rng.standard_normal((samples,) + INPUT_SHAPES[model]).astype(np.float32)
     return x, rng.integers(0, CLASSES, samples).astype(np.int32)
 
 
-def _keras_model(model):
+def _keras_model(model, dense_rows=False):
     """The model, seeded: convnet (activations dominate), mlp (weights dominate), bn."""
     import keras
     from keras import layers
     keras.utils.set_random_seed(SEED)
+    if model in VOCABULARIES:
+        return _language_model(VOCABULARIES[model], dense_rows)
     if model == "mlp":
         body = [layers.Dense(4096, activation="relu"), layers.Dense(4096, activation="relu")]
     elif model == "convnet":
@@ -342,9 +403,46 @@ def _keras_model(model):
                              layers.Dense(CLASSES)])
 
 
+def _language_model(vocabulary, dense_rows=False):
+    """A decoder in plain Keras: a token Embedding of V x WIDTH, BLOCKS pre-norm blocks
+    of causal MultiHeadAttention and a GELU feed-forward, an untied Dense(V) output.
+    dense_rows: the Embedding's gradient made dense (the same weights, drawn alike)."""
+    import keras
+    import tensorflow as tf
+    from keras import layers
+
+    @tf.custom_gradient
+    def dense_gradient(table):
+        return tf.identity(table), tf.convert_to_tensor
+
+    class DenseRows(layers.Embedding):
+        def call(self, ids):
+            return tf.gather(dense_gradient(self.embeddings), ids)
+
+    tokens = keras.Input((SEQUENCE,), dtype="int32")
+    h = (DenseRows if dense_rows else layers.Embedding)(vocabulary, WIDTH)(tokens)
+    for _ in range(BLOCKS):
+        a = layers.LayerNormalization()(h)
+        h = h + layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
+        f = layers.LayerNormalization()(h)
+        f = layers.Dense(FEED_FORWARD, activation="gelu")(f)
+        h = h + layers.Dense(WIDTH)(f)
+    return keras.Model(tokens, layers.Dense(vocabulary)(layers.LayerNormalization()(h)))
+
+
 def _loss(reduction="sum_over_batch_size"):
     import keras
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+
+def _sample_loss(model):
+    """The TF2 accumulators' loss: one per sample (a sequence's: its tokens' mean, as
+    Keras's mean over the batch's tokens weighs it)."""
+    import tensorflow as tf
+    loss = _loss(None)
+    if model not in VOCABULARIES:
+        return loss
+    return lambda y, logits: tf.reduce_mean(loss(y, logits), axis=-1)
 
 
 def _adam(**kwargs):
@@ -461,7 +559,7 @@ def _path_window(model, n, b, x, y, parallel=1):
     # allocates on the CPU) out of the measured update.
     from gradient_averaging.tf2 import WindowAccumulator
     net = _keras_model(model)
-    accumulator = WindowAccumulator(net, _adam(), _loss(None),
+    accumulator = WindowAccumulator(net, _adam(), _sample_loss(model),
                                     average_gradients=n, parallel_mini_batches=parallel)
     dataset = _dataset(x, y, b, n * b)
     return (functools.partial(accumulator.fit, dataset), net.weights, net.trainable_weights,
@@ -471,7 +569,7 @@ def _path_window(model, n, b, x, y, parallel=1):
 def _path_mini_batch(model, n, b, x, y):
     from gradient_averaging.tf2 import MiniBatchAccumulator
     net = _keras_model(model)
-    accumulator = MiniBatchAccumulator(net, _adam(), _loss(None))
+    accumulator = MiniBatchAccumulator(net, _adam(), _sample_loss(model))
     dataset = _dataset(x, y, b, n * b)
 
     def update():
@@ -542,7 +640,14 @@ def _path_tf1(model, n, b, x, y, plain=None):
     return update, weights, weights, lambda: session.run(weights)
 
 
+def _path_dense_direct(model, n, b, x, y):
+    net = _compiled(_keras_model(model, dense_rows=True))
+    return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
+            _values(net.trainable_weights))
+
+
 _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
+          "dense_direct": _path_dense_direct,
           "accumulate": _path_accumulate, "window": _path_window,
           "mini_batch": _path_mini_batch, "tf1": _path_tf1,
           "tf1_direct": lambda *args: _path_tf1(*args, plain="direct"),
@@ -572,6 +677,67 @@ def _milliseconds(run):
     start = time.perf_counter()
     run()
     return 1e3 * (time.perf_counter() - start)
+
+
+def _profiled(update, top=PROFILE_TOP):
+    """Runs `update` under TensorFlow's profiler and reads its allocator's events: the
+    tensors alive at the update's peak that the update allocated (what it held beyond
+    the state before it), the largest first. Returns ([the update's ms], [[the op that
+    allocated it, its shape, MiB], ...]: `top` of them, and one row summing the rest,
+    {an op's name without its scopes and number: the largest allocation ops so named
+    made in the update, MiB})."""
+    import glob
+    import tempfile
+
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            times = [_milliseconds(update)]
+        finally:
+            tf.profiler.experimental.stop()
+        space = xplane_pb2.XSpace()
+        for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
+            with open(path, "rb") as f:
+                space.MergeFromString(f.read())
+    events = []
+    for plane in space.planes:
+        names = {key: m.name for key, m in plane.event_metadata.items()}
+        stat_names = {key: m.name for key, m in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                kind = names.get(event.metadata_id)
+                if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+                    continue
+                stats = {stat_names[s.metadata_id]: _stat(s, stat_names)
+                         for s in event.stats}
+                if str(stats.get("allocator_name", "")).startswith("bfc"):
+                    events.append((line.timestamp_ns * 1000 + event.offset_ps, kind, stats))
+    events.sort(key=lambda e: e[0])
+    live, peak, at_peak, largest = {}, -1, {}, {}
+    for _, kind, stats in events:
+        if kind == "MemoryAllocation":
+            live[stats["addr"]] = (stats.get("tf_op") or "?", stats.get("shape") or "",
+                                   stats.get("allocation_bytes") or 0)
+            op_type = re.sub(r"_\d+$", "", live[stats["addr"]][0].rsplit("/", 1)[-1])
+            largest[op_type] = max(largest.get(op_type, 0), live[stats["addr"]][2] / MIB)
+            if stats.get("bytes_allocated", 0) > peak:
+                peak, at_peak = stats["bytes_allocated"], dict(live)
+        else:
+            live.pop(stats["addr"], None)
+    tensors = sorted(at_peak.values(), key=lambda t: -t[2])
+    rows = [[op, shape, nbytes / MIB] for op, shape, nbytes in tensors[:top]]
+    rest = sum(nbytes for _, _, nbytes in tensors[top:])
+    if rest:
+        rows.append([f"{len(tensors) - top} more", "", rest / MIB])
+    return times, rows, largest
+
+
+def _stat(stat, names):
+    """An XStat's value (a string it refers to by id, as a string)."""
+    kind = stat.WhichOneof("value")
+    return names.get(stat.ref_value) if kind == "ref_value" else getattr(stat, kind)
 
 
 def run_probe(spec):
@@ -612,7 +778,10 @@ def run_probe(spec):
         gc.collect()  # the warm-up's garbage (cycles hold tensors) is not the update's
         current = tf.config.experimental.get_memory_info(device)["current"]
         tf.config.experimental.reset_memory_stats(device)
-        times = [_milliseconds(update)]
+        if spec.get("profile"):
+            times, at_peak, largest = _profiled(update)
+        else:
+            times, at_peak, largest = [_milliseconds(update)], None, None
         peak = tf.config.experimental.get_memory_info(device)["peak"]
         if spec.get("save"):  # the trainable weights after the two updates
             np.savez(spec["save"], *values())
@@ -623,6 +792,8 @@ def run_probe(spec):
         return dict(spec, oom=True, phase=phase, message=message.strip()[:300])
     return dict(spec, oom=False, device=device, peak_mb=peak / MIB, current_mb=current / MIB,
                 update_ms=min(times), warmup_ms=warmup_ms,
+                **({} if at_peak is None else {"at_peak": at_peak,
+                                               "largest_by_op": largest}),
                 **_sizes(weights, trainable), **(more[0]() if more else {}))
 
 
@@ -641,6 +812,8 @@ def define_flags():
     cli.define("list", "paths", list(PATHS), "Paths to measure, of: " + ", ".join(PATHS))
     cli.define("integer", "jobs", 1, "Probes at a time.", lower_bound=1)
     cli.define("bool", "gpu", False, "Measure the GPU's allocator (GPU:0), not the CPU's.")
+    cli.define("bool", "profile", False, "Profile each probe's update: the tensors alive "
+               "at its peak (logged).")
 
 
 def main(argv):
@@ -659,7 +832,8 @@ def main(argv):
     for n in sorted(set(FLAGS.n)):
         tables[n] = table(FLAGS.model, n, FLAGS.b, FLAGS.paths, FLAGS.repeats,
                           FLAGS["limit-mb"].value, FLAGS.jobs, FLAGS.gpu, log,
-                          held=max(FLAGS.n) * FLAGS.b if len(set(FLAGS.n)) > 1 else None)
+                          held=max(FLAGS.n) * FLAGS.b if len(set(FLAGS.n)) > 1 else None,
+                          profile=FLAGS.profile)
         print(markdown(tables[n]), flush=True)
     if len(tables) > 1:
         print(f"Growth in N at B={FLAGS.b}, peak MiB:\n")

@@ -249,6 +249,20 @@ def mirrored_fit(strategy):
         activity = compiled(keras_fit.accumulate(activity_regularized(), N), sgd())
     activity_loss = fit(activity, x, y, B).history["loss"]
 
+    # An Embedding's gradient, rows, added as rows into each replica's sum.
+    table = np.random.default_rng(3).normal(size=(11, 4)).astype(np.float32)
+    ids = np.random.default_rng(4).integers(0, 11, size=(len(y), 3)).astype(np.int32)
+    rows_one_device = compiled(keras_fit.accumulate(embedding_model(table), N), sgd())
+    fit(rows_one_device, ids, y, B)
+    with strategy.scope():
+        rows = compiled(keras_fit.accumulate(embedding_model(table), N), sgd())
+    fit(rows, ids, y, B)
+    rows_ops = []
+    for concrete in rows._window_function._list_all_concrete_functions():  # noqa: SLF001 (fit's traces)
+        graph_def = concrete.graph.as_graph_def()
+        rows_ops += [node.op for node in graph_def.node]
+        rows_ops += [node.op for f in graph_def.library.function for node in f.node_def]
+
     def all_reduces(accumulating):  # in the window function that fit traced
         function = accumulating._window_function  # noqa: SLF001 (the one fit traced)
         return count_all_reduces(function.get_concrete_function(iter(mini_batches)))
@@ -268,10 +282,22 @@ def mirrored_fit(strategy):
             "tiny_last_skipped": tiny_last.skipped_windows,
             "tiny_last_updates": int(tiny_last.optimizer.iterations.numpy()),
             "tiny_last_finite": all(np.isfinite(w).all() for w in tiny_last.get_weights()),
+            "rows_difference": max_difference(rows, rows_one_device),
+            "rows_scattered": "ResourceScatterAdd" in rows_ops,
             "activity_difference": max_difference(activity, activity_reference),
             "activity_loss_difference": float(np.max(np.abs(
                 np.subtract(activity_loss, activity_reference_loss))
                 / np.abs(activity_reference_loss)))}
+
+
+def embedding_model(table):
+    """ids (3 a sample) -> an Embedding of `table` -> Dense logits: its gradient rows."""
+    return keras.Sequential([
+        keras.Input((3,), dtype="int32"),
+        keras.layers.Embedding(*table.shape,
+                               embeddings_initializer=keras.initializers.Constant(table)),
+        keras.layers.Flatten(),
+        keras.layers.Dense(CLASSES, kernel_initializer=keras.initializers.GlorotUniform(5))])
 
 
 def multi_worker_fit():
@@ -294,6 +320,7 @@ def check_mirrored_fit(result):
     """test_tf2's assertions on mirrored_fit's result."""
     assert result["fit_difference"] < 1e-5 and result["fit_updates"] == 8
     assert result["grouped_difference"] < 1e-5  # parallel_mini_batches=2
+    assert result["rows_difference"] < 1e-5 and result["rows_scattered"]  # window.add_rows
     assert result["evaluate_difference"] < 1e-5 and result["predict_difference"] < 1e-5
     # The optimizer's all-reduce of the applied mean and the window's sample count, once
     # per window; nothing per mini-batch.

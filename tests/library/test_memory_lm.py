@@ -1,0 +1,80 @@
+"""The decoder language model (tools.memory's lm: a 32,000 x 256 Embedding, two causal
+attention blocks, an untied Dense(32,000) output; N=8 x B=4 sequences of 32 tokens, Adam)
+under a memory limit that its direct batch exceeds: Keras fit through `accumulate` and
+the one-call accumulator fit and train to the direct batch's weights (computed without
+the limit, the Embedding's gradient made dense before Adam: memory's dense_direct).
+
+The limit cannot tell rows from rows made dense here: an Embedding's gradient made dense
+is one table (31.2 MiB) made at the end of each backward pass, when the output layer's
+gradient, a table of the same size made at its start beside the logits, is already
+added and freed; the peak is that one (the profile: the output kernel's gradient and the
+logits alive at it), so the two peaks differ by far less than a quarter of the table.
+The test guards the peak's ratio to B alone's instead, and, from the same profile, that
+no op made a table dense in the update (UnsortedSegmentSum, tf.convert_to_tensor of an
+IndexedSlices): it fails on the code that made the rows dense.
+"""
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from tools import memory
+
+pytestmark = pytest.mark.slow  # six language-model probes, a minute or two each
+
+MODEL, N, B = "lm", 8, 4
+# Between the accumulating paths' peaks (about 360 MiB; B alone's 311) and the direct
+# batch's of N*B sequences (438 MiB).
+LIMIT_MB = 400
+PATHS = ("accumulate", "window")
+# accumulate's peak over B alone's, measured 1.16 (B alone + the sums, less the
+# gradients B alone holds at its own peak, plus the output layer's gradient in flight).
+RATIO = 1.2
+TABLE_MB = memory.VOCABULARIES[MODEL] * memory.WIDTH * 4 / memory.MIB
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    base = tmp_path_factory.mktemp("memory_lm")
+    specs = [("dense_direct", None), ("direct", LIMIT_MB), ("alone", LIMIT_MB)] + [
+        (path, LIMIT_MB) for path in PATHS]
+
+    def run(spec):
+        path, limit = spec
+        save = base / f"{path}-{limit}.npz"
+        return memory.probe(MODEL, path, N, B, limit_mb=limit, save=save,
+                            profile=path in PATHS), save
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip(specs, pool.map(run, specs)))
+
+
+def weights(saved):
+    with np.load(saved) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def test_the_direct_batch_does_not_fit(probed):
+    result, _ = probed[("direct", LIMIT_MB)]
+    assert result.get("oom"), result
+    reference, _ = probed[("dense_direct", None)]
+    assert reference["peak_mb"] > LIMIT_MB, reference
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_accumulated_run_fits_and_trains_to_the_direct_batchs_weights(probed, path):
+    result, saved = probed[(path, LIMIT_MB)]
+    assert not result.get("oom") and "error" not in result, result
+    _, reference = probed[("dense_direct", None)]
+    for got, want in zip(weights(saved), weights(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_rows_are_never_made_dense_and_the_peak_stays_near_b_alone(probed, path):
+    alone, _ = probed[("alone", LIMIT_MB)]
+    result, _ = probed[(path, LIMIT_MB)]
+    assert result["peak_mb"] <= RATIO * alone["peak_mb"], (result, alone["peak_mb"])
+    dense = result["largest_by_op"].get("UnsortedSegmentSum", 0.0)
+    assert dense < TABLE_MB / 4, (dense, result["at_peak"])
