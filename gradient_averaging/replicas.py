@@ -71,11 +71,13 @@ COLLECTIVE_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 def workers(strategy):
     """The worker processes of `strategy`'s cluster (1 without one): a
-    MultiWorkerMirroredStrategy's TF_CONFIG."""
+    MultiWorkerMirroredStrategy's TF_CONFIG, its chief task counted as a worker, as
+    TensorFlow counts it (and experiment/workers.py does)."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
         return 1
-    return max(1, len(resolver.cluster_spec().as_dict().get("worker", [])))
+    tasks = resolver.cluster_spec().as_dict()
+    return max(1, len(tasks.get("chief", [])) + len(tasks.get("worker", [])))
 
 
 def local_variable(initial_value, aggregation, name):

@@ -200,3 +200,22 @@ def test_out_of_memory_in_the_searchs_update_ends_every_worker_in_one_line(tmp_p
     assert len(lines[1]) == 1 and lines[1][0].startswith(
         "gradient_averaging.replicas.WorkerFailed: another worker failed in the micro-batch "
         "search"), lines
+
+
+@pytest.mark.parametrize("cluster, expected", [
+    ({"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, 2),
+    ({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}, 2),  # the chief is a worker
+    ({"chief": ["127.0.0.1:1"]}, 1)])
+def test_the_workers_of_a_cluster_count_its_chief(cluster, expected, monkeypatch):
+    import tensorflow as tf
+
+    from gradient_averaging import replicas
+
+    first = "chief" if "chief" in cluster else "worker"
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": cluster, "task": {"type": first, "index": 0}}))
+
+    class Strategy:  # what replicas.workers reads of a MultiWorkerMirroredStrategy
+        cluster_resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+
+    assert replicas.workers(Strategy()) == expected
