@@ -78,3 +78,10 @@ def one_line_exit(capsys, fn, *args, code=2):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
     return err[0]
+
+
+def saved_arrays(path):
+    """The arrays an np.savez of positional arrays wrote (a probe's or a run's weights),
+    in order."""
+    with np.load(path) as arrays:
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]

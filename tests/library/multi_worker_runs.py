@@ -29,12 +29,13 @@ runs out of memory in the update, with its collectives in flight.
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
-HOST = "127.0.0.1"
+from tools.launch_workers import HOST
+from tools.launch_workers import free_ports
+
 EPOCHS = 2
 RESUME_EPOCHS = 4
 AUTO_E = 178  # two replicas' shares of 89 (a prime): micro_batch_runs.MIRRORED_E
@@ -196,18 +197,6 @@ def main():
 
 
 # ---------------------------------------------------------------- the test's side
-
-
-def free_ports(count):
-    """Ports the kernel reports free on 127.0.0.1 (held open together, so distinct)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind((HOST, 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def start(module_args, workers=2, envs=None, log_dir=None):

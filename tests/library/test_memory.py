@@ -12,6 +12,7 @@ import concurrent.futures
 import numpy as np
 import pytest
 
+from tests.helpers import saved_arrays
 from tools import memory
 
 pytestmark = pytest.mark.slow  # a dozen probe processes: make test-slow
@@ -56,11 +57,6 @@ def probed(tmp_path_factory):
     return done
 
 
-def weights(saved):
-    with np.load(saved) as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
-
-
 def test_the_direct_batch_does_not_fit(probed):
     result, _ = probed[("direct", LIMIT_MB)]
     assert result.get("oom"), result
@@ -73,7 +69,7 @@ def test_each_path_fits_and_trains_to_the_direct_batchs_weights(probed, path):
     result, saved = probed[(path, LIMIT_MB)]
     assert not result.get("oom") and "error" not in result, result
     _, reference = probed[("tf1_direct" if path == "tf1" else "direct", None)]
-    for got, want in zip(weights(saved), weights(reference), strict=True):
+    for got, want in zip(saved_arrays(saved), saved_arrays(reference), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.helpers import saved_arrays
 from tools import memory
 
 
@@ -62,11 +63,6 @@ def probed(tmp_path_factory):
         return dict(zip(specs, pool.map(run, specs)))
 
 
-def weights(saved):
-    with np.load(saved) as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
-
-
 def test_the_direct_batch_does_not_fit(probed):
     result, _ = probed[("direct", LIMIT_MB)]
     assert result.get("oom"), result
@@ -79,7 +75,7 @@ def test_the_accumulated_run_fits_and_trains_to_the_direct_batchs_weights(probed
     result, saved = probed[(path, LIMIT_MB)]
     assert not result.get("oom") and "error" not in result, result
     _, reference = probed[("dense_direct", None)]
-    for got, want in zip(weights(saved), weights(reference), strict=True):
+    for got, want in zip(saved_arrays(saved), saved_arrays(reference), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 

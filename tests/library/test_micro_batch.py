@@ -33,6 +33,7 @@ from gradient_averaging import keras_fit
 from gradient_averaging import micro_batch
 from gradient_averaging import replicas
 from gradient_averaging import tf2
+from tests.helpers import saved_arrays
 from tests.library import micro_batch_runs as runs_lib
 from tests.library.toys import CLASSES
 from tests.library.toys import FEATURES
@@ -68,8 +69,7 @@ def runs(tmp_path_factory):
 
 
 def weights(out, name):
-    with np.load(os.path.join(out, f"{name}.npz")) as arrays:
-        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+    return saved_arrays(os.path.join(out, f"{name}.npz"))
 
 
 def assert_direct_weights(out, name, reference="direct"):
