@@ -140,7 +140,18 @@ class TensorMemory(Section):
                  f"growth in V ({LM_128K_REPEATS} probe a figure). The TF2 paths at "
                  "`parallel_mini_batches=1` are held to B alone + the largest variable + "
                  "5%: their sums stand in for the gradient set B alone holds; where one "
-                 "misses, a profiled probe lists what is alive at its peak.", ""]
+                 "misses, a profiled probe lists what is alive at its peak. On the language "
+                 "models that premise does not hold: Keras's Adam applies B alone's "
+                 "variables one after another and makes the table's rows dense for its own "
+                 "update only, so B alone's peak holds one table-sized gradient, one of "
+                 "Adam's temporaries and the logits' gradient, never its gradient set; the "
+                 "accumulating paths hold every sum, the table's kept dense (its rows differ "
+                 "from mini-batch to mini-batch), both at the backward pass's peak (the "
+                 "output layer's gradient and the logits' beside them) and at the apply's "
+                 "(Adam's two table-sized temporaries). What they hold over the bound is the "
+                 "second table's sum and the small ones, less the logits' gradient and the "
+                 "margin: only the "
+                 "embedding's sum kept as rows would remove it, which is not built.", ""]
         for model, rows in result["tables"].items():
             lines += [f"### {model}", "", *memory.markdown(rows).splitlines(), ""]
         if result["growth"]:
