@@ -447,8 +447,7 @@ def lm_clock(times):
 
 
 def lm_race(lm):
-    """One language model's contenders, interleaved: {"model", "vocabulary", "n", "b",
-    "repeats", "load", "wall": lm_clock(wall-clock)} and lm_clock(CPU time)'s keys."""
+    """One language model's contenders, interleaved: its lm_summary, with "load"."""
     import keras
     base = tf.data.Dataset.from_tensor_slices(lm_tokens(lm.vocabulary)).repeat()
     racing = lm_contenders(lm, base)
@@ -459,8 +458,14 @@ def lm_race(lm):
         del racing
         keras.utils.clear_session()
         gc.collect()
+    return dict(lm_summary(lm, cpu, wall), load=os.getloadavg()[0])
+
+
+def lm_summary(lm, cpu, wall=None):
+    """A row of the section: {"model", "vocabulary", "n", "b", "repeats", "wall":
+    lm_clock(wall), None: the same} and lm_clock(cpu)'s keys, the judged ones."""
     return dict(model=lm.name, vocabulary=lm.vocabulary, n=lm.n, b=lm.b, repeats=lm.repeats,
-                load=os.getloadavg()[0], wall=lm_clock(wall), **lm_clock(cpu))
+                wall=lm_clock(cpu if wall is None else wall), **lm_clock(cpu))
 
 
 class LanguageModelSpeed(Section):
@@ -519,7 +524,7 @@ class LanguageModelSpeed(Section):
               *(f"{r['median_ms'][k]:.0f} ms" for k in ("direct", "rows", "dense_rows")),
               _ratio(r["vs_dense"]), _ratio(r["wall"]["vs_dense"]), f"{r['noise']:.1%}",
               _ratio(r["vs_floor"]["rows"]), _ratio(r["vs_floor"]["dense_rows"]),
-              f"{r['load']:.1f}") for r in rows])
+              f"{r['load']:.1f}" if "load" in r else "") for r in rows])
         lines += ["", f"CPU ms per update (median); {', '.join(str(r['repeats']) for r in rows)}"
                   " rounds; `noise`: `again` against `rows`, in CPU time. `load`: the "
                   f"machine's load average (one minute) as the model ended, on "
