@@ -379,3 +379,154 @@ class Floor(Section):
 
 def _ratio(r):
     return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
+
+
+# ---------------------------------------------------------------- the language model
+
+# The decoder of the tensor-memory section (tools/memory.py: a token Embedding of V x 256,
+# two causal attention blocks, an untied Dense(V)); N x B sequences of 32 tokens. Its
+# Embedding's gradient arrives as rows (tf.IndexedSlices), which the library adds into
+# its sum as rows. `dense_rows` is the same model with that gradient made dense inside
+# it (an UnsortedSegmentSum into a V x 256 zero table, the op tf.convert_to_tensor makes
+# of rows): the library then adds a dense gradient, as it did for every embedding before
+# 957cad7, a pass over the table per mini-batch. `again`: a second `rows`, this run's noise.
+LanguageModel = collections.namedtuple("LanguageModel", "name vocabulary n b repeats")
+LANGUAGE_MODELS = (LanguageModel("lm", 32_000, 8, 4, 7),
+                   LanguageModel("lm_128k", 128_000, 8, 4, 5))
+LM_LABELS = {
+    "alone": FLOOR["alone"], "apply": FLOOR["apply"], "direct": REFERENCES["direct"],
+    "rows": "accumulate(model, N) + Keras fit: the Embedding's gradient added as rows",
+    "dense_rows": "the same with the Embedding's gradient made dense inside the model: "
+                  "added dense, a pass over the table per mini-batch (before 957cad7)",
+    "again": "a second `rows`: this run's noise",
+}
+
+
+def lm_tokens(vocabulary, samples=512):
+    """Random token sequences of the vocabulary and the same shifted by one (the next
+    tokens), as the tensor-memory probes train the language model on."""
+    import numpy as np
+
+    from tools import memory
+    tokens = np.random.default_rng(SEED).integers(
+        0, vocabulary, (samples, memory.SEQUENCE + 1)).astype(np.int32)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_contenders(lm, base):
+    """The floor's terms, the direct batch, and accumulate + fit with rows and rows made
+    dense (and `rows` again), each on its own language model."""
+    from gradient_averaging.keras_fit import accumulate
+    from tools import memory
+
+    def build(dense_rows=False):
+        import keras
+        keras.utils.set_random_seed(SEED)
+        return memory._language_model(lm.vocabulary, dense_rows)  # noqa: SLF001 (the tensor-memory probes' decoder, timed here)
+
+    n, b = lm.n, lm.b
+    batches = base.batch(b, drop_remainder=True).prefetch(2)
+    return [Fit("alone", build(), batches, n, n, _adam()), Apply("apply", build(), n),
+            Fit("direct", build(), base.batch(n * b, drop_remainder=True).prefetch(2), 1, 1,
+                _adam()),
+            Fit("rows", accumulate(build(), n), batches, n, 1, _adam()),
+            Fit("dense_rows", accumulate(build(dense_rows=True), n), batches, n, 1, _adam()),
+            Fit("again", accumulate(build(), n), batches, n, 1, _adam())]
+
+
+def lm_clock(times):
+    """What one clock's `times` (interleaved's) say of the language model: {"times"
+    (with "floor"), "median_ms", "vs_dense": rows / dense_rows, "noise": |again / rows -
+    1|, "vs_floor": each accumulating contender's ratio to the floor}, paired ratios."""
+    times = with_floor(times)
+    return dict(times=times, median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                vs_dense=bc.paired_ratio(times, "rows", "dense_rows"),
+                noise=abs(bc.paired_ratio(times, "again", "rows")["ratio"] - 1),
+                vs_floor={k: bc.paired_ratio(times, k, "floor")
+                          for k in ("direct", "rows", "dense_rows")})
+
+
+def lm_race(lm):
+    """One language model's contenders, interleaved: its lm_summary, with "load"."""
+    import keras
+    base = tf.data.Dataset.from_tensor_slices(lm_tokens(lm.vocabulary)).repeat()
+    racing = lm_contenders(lm, base)
+    try:
+        cpu = {}
+        wall = bc.interleaved(racing, 1, lm.repeats, cpu=cpu)
+    finally:
+        del racing
+        keras.utils.clear_session()
+        gc.collect()
+    return dict(lm_summary(lm, cpu, wall), load=os.getloadavg()[0])
+
+
+def lm_summary(lm, cpu, wall=None):
+    """A row of the section: {"model", "vocabulary", "n", "b", "repeats", "wall":
+    lm_clock(wall), None: the same} and lm_clock(cpu)'s keys, the judged ones."""
+    return dict(model=lm.name, vocabulary=lm.vocabulary, n=lm.n, b=lm.b, repeats=lm.repeats,
+                wall=lm_clock(cpu if wall is None else wall), **lm_clock(cpu))
+
+
+class LanguageModelSpeed(Section):
+    name = "lm_speed"
+    title = "Speed: the language model's embedding added as rows, against made dense"
+    FULL = dict(models=LANGUAGE_MODELS)
+    QUICK = dict(models=(LanguageModel("lm", 1_000, 2, 2, 2),))
+
+    def steps(self):
+        return len(self.settings["models"])
+
+    def measure(self, run):
+        rows = []
+        for lm in self.settings["models"]:
+            run.log(f"Language model speed: V={lm.vocabulary:,}, N={lm.n} x B={lm.b}")
+            row = lm_race(lm)
+            run.log("  " + ", ".join(f"{k}: {row['median_ms'][k]:.0f} ms" for k in row["times"])
+                    + f"; rows / dense_rows {_ratio(row['vs_dense'])}, noise {row['noise']:.1%}")
+            rows.append(row)
+            run.step()
+        return rows
+
+    def targets(self, rows):
+        if not rows:
+            return []
+        n = rows[0]["n"]
+        return [worst(f"lm: accumulate + fit with rows at or under rows made dense (N={n})",
+                      {f"{r['model']} (V={r['vocabulary']:,})": r["vs_dense"] for r in rows},
+                      1.0, noise=max(r["noise"] for r in rows))]
+
+    def markdown(self, rows):
+        if not rows:
+            return []
+        lines = [f"## {self.title}", "",
+                 "What adding the Embedding's gradient as rows saves in time: the decoder "
+                 "language model of the tensor-memory section (tools/memory.py; an untied "
+                 "Dense(V) output) on random token sequences of 32, Adam 1e-3, its time per "
+                 "update of N mini-batches of B sequences, timed as the floor section "
+                 "times its paths (each contender on its own model, one untimed update, "
+                 "then rounds of one update each, the order rotating; each ratio the median "
+                 "of the per-round ratios, quartiles in brackets; the process's CPU time, "
+                 "the wall-clock ratio beside). `dense_rows` makes the gradient dense inside "
+                 "the model, with the op `tf.convert_to_tensor` makes of rows, so that the "
+                 "library adds it dense: the computation every embedding's gradient went "
+                 "through before 957cad7, beside today's in one run. Under op determinism, "
+                 "no XLA.", ""]
+        lines += [f"- `{k}`: {v}" for k, v in LM_LABELS.items()]
+        lines += [""] + table(
+            ("model", "N x B", "alone / N", "apply / (N - 1)", "floor", "direct",
+             "rows", "dense_rows", "rows / dense_rows", "rows / dense_rows, wall", "noise",
+             "rows / floor", "dense_rows / floor", "load"),
+            [(f"{r['model']} (V={r['vocabulary']:,})", f"{r['n']} x {r['b']}",
+              f"{r['median_ms']['alone'] / r['n']:.1f} ms",
+              f"{r['median_ms']['apply'] / (r['n'] - 1):.1f} ms",
+              f"{r['median_ms']['floor']:.0f} ms",
+              *(f"{r['median_ms'][k]:.0f} ms" for k in ("direct", "rows", "dense_rows")),
+              _ratio(r["vs_dense"]), _ratio(r["wall"]["vs_dense"]), f"{r['noise']:.1%}",
+              _ratio(r["vs_floor"]["rows"]), _ratio(r["vs_floor"]["dense_rows"]),
+              f"{r['load']:.1f}" if "load" in r else "") for r in rows])
+        lines += ["", f"CPU ms per update (median); {', '.join(str(r['repeats']) for r in rows)}"
+                  " rounds; `noise`: `again` against `rows`, in CPU time. `load`: the "
+                  f"machine's load average (one minute) as the model ended, on "
+                  f"{os.cpu_count()} cores."]
+        return lines

@@ -178,6 +178,47 @@ def test_floor_sizes_its_blocks_by_mini_batches_and_its_quick_run_is_one_small_r
     assert {w.name for w in bench_floor.WORKLOADS} >= {"convnet", "mlp"}
 
 
+def test_lm_speed_judges_rows_against_rows_made_dense_within_its_noise():
+    lm, lm_128k = (bench_floor.LanguageModel(name, v, 8, 4, 3)
+                   for name, v in (("lm", 32_000), ("lm_128k", 128_000)))
+    # N=8: alone 8 steps of 100 ms, apply 7 applies of 10 ms: a floor of 730 ms.
+    floor = dict(alone=[0.8] * 3, apply=[0.07] * 3, direct=[0.5] * 3)
+    row = bench_floor.lm_summary(lm, dict(floor, rows=[0.80, 0.84, 0.80],
+                                          dense_rows=[1.0, 1.0, 0.8],
+                                          again=[0.82, 0.84, 0.84]))
+    assert row["median_ms"]["floor"] == pytest.approx(730.0)
+    assert row["vs_dense"] == pytest.approx({"ratio": 0.84, "q1": 0.82, "q3": 0.92})
+    assert row["noise"] == pytest.approx(0.025)  # again / rows: 1.025, 1.0, 1.05
+    assert row["vs_floor"]["rows"]["ratio"] == pytest.approx(0.80 / 0.73)
+    # At V=128,000 rows 2% over dense_rows in every round: over 1.0, within the noise.
+    big = bench_floor.lm_summary(lm_128k, dict(floor, rows=[1.02] * 3, dense_rows=[1.0] * 3,
+                                               again=[1.02] * 3))
+    section = bench_floor.LanguageModelSpeed()
+    (target,) = section.targets([row, big])
+    assert target.target == "lm: accumulate + fit with rows at or under rows made dense (N=8)"
+    assert target.measured == "worst 1.02x (1.02-1.02) lm_128k (V=128,000)"
+    assert target.status == "within noise"
+    (alone,) = section.targets([row])
+    assert (alone.measured, alone.status) == ("0.84x (0.82-0.92)", "met")
+    text = "\n".join(section.markdown([row, big]))
+    assert ("| lm (V=32,000) | 8 x 4 | 100.0 ms | 10.0 ms | 730 ms | 500 ms | 800 ms | 1000 ms "
+            "| 0.84x (0.82-0.92) | 0.84x (0.82-0.92) | 2.5% | 1.10x (1.10-1.12) |") in text
+
+
+@pytest.mark.slow
+def test_lm_speed_quick_run_times_rows_and_rows_made_dense_side_by_side():
+    section = bench_floor.LanguageModelSpeed(quick=True)
+    rows = section.measure(Run(log=lambda line: None))
+    (row,) = rows
+    assert set(row["times"]) == {"alone", "apply", "direct", "rows", "dense_rows", "again",
+                                 "floor"}
+    assert all(len(t) == 2 and min(t) > 0 for t in row["times"].values())
+    assert 0.5 < row["vs_dense"]["ratio"] < 2 and row["noise"] < 0.5
+    (target,) = section.targets(rows)
+    assert target.status in STATUSES and target.target.endswith("(N=2)")
+    assert "| lm (V=1,000) | 2 x 2 |" in "\n".join(section.markdown(rows))
+
+
 def test_host_memory_is_judged_by_its_growth_per_mini_batch():
     grad = 76.4
     host = {"grad_mb": grad, "ns": (1, 2, 4, 8), "skipped": {},
@@ -405,6 +446,7 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for heading in ("## Targets", "## Speed: each path against the floor", "### convnet",
+                    "## Speed: the language model's embedding added as rows",
                     "## Speed at the post's configurations", "## Profile",
                     "## The same on Eigen kernels", "## Host memory as N grows",
                     "## AveragingOptimizer's train op",
