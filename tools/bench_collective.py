@@ -31,6 +31,7 @@ apart from the small counts and votes (the samples, the non-finite vote).
 import concurrent.futures
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,7 @@ from tools.bench_section import table
 
 SMALL = 64  # elements: a collective of at most this many is a count or a vote
 BASELINE = "per mini-batch"
+OPS = 16  # --ops: the kinds of events listed per path, the longest first
 PATHS = ("accumulate + fit", "fit_accumulated", "command line", BASELINE)
 
 
@@ -64,33 +66,51 @@ def collective_probe(spec):
             for _ in range(spec["warmup"]):
                 window()
         times = {path: [] for path in PATHS}
-        for _ in range(spec["windows"]):  # interleaved: the machine's load falls on both
+        for _ in range(spec["windows"]):  # in rounds: the machine's load falls on every path
             for path, (window, _) in built.items():
                 start = time.perf_counter()
                 window()
                 times[path].append(1e3 * (time.perf_counter() - start))
-        results[str(n)] = {path: dict(ms=times[path], collectives=_profile(
-            *built[path], traced=index == 0)) for path in PATHS}
+        results[str(n)] = {}
+        for path in PATHS:
+            collectives, ops = _profile(*built[path], traced=index == 0,
+                                        traces=spec["traces"])
+            results[str(n)][path] = dict(ms=times[path], collectives=collectives,
+                                         **({"ops": ops} if spec.get("ops") else {}))
     return results
 
 
-def _profile(window, function, traced):
-    """[{"name", "runs", "bytes"}] of the collectives one window runs: traced on worker 0
-    alone (every worker runs the same; a worker other than the chief was seen to crash
-    in the profiler's teardown, twice in six pairs); the others only train the window."""
+def _profile(window, function, traced, traces):
+    """[{"name", "runs", "bytes", "ms"}] of the collectives one window runs, from `traces`
+    windows traced one at a time: the most runs any trace saw (a window runs the same
+    collectives each time; the profiler was once seen to miss one run, 4 of the
+    per-mini-batch exchange's 5 at N=4, on a loaded machine), and the median of the
+    traces' ms in it, its wait for the other worker included. Traced on worker 0 alone
+    (every worker runs the same; a worker other than the chief was seen to crash in the
+    profiler's teardown, twice in six pairs); the others only train the windows."""
     import tensorflow as tf
 
     if not traced:
-        window()
-        return []
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        window()
-        tf.profiler.experimental.stop()
-        runs = executed_collectives(logdir)
+        for _ in range(traces):
+            window()
+        return [], {}
+    seen, kinds = [], []
+    for _ in range(traces):
+        with tempfile.TemporaryDirectory() as logdir:
+            tf.profiler.experimental.start(logdir)
+            window()
+            tf.profiler.experimental.stop()
+            seen.append(executed_collectives(logdir))
+            kinds.append(events_by_kind(logdir))
     sizes = collective_bytes(function.graph)
-    return [{"name": name, "runs": count, "bytes": sizes.get(graph_name(name, sizes))}
-            for name, count in sorted(runs.items())]
+    names = sorted({name for runs in seen for name in runs})
+    collectives = [{"name": name, "runs": max(runs.get(name, (0, 0))[0] for runs in seen),
+                    "bytes": sizes.get(graph_name(name, sizes)),
+                    "ms": statistics.median(runs.get(name, (0, 0.0))[1] for runs in seen)}
+                   for name in names]
+    ops = {kind: statistics.median(k.get(kind, 0.0) for k in kinds)
+           for kind in {kind for k in kinds for kind in k}}
+    return collectives, dict(sorted(ops.items(), key=lambda item: -item[1])[:OPS])
 
 
 def _build(strategy, path, n, spec, index):
@@ -233,23 +253,42 @@ class PerMiniBatchExchange:
             return tf.identity(n)
 
 
-def executed_collectives(logdir):
-    """{op name as traced: times it ran} of the collective ops in a profiler trace."""
+def trace_events(logdir):
+    """(name, ms) of every event of a profiler trace: an op's name is "NAME:TYPE"."""
     import glob
 
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    counts = {}
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
         with open(path, "rb") as f:
             space = xplane_pb2.XSpace.FromString(f.read())
         for plane in space.planes:
             for line in plane.lines:
                 for event in line.events:
-                    name, _, op = plane.event_metadata[event.metadata_id].name.partition(":")
-                    if op.startswith("Collective"):
-                        counts[name] = counts.get(name, 0) + 1
+                    yield plane.event_metadata[event.metadata_id].name, event.duration_ps / 1e9
+
+
+def executed_collectives(logdir):
+    """{op name as traced: (times it ran, ms in it)} of the collective ops in a profiler
+    trace."""
+    counts = {}
+    for event, duration in trace_events(logdir):
+        name, _, op = event.partition(":")
+        if op.startswith("Collective"):
+            runs, ms = counts.get(name, (0, 0.0))
+            counts[name] = (runs + 1, ms + duration)
     return counts
+
+
+def events_by_kind(logdir):
+    """{kind: ms} of a profiler trace's events, an op's kind its type (events nest:
+    a function's ms hold its ops')."""
+    kinds = {}
+    for event, duration in trace_events(logdir):
+        kind = event if "::" in event else event.partition(":")[2] or event  # tf.data's: A::B
+        kind = re.sub(r"_\d+$", "", kind)  # a traced function's number
+        kinds[kind] = kinds.get(kind, 0.0) + duration
+    return kinds
 
 
 def collective_bytes(graph, seen=None):
@@ -314,14 +353,15 @@ def summarize(probe):
                 ms=statistics.median(measured["ms"]),
                 exchanges=sum(c["runs"] for c in big),
                 gradient_bytes=sum(c["runs"] * (c["bytes"] or 0) for c in big),
+                collective_ms=sum(c.get("ms", 0.0) for c in measured["collectives"]),
                 small=small, ratio=statistics.median(ratios))
     return rows
 
 
 class Collective(Section):
     name, title = "collective", "One exchange of the gradients per update (two workers)"
-    FULL = dict(n=(1, 4, 16), b=32, model="convnet", warmup=2, windows=10)
-    QUICK = dict(n=(1, 4), b=8, model="convnet", warmup=1, windows=2)
+    FULL = dict(n=(1, 4, 16), b=32, model="convnet", warmup=2, windows=30, traces=3)
+    QUICK = dict(n=(1, 4), b=8, model="convnet", warmup=1, windows=2, traces=2)
 
     def measure(self, run):
         probe = two_workers(dict(self.settings))
@@ -384,31 +424,57 @@ class Collective(Section):
                  "built in tools/bench_collective.py on the stacked window, all-reduces "
                  "each mini-batch's gradients as they come and Adam exchanges their sums "
                  "once more (N + 1 exchanges). The collectives are those a profiler trace "
-                 "of one window saw run, each as often as it ran; bytes are its input's "
-                 "in the traced graph, as reduced (a ring sends about as much again over "
-                 "the wire); ms per update are the median of "
-                 f"{self.settings['windows']} windows, the four paths' windows interleaved "
-                 "in rounds, and `/ per mini-batch` the median of the per-round ratios.", ""]
+                 "of a window saw run, each as often as it ran (the most any of "
+                 f"{self.settings['traces']} traced windows saw), and the ms in them (the "
+                 "median of those windows', the wait for the other worker included); bytes "
+                 "are an op's input in the traced graph, as reduced (a ring sends about as "
+                 "much again over the wire). Every op of more than "
+                 f"{4 * SMALL} bytes is an exchange of the gradients; the small ones are "
+                 "the window's samples and its non-finite vote (the window step's two), "
+                 "and in Keras's train function the loss tracker's total and count, read "
+                 "across the replicas for fit's logs (`Cast_2/`, `div_no_nan/`). ms per "
+                 f"update are the median of {self.settings['windows']} windows, the four "
+                 "paths' windows interleaved in rounds, and `/ per mini-batch` the median "
+                 "of the per-round ratios.", ""]
         if "error" in result:
             return lines + [f"The probe failed: {result['error']}"]
         body = []
         order = {path: i for i, path in enumerate(PATHS)}
         for (n, path), r in sorted(self._rows(result).items(),
                                    key=lambda item: (item[0][0], order[item[0][1]])):
-            small = ", ".join(f"{c['name'].rsplit('/', 1)[-1]} x{c['runs']} ({c['bytes']} B)"
+            small = ", ".join(f"{c['name']} x{c['runs']} ({c['bytes']} B)"
                               for c in r["small"]) or "none"
             body.append((n, f"`{path}`", r["exchanges"], r["gradient_bytes"], small,
-                         f"{r['ms']:.1f}", f"{r['ratio']:.2f}x" if path != BASELINE else ""))
+                         f"{r['ms']:.1f}", f"{r['collective_ms']:.1f}",
+                         f"{r['ratio']:.2f}x" if path != BASELINE else ""))
         return lines + table(("N", "path", "gradient exchanges", "gradient bytes",
                               "small collectives (counts, votes)", "ms per update",
-                              "/ per mini-batch"), body)
+                              "ms in collectives", "/ per mini-batch"), body)
 
 
 def main():
-    """Runs the section alone and prints its markdown (the bench runs it in its place)."""
+    """Runs the section alone and prints its markdown (the bench runs it in its place);
+    --ops: where each path's traced windows spend their time, by kind of event (the
+    median ms over its traced windows), at each N.
+
+        python -m tools.bench_collective [--quick] [--ops]
+    """
     from tools.bench_section import Run
 
     section = Collective(quick="--quick" in sys.argv)
+    if "--ops" in sys.argv:
+        section.settings = dict(section.settings, ops=True)
+        probe = two_workers(dict(section.settings))
+        if "error" in probe:
+            sys.exit(f"error: {probe['error']}")
+        for n, paths in probe.items():
+            if n == "seconds":
+                continue
+            kinds = list(dict.fromkeys(kind for path in PATHS for kind in paths[path]["ops"]))
+            print("\n".join([f"\nN={n}: ms of one traced window, by kind of event", *table(
+                ("event", *PATHS), [(kind[:60], *(f"{paths[path]['ops'].get(kind, 0):.2f}"
+                                                  for path in PATHS)) for kind in kinds])]))
+        return
     result = section.measure(Run())
     print("\n".join(section.markdown(result)))
     for target in section.targets(result):
