@@ -45,7 +45,7 @@ from tools.bench_section import table
 
 SMALL = 64  # elements: a collective of at most this many is a count or a vote
 BASELINE = "per mini-batch"
-OPS = 16  # --ops: the kinds of events listed per path, the longest first
+OPS = 16  # --ops: the kinds of events listed, each path's longest
 PATHS = ("accumulate + fit", "fit_accumulated", "command line", BASELINE)
 
 
@@ -110,7 +110,7 @@ def _profile(window, function, traced, traces):
                    for name in names]
     ops = {kind: statistics.median(k.get(kind, 0.0) for k in kinds)
            for kind in {kind for k in kinds for kind in k}}
-    return collectives, dict(sorted(ops.items(), key=lambda item: -item[1])[:OPS])
+    return collectives, ops
 
 
 def _build(strategy, path, n, spec, index):
@@ -470,9 +470,12 @@ def main():
         for n, paths in probe.items():
             if n == "seconds":
                 continue
-            kinds = list(dict.fromkeys(kind for path in PATHS for kind in paths[path]["ops"]))
-            print("\n".join([f"\nN={n}: ms of one traced window, by kind of event", *table(
-                ("event", *PATHS), [(kind[:60], *(f"{paths[path]['ops'].get(kind, 0):.2f}"
+            ops = {path: paths[path]["ops"] for path in PATHS}
+            kinds = list(dict.fromkeys(kind for path in PATHS for kind in sorted(
+                ops[path], key=lambda kind, path=path: -ops[path][kind])[:OPS]))
+            print("\n".join([f"\nN={n}: ms in each kind of event, the median of "
+                               f"{section.settings['traces']} traced windows", *table(
+                ("event", *PATHS), [(kind[:60], *(f"{ops[path].get(kind, 0):.2f}"
                                                   for path in PATHS)) for kind in kinds])]))
         return
     result = section.measure(Run())
