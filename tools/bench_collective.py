@@ -22,10 +22,14 @@ and one the library's paths are measured against:
     once; Keras's Adam all-reduces what it is given under a strategy, so the apply adds
     one exchange (of the sums divided by the replicas, which it sums back): N + 1.
 
-The collectives are counted as they run: a profiler trace of one window names each
-collective op executed, as many times as it ran; its bytes are those of its input in the
-traced graph. The gradients' exchange (every op of more than SMALL elements) is listed
-apart from the small counts and votes (the samples, the non-finite vote).
+The collectives are counted as they run: a profiler trace of a window names each
+collective op executed, as many times as it ran (the most any of a few traced windows
+saw); its bytes are those of its input in the traced graph (a Keras path's: the graph of
+the tf.function its train function calls). The gradients' exchange (every op of more than
+SMALL elements) is listed apart from the small counts and votes (the samples, the
+non-finite vote; under Keras's fit, the loss read across the replicas for its logs).
+`python -m tools.bench_collective --ops` shows where each path's traced windows spend
+their time, by kind of event.
 """
 
 import concurrent.futures
@@ -54,7 +58,8 @@ PATHS = ("accumulate + fit", "fit_accumulated", "command line", BASELINE)
 
 def collective_probe(spec):
     """One worker's measurements (run by bench_probe in a process with its TF_CONFIG):
-    {"n": {path: {"ms": [per window], "collectives": [{"name", "runs", "bytes"}]}}}."""
+    {"n": {path: {"ms": [per window], "collectives": [{"name", "runs", "bytes", "ms"}],
+    and with spec["ops"] "ops": {kind of event: ms}}}}; worker 0's alone are traced."""
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
