@@ -160,15 +160,20 @@ def differ_line(names, values, worker, workers):
 # tasks that stopped sending heartbeats, else the remote target a call failed on.
 _UNHEALTHY = re.compile(r"unhealthy[^\n]*\n\s*/job:\w+/replica:\d+/task:(\d+)")
 _TASK = re.compile(r"/job:\w+/(?:replica:\d+/)?task:(\d+)")
-# The errors a collective fails with when a peer died, cannot be reached or timed out.
-LOST_ERRORS = ("UnavailableError", "DeadlineExceededError", "AbortedError",
-               "CancelledError", "FailedPreconditionError", "InternalError")
+# Beyond the library's errors of a collective whose peer died, cannot be reached or timed
+# out (gradient_averaging.replicas.COLLECTIVE_ERRORS), two the command line takes for a
+# lost worker too: a failed precondition, and an internal error that names a collective.
+MORE_LOST_ERRORS = ("FailedPreconditionError", "InternalError")
 
 
 def lost_reason(error, config):
     """Why a collective failed, where a peer worker is lost (else None): `worker 1
     (127.0.0.1:PORT) cannot be reached (...)`."""
-    if config.distribute != "multi_worker" or type(error).__name__ not in LOST_ERRORS:
+    from gradient_averaging import replicas  # TensorFlow's: imported where one failed
+
+    if config.distribute != "multi_worker" or not (
+            isinstance(error, replicas.COLLECTIVE_ERRORS)
+            or type(error).__name__ in MORE_LOST_ERRORS):
         return None
     text = str(getattr(error, "message", None) or error)
     if type(error).__name__ == "DeadlineExceededError":

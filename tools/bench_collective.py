@@ -1,26 +1,41 @@
 """The bench's collective section: one exchange of the gradients per update, on two workers.
 
 Two local worker processes (MultiWorkerMirroredStrategy, one CPU replica each, their own
-TF_CONFIG) train the same windows two ways, at N in {1, 4, 16} mini-batches per update:
+TF_CONFIG) train the same windows four ways, at N in {1, 4, 16} mini-batches per update:
+three of the library's paths, whose gradients are summed on each replica and exchanged
+once, by the optimizer, when the window is applied, each driven by its own step function
+(one call, one update):
 
-  * `window`: the library's window step (WindowAccumulator.apply_stacked, the command
-    line's tf2 engine): the gradients are summed on each replica and exchanged once,
-    by the optimizer, when the window is applied;
+  * `accumulate + fit`: `accumulate(model, N)`'s AccumulatingModel, compiled and fit once
+    (which makes its train function), then its `train_function` on an iterator of the
+    dataset distributed as Keras's fit distributes it;
+  * `fit_accumulated`: the WindowAccumulator fit_accumulated makes, its window step on an
+    iterator of the dataset as `fit` iterates it;
+  * `command line`: the command line's tf2 engine, WindowAccumulator.apply_stacked on
+    the window stacked in memory;
+
+and one the library's paths are measured against:
+
   * `per mini-batch`: built here, the way a training step written for a strategy
     accumulates after the exchange: each mini-batch's gradients are all-reduced at once
     (inside a tf.range loop: one op in the graph, run N times) and summed, then applied
     once; Keras's Adam all-reduces what it is given under a strategy, so the apply adds
     one exchange (of the sums divided by the replicas, which it sums back): N + 1.
 
-The collectives are counted as they run: a profiler trace of one window names each
-collective op executed, as many times as it ran; its bytes are those of its input in the
-traced graph. The gradients' exchange (every op of more than SMALL elements) is listed
-apart from the small counts and votes (the samples, the non-finite vote).
+The collectives are counted as they run: a profiler trace of a window names each
+collective op executed, as many times as it ran (the most any of a few traced windows
+saw); its bytes are those of its input in the traced graph (a Keras path's: the graph of
+the tf.function its train function calls). The gradients' exchange (every op of more than
+SMALL elements) is listed apart from the small counts and votes (the samples, the
+non-finite vote; under Keras's fit, the loss read across the replicas for its logs).
+`python -m tools.bench_collective --ops` shows where each path's traced windows spend
+their time, by kind of event.
 """
 
 import concurrent.futures
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -33,7 +48,9 @@ from tools.bench_section import status
 from tools.bench_section import table
 
 SMALL = 64  # elements: a collective of at most this many is a count or a vote
-PATHS = ("window", "per mini-batch")
+BASELINE = "per mini-batch"
+OPS = 16  # --ops: the kinds of events listed, each path's longest
+PATHS = ("accumulate + fit", "fit_accumulated", "command line", BASELINE)
 
 
 # ---------------------------------------------------------------- in each worker
@@ -41,7 +58,8 @@ PATHS = ("window", "per mini-batch")
 
 def collective_probe(spec):
     """One worker's measurements (run by bench_probe in a process with its TF_CONFIG):
-    {"n": {path: {"ms": [per window], "collectives": [{"name", "runs", "bytes"}]}}}."""
+    {"n": {path: {"ms": [per window], "collectives": [{"name", "runs", "bytes", "ms"}],
+    and with spec["ops"] "ops": {kind of event: ms}}}}; worker 0's alone are traced."""
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -53,33 +71,51 @@ def collective_probe(spec):
             for _ in range(spec["warmup"]):
                 window()
         times = {path: [] for path in PATHS}
-        for _ in range(spec["windows"]):  # interleaved: the machine's load falls on both
+        for _ in range(spec["windows"]):  # in rounds: the machine's load falls on every path
             for path, (window, _) in built.items():
                 start = time.perf_counter()
                 window()
                 times[path].append(1e3 * (time.perf_counter() - start))
-        results[str(n)] = {path: dict(ms=times[path], collectives=_profile(
-            *built[path], traced=index == 0)) for path in PATHS}
+        results[str(n)] = {}
+        for path in PATHS:
+            collectives, ops = _profile(*built[path], traced=index == 0,
+                                        traces=spec["traces"])
+            results[str(n)][path] = dict(ms=times[path], collectives=collectives,
+                                         **({"ops": ops} if spec.get("ops") else {}))
     return results
 
 
-def _profile(window, function, traced):
-    """[{"name", "runs", "bytes"}] of the collectives one window runs: traced on worker 0
-    alone (every worker runs the same; a worker other than the chief was seen to crash
-    in the profiler's teardown, twice in six pairs); the others only train the window."""
+def _profile(window, function, traced, traces):
+    """[{"name", "runs", "bytes", "ms"}] of the collectives one window runs, from `traces`
+    windows traced one at a time: the most runs any trace saw (a window runs the same
+    collectives each time; the profiler was once seen to miss one run, 4 of the
+    per-mini-batch exchange's 5 at N=4, on a loaded machine), and the median of the
+    traces' ms in it, its wait for the other worker included. Traced on worker 0 alone
+    (every worker runs the same; a worker other than the chief was seen to crash in the
+    profiler's teardown, twice in six pairs); the others only train the windows."""
     import tensorflow as tf
 
     if not traced:
-        window()
-        return []
-    with tempfile.TemporaryDirectory() as logdir:
-        tf.profiler.experimental.start(logdir)
-        window()
-        tf.profiler.experimental.stop()
-        runs = executed_collectives(logdir)
+        for _ in range(traces):
+            window()
+        return [], {}
+    seen, kinds = [], []
+    for _ in range(traces):
+        with tempfile.TemporaryDirectory() as logdir:
+            tf.profiler.experimental.start(logdir)
+            window()
+            tf.profiler.experimental.stop()
+            seen.append(executed_collectives(logdir))
+            kinds.append(events_by_kind(logdir))
     sizes = collective_bytes(function.graph)
-    return [{"name": name, "runs": count, "bytes": sizes.get(graph_name(name, sizes))}
-            for name, count in sorted(runs.items())]
+    names = sorted({name for runs in seen for name in runs})
+    collectives = [{"name": name, "runs": max(runs.get(name, (0, 0))[0] for runs in seen),
+                    "bytes": sizes.get(graph_name(name, sizes)),
+                    "ms": statistics.median(runs.get(name, (0, 0.0))[1] for runs in seen)}
+                   for name in names]
+    ops = {kind: statistics.median(k.get(kind, 0.0) for k in kinds)
+           for kind in {kind for k in kinds for kind in k}}
+    return collectives, ops
 
 
 def _build(strategy, path, n, spec, index):
@@ -98,7 +134,14 @@ def _build(strategy, path, n, spec, index):
     with strategy.scope():
         net = model.keras_model(spec["model"], 0.0, 0)
         optimizer = keras.optimizers.Adam(1e-3)
-    if path == "window":
+    if path in ("accumulate + fit", "fit_accumulated"):
+        # The window's N global mini-batches, again and again: each call takes the next N.
+        import tensorflow as tf
+        dataset = tf.data.Dataset.from_tensor_slices(
+            (xs.reshape((n * b,) + xs.shape[2:]), ys.reshape(n * b))).batch(b).repeat()
+        return (_keras_fit if path == "accumulate + fit" else _fit_accumulated)(
+            strategy, net, optimizer, dataset, n)
+    if path == "command line":
         accumulator = WindowAccumulator(net, optimizer, engine_tf2.sparse_cross_entropy,
                                         strategy)
         sizes = np.full(n, b, np.int32)
@@ -120,6 +163,50 @@ def _build(strategy, path, n, spec, index):
         with strategy.scope():
             function = exchange.window.get_concrete_function(*local)
     return window, function
+
+
+def _keras_fit(strategy, net, optimizer, dataset, n):
+    """accumulate(net, n), compiled and fit for one update (which makes its train
+    function), then a function that trains the next window by Keras's train function on
+    an iterator of `dataset` distributed as fit's own (Keras's TFEpochIterator)."""
+    import keras
+
+    from gradient_averaging import keras_fit
+
+    with strategy.scope():
+        accumulating = keras_fit.accumulate(net, n)
+        accumulating.compile(optimizer=optimizer, jit_compile=False,
+                             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    accumulating.fit(dataset, epochs=1, steps_per_epoch=n, verbose=0)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    train_function = accumulating.train_function
+
+    def window():
+        train_function(iterator)  # reads the window's count: the update has run
+
+    # The tf.function the train function calls once per window (no public handle).
+    traced = accumulating._window_function  # noqa: SLF001 (the bench reads the traced graph)
+    return window, traced.get_concrete_function(iterator)
+
+
+def _fit_accumulated(strategy, net, optimizer, dataset, n):
+    """The WindowAccumulator fit_accumulated makes, and a function that trains the next
+    window by the step its `fit` calls once per window, on an iterator of `dataset`."""
+    from experiment import engine_tf2
+    from gradient_averaging.tf2 import WindowAccumulator
+
+    accumulator = WindowAccumulator(net, optimizer, engine_tf2.sparse_cross_entropy, strategy,
+                                    average_gradients=n)
+    # What fit(dataset) runs per window, its Python loop around it aside.
+    step = accumulator._iterator_step(n, dataset.element_spec)  # noqa: SLF001 (fit's own step, one update a call)
+    iterator = iter(dataset)
+
+    def window():
+        count, applied, _ = step(iterator)
+        assert int(count) == n and bool(applied)
+
+    window()  # traced on the first window
+    return window, step.get_concrete_function(iterator)
 
 
 class PerMiniBatchExchange:
@@ -171,40 +258,64 @@ class PerMiniBatchExchange:
             return tf.identity(n)
 
 
-def executed_collectives(logdir):
-    """{op name as traced: times it ran} of the collective ops in a profiler trace."""
+def trace_events(logdir):
+    """(name, ms) of every event of a profiler trace: an op's name is "NAME:TYPE"."""
     import glob
 
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
-    counts = {}
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
         with open(path, "rb") as f:
             space = xplane_pb2.XSpace.FromString(f.read())
         for plane in space.planes:
             for line in plane.lines:
                 for event in line.events:
-                    name, _, op = plane.event_metadata[event.metadata_id].name.partition(":")
-                    if op.startswith("Collective"):
-                        counts[name] = counts.get(name, 0) + 1
+                    yield plane.event_metadata[event.metadata_id].name, event.duration_ps / 1e9
+
+
+def executed_collectives(logdir):
+    """{op name as traced: (times it ran, ms in it)} of the collective ops in a profiler
+    trace."""
+    counts = {}
+    for event, duration in trace_events(logdir):
+        name, _, op = event.partition(":")
+        if op.startswith("Collective"):
+            runs, ms = counts.get(name, (0, 0.0))
+            counts[name] = (runs + 1, ms + duration)
     return counts
+
+
+def events_by_kind(logdir):
+    """{kind: ms} of a profiler trace's events, an op's kind its type (events nest:
+    a function's ms hold its ops')."""
+    kinds = {}
+    for event, duration in trace_events(logdir):
+        kind = event if "::" in event else event.partition(":")[2] or event  # tf.data's: A::B
+        kind = re.sub(r"_\d+$", "", kind)  # a traced function's number
+        kinds[kind] = kinds.get(kind, 0.0) + duration
+    return kinds
 
 
 def collective_bytes(graph, seen=None):
     """{op name: bytes of its input} of the collective ops of a traced function's graph
-    and the functions it calls (a cond's branches, a loop's body)."""
+    and the functions it calls (a cond's branches, a loop's body). A name two of these
+    graphs give ops of different sizes has None (unknown: counted with the gradients, so
+    that a wrong size cannot pass for a small count)."""
     seen = set() if seen is None else seen
-    sizes = {}
+    found = []
     for op in graph.get_operations():
         if op.type.startswith("Collective") and op.inputs:
             tensor = op.inputs[0]
             elements = tensor.shape.num_elements()
-            sizes[op.name] = None if elements is None else elements * tensor.dtype.size
+            found.append((op.name, None if elements is None else elements * tensor.dtype.size))
     for function in getattr(graph, "_functions", {}).values():
         inner = getattr(function, "graph", None)
         if inner is not None and id(inner) not in seen:
             seen.add(id(inner))
-            sizes.update(collective_bytes(inner, seen))
+            found += collective_bytes(inner, seen).items()
+    sizes = {}
+    for name, size in found:
+        sizes[name] = size if sizes.get(name, size) == size else None
     return sizes
 
 
@@ -234,27 +345,28 @@ def two_workers(spec, timeout=bench_probe.TIMEOUT):
 
 
 def summarize(probe):
-    """Per N and path: the median ms per update, the gradients' exchanges and bytes, and
-    the small collectives."""
+    """Per N and path: the median ms per update, the gradients' exchanges and bytes, the
+    small collectives, and the median of the per-round ratios to the baseline's time."""
     rows = {}
     for n, paths in probe.items():
-        ratios = [a / b for a, b in zip(paths["window"]["ms"], paths["per mini-batch"]["ms"])]
         for path, measured in paths.items():
             big = [c for c in measured["collectives"]
                    if c["bytes"] is None or c["bytes"] > 4 * SMALL]
             small = [c for c in measured["collectives"] if c not in big]
+            ratios = [a / b for a, b in zip(measured["ms"], paths[BASELINE]["ms"])]
             rows[(int(n), path)] = dict(
                 ms=statistics.median(measured["ms"]),
                 exchanges=sum(c["runs"] for c in big),
                 gradient_bytes=sum(c["runs"] * (c["bytes"] or 0) for c in big),
-                small=small, ratio=statistics.median(ratios) if path == "window" else 1.0)
+                collective_ms=sum(c.get("ms", 0.0) for c in measured["collectives"]),
+                small=small, ratio=statistics.median(ratios))
     return rows
 
 
 class Collective(Section):
     name, title = "collective", "One exchange of the gradients per update (two workers)"
-    FULL = dict(n=(1, 4, 16), b=32, model="convnet", warmup=2, windows=10)
-    QUICK = dict(n=(1, 4), b=8, model="convnet", warmup=1, windows=2)
+    FULL = dict(n=(1, 4, 16), b=32, model="convnet", warmup=2, windows=30, traces=3)
+    QUICK = dict(n=(1, 4), b=8, model="convnet", warmup=1, windows=2, traces=2)
 
     def measure(self, run):
         probe = two_workers(dict(self.settings))
@@ -276,56 +388,101 @@ class Collective(Section):
                 for key, row in result.get("rows", {}).items()}
 
     def targets(self, result):
+        once_target = "the gradients exchanged once per update, whatever N, on every path " \
+                      "(two workers)"
+        time_target = "time per update of every path at or under the per-mini-batch " \
+                      "exchange's, N > 1"
         if "error" in result:
-            return [Target("the gradients exchanged once per update, whatever N",
-                           "probe failed", "missed")]
-        rows = self._rows(result)
-        windows = {n: r for (n, path), r in rows.items() if path == "window"}
-        once = all(r["exchanges"] == 1 for r in windows.values())
-        bytes_ = {r["gradient_bytes"] for r in windows.values()}
-        ratios = {n: r["ratio"] for n, r in windows.items() if n > 1}
+            return [Target(once_target, "probe failed", "missed"),
+                    Target(time_target, "probe failed", "missed")]
+        rows = {key: r for key, r in self._rows(result).items() if key[1] != BASELINE}
+        bytes_ = {r["gradient_bytes"] for r in rows.values()}
+        twice = sorted((key for key, r in rows.items() if r["exchanges"] != 1),
+                       key=lambda key: (key[1], key[0]))
+        at = ", ".join(map(str, sorted({n for n, _ in rows})))
+        if twice:
+            once = "; ".join(f"{path}: {rows[(n, path)]['exchanges']} at N={n}"
+                             for n, path in twice)
+        else:
+            once = (f"1 exchange of {'/'.join(map(str, sorted(bytes_)))} bytes on every path "
+                    f"at N={at}")
+        ratios = {key: r["ratio"] for key, r in rows.items() if key[0] > 1}
         worst = max(ratios, key=ratios.get) if ratios else None
         return [
-            Target("the gradients exchanged once per update, whatever N (two workers)",
-                   f"{'1' if once else 'not 1'} exchange of {'/'.join(map(str, bytes_))} "
-                   f"bytes at N={', '.join(map(str, sorted(windows)))}", status(
-                       once and len(bytes_) == 1)),
-            Target("time per update at or under the per-mini-batch exchange's, N > 1",
-                   f"worst {ratios[worst]:.2f}x at N={worst}" if worst else "not measured",
+            Target(once_target, once, status(not twice and len(bytes_) == 1)),
+            Target(time_target, f"worst {ratios[worst]:.2f}x ({worst[1]} at N={worst[0]})"
+                   if worst else "not measured",
                    status(bool(ratios) and max(ratios.values()) <= 1.0)),
         ]
 
     def markdown(self, result):
         lines = [f"## {self.title}", "",
-                 f"Two worker processes on 127.0.0.1 (MultiWorkerMirroredStrategy, one CPU "
+                 "Two worker processes on 127.0.0.1 (MultiWorkerMirroredStrategy, one CPU "
                  f"replica each), the {self.settings['model']}, global mini-batches of "
-                 f"B={self.settings['b']}; `window` is the library's window step (the command "
-                 "line's), `per mini-batch` all-reduces each mini-batch's gradients as they "
-                 "come and Adam exchanges their sums once more (N + 1 exchanges; built in "
-                 "tools/bench_collective.py). The collectives are those a "
-                 "profiler trace of one window saw run, each as often as it ran; bytes are "
-                 "its input's, as reduced (a ring sends about as much again over the wire); "
-                 f"ms per update are the median of {self.settings['windows']} windows, the two "
-                 "paths' windows interleaved, and `window / per mini-batch` the median of "
-                 "their per-round ratios.", ""]
+                 f"B={self.settings['b']}, the same window on every path, each path driven "
+                 "by its own step function, one call per update: `accumulate + fit` is "
+                 "`accumulate(model, N)`'s train function (fit's) on an iterator of the "
+                 "dataset distributed as fit distributes it; `fit_accumulated` is the "
+                 "window step that `fit_accumulated`'s loop calls, on an iterator of the "
+                 "dataset; `command line` is the tf2 engine's window step on the window "
+                 "stacked in memory (WindowAccumulator.apply_stacked); `per mini-batch`, "
+                 "built in tools/bench_collective.py on the stacked window, all-reduces "
+                 "each mini-batch's gradients as they come and Adam exchanges their sums "
+                 "once more (N + 1 exchanges). The collectives are those a profiler trace "
+                 "of a window saw run, each as often as it ran (the most any of "
+                 f"{self.settings['traces']} traced windows saw), and the ms in them (the "
+                 "median of those windows', the wait for the other worker included); bytes "
+                 "are an op's input in the traced graph, as reduced (a ring sends about as "
+                 "much again over the wire). Every op of more than "
+                 f"{4 * SMALL} bytes is an exchange of the gradients; the small ones are "
+                 "the window's samples and its non-finite vote (the window step's two), "
+                 "and in Keras's train function the loss tracker's total and count, read "
+                 "across the replicas for fit's logs (`Cast_2/`, `div_no_nan/`). ms per "
+                 f"update are the median of {self.settings['windows']} windows, the four "
+                 "paths' windows interleaved in rounds, and `/ per mini-batch` the median "
+                 "of the per-round ratios.", ""]
         if "error" in result:
             return lines + [f"The probe failed: {result['error']}"]
         body = []
-        for (n, path), r in sorted(self._rows(result).items()):
-            small = ", ".join(f"{c['name'].rsplit('/', 1)[-1]} x{c['runs']} ({c['bytes']} B)"
+        order = {path: i for i, path in enumerate(PATHS)}
+        for (n, path), r in sorted(self._rows(result).items(),
+                                   key=lambda item: (item[0][0], order[item[0][1]])):
+            small = ", ".join(f"{c['name']} x{c['runs']} ({c['bytes']} B)"
                               for c in r["small"]) or "none"
-            body.append((n, path, r["exchanges"], r["gradient_bytes"], small, f"{r['ms']:.1f}",
-                         f"{r['ratio']:.2f}x" if path == "window" else ""))
+            body.append((n, f"`{path}`", r["exchanges"], r["gradient_bytes"], small,
+                         f"{r['ms']:.1f}", f"{r['collective_ms']:.1f}",
+                         f"{r['ratio']:.2f}x" if path != BASELINE else ""))
         return lines + table(("N", "path", "gradient exchanges", "gradient bytes",
                               "small collectives (counts, votes)", "ms per update",
-                              "window / per mini-batch"), body)
+                              "ms in collectives", "/ per mini-batch"), body)
 
 
 def main():
-    """Runs the section alone and prints its markdown (the bench runs it in its place)."""
+    """Runs the section alone and prints its markdown (the bench runs it in its place);
+    --ops: where each path's traced windows spend their time, by kind of event (the
+    median ms over its traced windows), at each N.
+
+        python -m tools.bench_collective [--quick] [--ops]
+    """
     from tools.bench_section import Run
 
     section = Collective(quick="--quick" in sys.argv)
+    if "--ops" in sys.argv:
+        section.settings = dict(section.settings, ops=True)
+        probe = two_workers(dict(section.settings))
+        if "error" in probe:
+            sys.exit(f"error: {probe['error']}")
+        for n, paths in probe.items():
+            if n == "seconds":
+                continue
+            ops = {path: paths[path]["ops"] for path in PATHS}
+            kinds = list(dict.fromkeys(kind for path in PATHS for kind in sorted(
+                ops[path], key=lambda kind, path=path: -ops[path][kind])[:OPS]))
+            print("\n".join([f"\nN={n}: ms in each kind of event, the median of "
+                               f"{section.settings['traces']} traced windows", *table(
+                ("event", *PATHS), [(kind[:60], *(f"{ops[path].get(kind, 0):.2f}"
+                                                  for path in PATHS)) for kind in kinds])]))
+        return
     result = section.measure(Run())
     print("\n".join(section.markdown(result)))
     for target in section.targets(result):
