@@ -462,8 +462,9 @@ class AveragingOptimizer(v1.train.Optimizer):
             pairs.append((grad, var))
 
         def reset():
-            # One after another: one fresh buffer at a time (fresh: the wrapped optimizer
-            # may have applied a non-finite mean, which no addition zeroes).
+            # One after another, zeros written into each sum's buffer (not added: the
+            # wrapped optimizer may have applied a non-finite mean, which no addition
+            # zeroes).
             ops = zero_sums(dense, False)
             for r in resets:
                 with tf.control_dependencies(ops[-1:]):

@@ -270,8 +270,12 @@ def zero_sums(sums, finite):
     a variable at a time. (An assign takes its value's buffer: where a window's first
     mini-batch assigned its gradients, the sums kept buffers made amid that pass's
     activations, and the next passes' activations were cut around them.) A NaN or Inf
-    cannot be zeroed so: elsewhere (`finite` false, or False), each sum is given fresh
-    zeros.
+    cannot be zeroed so: elsewhere (`finite` false, or False: a discarded window), zeros
+    are written into the sum's own buffer (assign_in_place). An assign of fresh zeros
+    moved the sum to wherever the allocator put them: after a micro-batch trial that ran
+    out of memory, the discard moved a 31 MiB sum of the language model (tools/memory.py's
+    lm) into a 36.4 MiB chunk, and under a 600 MiB limit the B the search had found (31,
+    peak 507 MiB) no longer fit in that process and training halved it to 15.
 
     Returns:
       [the op that zeroes the last], to wait for.
@@ -283,17 +287,17 @@ def zero_sums(sums, finite):
                 done = [zero(total)]
         return done
 
-    def fresh():
-        return one_by_one(lambda total: total.assign(zeros(total.shape, total.dtype),
-                                                     read_value=False))
+    def written():
+        return one_by_one(lambda total: assign_in_place(total, zeros(total.shape,
+                                                                     total.dtype)))
 
     def in_place():
         return one_by_one(
             lambda total: total.assign_add(-total.read_value(), read_value=False))
 
     if finite is False:
-        return fresh()
-    return [tf.cond(finite, lambda: tf.group(in_place()), lambda: tf.group(fresh()))]
+        return written()
+    return [tf.cond(finite, lambda: tf.group(in_place()), lambda: tf.group(written()))]
 
 
 def divide_in_place(sums, count, addends=None):

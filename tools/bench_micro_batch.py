@@ -20,15 +20,20 @@ TOLERANCE = 0.02  # the bisection stops when the sizes either side are this clos
 
 class MicroBatch(Section):
     name, title = "micro_batch", "The micro-batch found against the largest that fits"
-    # (model, E, limits in MiB[, XLA]): E prime, so that no B divides it. The convnet's
-    # limits are under its direct batch's peak; the mlp's just over the least at which
-    # the finder's margin leaves its update room, and a step above. The XLA row: every
-    # probe of it compiled with jit_compile=True.
+    # (model, E, limits in MiB[, options]): E prime, so that no B divides it. The
+    # convnet's limits are under its direct batch's peak; the mlp's just over the least
+    # at which the finder's margin leaves its update room, and a step above. Options:
+    # xla, every probe of the row compiled with jit_compile=True; search_repeats, the
+    # row's own. The language model (lm: V=32,000, sequences of 32 tokens; E in
+    # sequences): a limit whose largest B is about 31 sequences (a fixed B of 31 fits in
+    # 600 MiB, 33 does not); its probes take a minute or two each, so one search.
     # The search's seconds are the median of search_repeats searches, each beside a fresh
     # process given its B: one process's first call (it traces) took seconds more than
     # another's, and the mlp's search of 3 windows read 0.6 s in one run, 8.9 in the next.
     FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800)),
-                      ("convnet", 257, (150,), True)), timed=2, search_repeats=3)
+                      ("convnet", 257, (150,), {"xla": True}),
+                      ("lm", 131, (600,), {"search_repeats": 1})),
+                timed=2, search_repeats=3)
     QUICK = None  # minutes of probes: see test_bench for its targets and markdown
 
     def steps(self):
@@ -36,18 +41,21 @@ class MicroBatch(Section):
 
     def measure(self, run):
         rows = []
-        for model, effective, limits, *xla in self.settings["runs"]:
+        for model, effective, limits, *options in self.settings["runs"]:
+            options = dict(options[0]) if options else {}
             for limit in limits:
-                rows.append(self._row(model, effective, limit, run.log, bool(xla and xla[0])))
+                rows.append(self._row(model, effective, limit, run.log, **options))
                 run.step()
         return rows
 
-    def _row(self, model, effective, limit, log, xla=False):
+    def _row(self, model, effective, limit, log, xla=False, search_repeats=None):
         """One model and limit: the direct batch, the found B, then the bisection up from
-        it (from it, not from 1: the OOM edge need not be monotone in B); `xla`: every
-        probe of the accumulate path compiled with jit_compile=True (the direct batch's
-        is not: on the CPU, Keras's XLA step that runs out of memory aborts the process,
-        TensorFlow's `Check failed: h != kInvalidChunkHandle` in bfc_allocator.cc)."""
+        it (from it, not from 1: the OOM edge need not be monotone in B), its first
+        trial the smallest size the search ran out of memory at, where it did; `xla`:
+        every probe of the accumulate path compiled with jit_compile=True (the direct
+        batch's is not: on the CPU, Keras's XLA step that runs out of memory aborts the
+        process, TensorFlow's `Check failed: h != kInvalidChunkHandle` in
+        bfc_allocator.cc); `search_repeats`: the row's own (None: the section's)."""
         def probe(path, micro_batch=None, timed=0):
             compiled = {"jit_compile": True} if xla and path != "direct" else {}
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
@@ -83,7 +91,7 @@ class MicroBatch(Section):
             return found, given, search_seconds(found, None if given["oom"] else given)
 
         searches = []
-        for _ in range(self.settings["search_repeats"]):
+        for _ in range(search_repeats or self.settings["search_repeats"]):
             searches.append(search())
             if isinstance(searches[-1], str):  # no more probes after a failure
                 return dict(row, error=searches[-1])
@@ -101,8 +109,16 @@ class MicroBatch(Section):
         # B = E holds the direct batch's activations and the accumulators: where the
         # direct batch runs out of memory, so does it.
         hi = effective if row["direct"] == "OOM" else effective + 1
+        # The search's process ran out of memory there: a fresh one likely does too.
+        ran_out = min((size for size, peak in found["trials"]
+                       if peak is None and lo < size < hi), default=None)
         while hi - lo > max(1, TOLERANCE * lo):
-            size = effective if hi > effective else (lo + hi) // 2
+            if hi > effective:
+                size = effective
+            elif ran_out and lo < ran_out < hi:
+                size, ran_out = ran_out, None
+            else:
+                size = (lo + hi) // 2
             trial = probe("accumulate", size, self.settings["timed"])
             row["probes"] += 1
             if trial.get("error"):
@@ -152,15 +168,17 @@ class MicroBatch(Section):
                 "s`: the seconds the search added to training (the fit calls of its windows, "
                 "whose mini-batches were its trials, one window a call, less as many of the "
                 "fresh process given the B found: its first, which traces too, then its "
-                f"fastest), the median of {self.settings['search_repeats']} searches, each in "
-                "a fresh process beside its own given one (a process's first call varies by "
+                f"fastest), the median of {self.settings['search_repeats']} searches (a row's "
+                "own number where set: the language model's one), each in a fresh process "
+                "beside its own given one (a process's first call varies by "
                 "seconds from another's); in brackets each search's, then the first one's "
                 "trials and windows (its B is the one found), then each search's B where "
                 "they differ; `largest "
                 "B`: the largest B whose fit of E runs two updates without an OOM (training "
                 "that halved B after one counts as one), by "
-                f"bisection up from the found B to {TOLERANCE:.0%} of it (one fresh process "
-                "per trial; the OOM edge moves from process to process, and need not be "
+                f"bisection up from the found B to {TOLERANCE:.0%} of it, its first trial the "
+                "smallest size the search ran out of memory at where one did (one fresh "
+                "process per trial; the OOM edge moves from process to process, and need not be "
                 "monotone in B). The epoch is estimated: "
                 f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
                 "shortest). Times per update: "

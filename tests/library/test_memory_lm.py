@@ -15,6 +15,7 @@ IndexedSlices): it fails on the code that made the rows dense.
 """
 
 import concurrent.futures
+import math
 
 import keras
 import numpy as np
@@ -86,3 +87,24 @@ def test_the_rows_are_never_made_dense_and_the_peak_stays_near_b_alone(probed, p
     assert result["peak_mb"] <= RATIO * alone["peak_mb"], (result, alone["peak_mb"])
     dense = result["largest_by_op"].get("UnsortedSegmentSum", 0.0)
     assert dense < TABLE_MB / 4, (dense, result["at_peak"])
+
+
+def test_the_micro_batch_search_trains_at_the_b_it_found():
+    """accumulate(micro_batch_size="auto") on the language model under 600 MiB, E=131
+    sequences: at least 80% of the largest B that fits. The search's trial of 33 runs out
+    of memory (the BFC allocator handed a logits-sized tensor, 129 MiB, a whole 240 MiB
+    chunk), and it takes 31; a fresh process fits a fixed B of 31, not 32 or 33 (the
+    bench's micro-batch section). Training then keeps 31: the discard after the trial
+    that ran out wrote zeros into the sums' own buffers. Where it gave them fresh zeros,
+    a 31 MiB sum moved into a 36 MiB chunk, 31 ran out of memory in that process, and
+    training halved it to 15."""
+    found = memory.probe(MODEL, "accumulate", 1, 131, limit_mb=600, micro_batch="auto")
+    assert not found.get("error") and not found["oom"], found
+    over = [size for size, peak in found["trials"] if peak is None]
+    assert found["halved"] == [], found
+    assert found["micro_batch_size"] >= 0.8 * min(over, default=131), found
+    # And a fresh process runs out of memory at the B of which the one found is 80%.
+    size = math.floor(found["micro_batch_size"] / 0.8) + 1
+    beyond = memory.probe(MODEL, "accumulate", 1, 131, limit_mb=600, micro_batch=size)
+    assert not beyond.get("error"), beyond
+    assert beyond["oom"] or beyond["halved"] == [size], beyond

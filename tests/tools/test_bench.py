@@ -394,7 +394,7 @@ def test_micro_batch_probes_an_xla_row_compiled(monkeypatch):
 
     monkeypatch.setattr(memory, "probe", probe)
     section = bench_micro_batch.MicroBatch()
-    section.settings = dict(section.settings, runs=(("convnet", 257, (150,), True),))
+    section.settings = dict(section.settings, runs=(("convnet", 257, (150,), {"xla": True}),))
     result = section.measure(Run(log=lambda line: None))
     assert compiled and all(compiled), compiled
     assert (result[0]["found"], result[0]["largest"]) == (64, 70)
@@ -402,6 +402,32 @@ def test_micro_batch_probes_an_xla_row_compiled(monkeypatch):
         section.markdown(result))
     share, _ = section.targets(result)
     assert share.measured == "0.91x"  # one row: no worst to name
+
+
+def test_micro_batch_bisects_from_where_the_search_ran_out_and_takes_a_rows_repeats(
+        monkeypatch):
+    """The language model's row: one search (its own search_repeats), whose trial at 33
+    ran out of memory; the bisection tries 33 first, then 32, not 81, 56, ... from E."""
+    from tools import bench_micro_batch
+    from tools import memory
+    sizes = []
+
+    def probe(model, path, n, b, limit_mb=None, micro_batch=None, timed=0, **kwargs):
+        if path == "direct":
+            return dict(oom=True)
+        size = 31 if micro_batch == "auto" else micro_batch
+        sizes.append(micro_batch)
+        return dict(oom=size > 32, peak_mb=1.0, update_ms=100.0, micro_batch_size=size,
+                    search_s=1.0, search_windows=1, warmup_ms=2000.0,
+                    trials=[(1, 1.0), (16, 2.0), (31, 3.0), (33, None)])
+
+    monkeypatch.setattr(memory, "probe", probe)
+    section = bench_micro_batch.MicroBatch()
+    section.settings = dict(section.settings,
+                            runs=(("lm", 131, (600,), {"search_repeats": 1}),))
+    row, = section.measure(Run(log=lambda line: None))
+    assert sizes == ["auto", 31, 33, 32]
+    assert (row["found"], row["largest"], row["over"], row["probes"]) == (31, 32, 33, 2)
 
 
 def test_a_run_measures_each_section_in_turn_and_advances_the_bar_by_its_steps():
