@@ -422,7 +422,7 @@ def lm_contenders(lm, base):
     def build(dense_rows=False):
         import keras
         keras.utils.set_random_seed(SEED)
-        return memory._language_model(lm.vocabulary, dense_rows)  # noqa: SLF001 (the tensor-memory probes' decoder, timed here)
+        return memory.language_model(lm.vocabulary, dense_rows)
 
     n, b = lm.n, lm.b
     batches = base.batch(b, drop_remainder=True).prefetch(2)

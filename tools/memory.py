@@ -388,7 +388,7 @@ def _keras_model(model, dense_rows=False):
     from keras import layers
     keras.utils.set_random_seed(SEED)
     if model in VOCABULARIES:
-        return _language_model(VOCABULARIES[model], dense_rows)
+        return language_model(VOCABULARIES[model], dense_rows)
     if model == "mlp":
         body = [layers.Dense(4096, activation="relu"), layers.Dense(4096, activation="relu")]
     elif model == "convnet":
@@ -403,7 +403,7 @@ def _keras_model(model, dense_rows=False):
                              layers.Dense(CLASSES)])
 
 
-def _language_model(vocabulary, dense_rows=False):
+def language_model(vocabulary, dense_rows=False):
     """A decoder in plain Keras: a token Embedding of V x WIDTH, BLOCKS pre-norm blocks
     of causal MultiHeadAttention and a GELU feed-forward, an untied Dense(V) output.
     dense_rows: the Embedding's gradient made dense (the same weights, drawn alike)."""
