@@ -85,3 +85,12 @@ def saved_arrays(path):
     in order."""
     with np.load(path) as arrays:
         return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+
+def assert_probe_trained_to(probed, reference):
+    """A memory probe (tools.memory.probe's result, the weights it saved) ran without an
+    out-of-memory error and trained to the weights saved at `reference`."""
+    result, saved = probed
+    assert not result.get("oom") and "error" not in result, result
+    for got, want in zip(saved_arrays(saved), saved_arrays(reference), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
