@@ -46,6 +46,7 @@ from tools.bench_section import Section
 from tools.bench_section import Target
 from tools.bench_section import status
 from tools.bench_section import table
+from tools.bench_section import trace_events
 
 SMALL = 64  # elements: a collective of at most this many is a count or a vote
 BASELINE = "per mini-batch"
@@ -258,26 +259,11 @@ class PerMiniBatchExchange:
             return tf.identity(n)
 
 
-def trace_events(logdir):
-    """(name, ms) of every event of a profiler trace: an op's name is "NAME:TYPE"."""
-    import glob
-
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
-        with open(path, "rb") as f:
-            space = xplane_pb2.XSpace.FromString(f.read())
-        for plane in space.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    yield plane.event_metadata[event.metadata_id].name, event.duration_ps / 1e9
-
-
 def executed_collectives(logdir):
     """{op name as traced: (times it ran, ms in it)} of the collective ops in a profiler
     trace."""
     counts = {}
-    for event, duration in trace_events(logdir):
+    for _, event, duration in trace_events(logdir):
         name, _, op = event.partition(":")
         if op.startswith("Collective"):
             runs, ms = counts.get(name, (0, 0.0))
@@ -289,7 +275,7 @@ def events_by_kind(logdir):
     """{kind: ms} of a profiler trace's events, an op's kind its type (events nest:
     a function's ms hold its ops')."""
     kinds = {}
-    for event, duration in trace_events(logdir):
+    for _, event, duration in trace_events(logdir):
         kind = event if "::" in event else event.partition(":")[2] or event  # tf.data's: A::B
         kind = re.sub(r"_\d+$", "", kind)  # a traced function's number
         kinds[kind] = kinds.get(kind, 0.0) + duration

@@ -6,8 +6,6 @@ them measures TensorFlow alone.
 """
 
 import collections
-import glob
-import os
 import re
 import statistics
 import tempfile
@@ -18,6 +16,7 @@ import tensorflow as tf
 from experiment import config
 from experiment import data
 from experiment import engine_tf1
+from tools.bench_section import trace_events
 
 SEED = 0
 ENDLESS = 10 ** 9  # mini-batches a contender may draw: more than any benchmark trains
@@ -192,29 +191,21 @@ def profile(contender, updates, classes=OP_CLASSES):
       class: per update}}: kernel time summed over threads; ops that only hold others
       are left out.
     """
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    space = xplane_pb2.XSpace()
+    kernel_ms = collections.Counter()
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as logdir:
         tf.profiler.experimental.start(logdir)
         start, start_cpu = time.perf_counter(), time.process_time()
         contender.train(updates)
         wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         tf.profiler.experimental.stop()
-        with open(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)[0],
-                  "rb") as f:
-            space.ParseFromString(f.read())
-    kernel_ms = collections.Counter()
-    for plane in space.planes:
-        for line in plane.lines:
-            if not line.name.startswith("tf_Compute"):
+        for line, name, ms in trace_events(logdir):
+            if not line.startswith("tf_Compute"):
                 continue
-            for event in line.events:
-                name = plane.event_metadata[event.metadata_id].name
-                if ":" not in name or "::" in name:
-                    continue  # executor bookkeeping (ExecutorState::Process), not an op
-                op_type = name.rsplit(":", 1)[1]
-                if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
-                    continue
-                kernel_ms[op_class(op_type, classes)] += event.duration_ps / 1e9 / updates
+            if ":" not in name or "::" in name:
+                continue  # executor bookkeeping (ExecutorState::Process), not an op
+            op_type = name.rsplit(":", 1)[1]
+            if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
+                continue
+            kernel_ms[op_class(op_type, classes)] += ms / updates
     return {"wall_ms": 1e3 * wall / updates, "cpu_ms": 1e3 * cpu / updates,
             "kernel_ms": dict(kernel_ms)}

@@ -5,6 +5,8 @@ fresh process is a probe (bench_probe.py).
 
 import collections
 import datetime
+import glob
+import os
 import time
 
 from tools import common
@@ -104,3 +106,18 @@ def header(title, command, elapsed):
 
 def targets_table(targets):
     return ["## Targets", ""] + table(Target._fields, targets)
+
+
+def trace_events(logdir):
+    """(line, name, ms) of every event of the tf.profiler traces under `logdir`: a line's
+    name says what ran on it (tf_Compute...: ops), an op's name is "NAME:TYPE"."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        with open(path, "rb") as f:
+            space = xplane_pb2.XSpace.FromString(f.read())
+        for plane in space.planes:
+            for line in plane.lines:
+                for event in line.events:
+                    yield (line.name, plane.event_metadata[event.metadata_id].name,
+                           event.duration_ps / 1e9)
