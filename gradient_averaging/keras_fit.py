@@ -532,7 +532,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                     weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
                     sample_weight=sample_weight, training=True)
             loss = _keras_src.unscale_loss_for_distribution(loss)
-            return (step_lib.scaled_objective(self.optimizer, loss * n, n_local),
+            # In the loss's own type: a float64 model's is float64.
+            loss_sum = loss * tf.cast(n_local, loss.dtype)
+            return (step_lib.scaled_objective(self.optimizer, loss_sum, n_local),
                     (loss, y_pred, non_trainable_values, metrics_after))
 
         step = window.mini_batch_gradients(self, weights, non_trainable, x, objective)

@@ -27,6 +27,7 @@ from tests.library.toys import bn_model
 from tests.library.toys import compiled
 from tests.library.toys import data
 from tests.library.toys import fit
+from tests.library.toys import floatx
 from tests.library.toys import max_difference
 from tests.library.toys import mixed_float16
 from tests.library.toys import nan_in_second_window
@@ -209,6 +210,20 @@ def test_mixed_float16_with_keras_loss_scale_optimizer(jit_compile):
     assert model.skipped_windows == 8 - int(model.optimizer.iterations)
     # float16 activations: as close as the direct batch's own rounding allows.
     assert max_difference(model, reference) < 1e-2
+    assert max_difference(model, tiny_model()) > 1e-2
+
+
+def test_a_float64_model_trains_as_its_direct_batch():
+    """The loss sum is made in the loss's own type (a float64 model's loss is float64)."""
+    x, y = data()
+    with floatx("float64"):
+        model = compiled(keras_fit.accumulate(tiny_model(), N), OPTIMIZERS["adam"]())
+        reference = compiled(tiny_model(), OPTIMIZERS["adam"]())
+    fit(model, x, y, B)
+    fit(reference, x, y, N * B)
+    assert model.weights[0].dtype == "float64"
+    assert int(model.optimizer.iterations) == 8
+    assert max_difference(model, reference) < 1e-10
     assert max_difference(model, tiny_model()) > 1e-2
 
 

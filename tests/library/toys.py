@@ -124,6 +124,20 @@ def mixed_float16():
         keras.mixed_precision.set_global_policy(before)
 
 
+@contextlib.contextmanager
+def floatx(dtype):
+    """Keras's floatx for the models and losses built in the block, and its dtype policy
+    (a policy set before, by mixed_float16's block, outlives a change of floatx)."""
+    before = keras.config.floatx(), keras.mixed_precision.global_policy()
+    keras.config.set_floatx(dtype)
+    keras.mixed_precision.set_global_policy(dtype)
+    try:
+        yield
+    finally:
+        keras.config.set_floatx(before[0])
+        keras.mixed_precision.set_global_policy(before[1])
+
+
 def nan_in_second_window(x):
     """x with a NaN in each epoch's second window of N x B, and the rows that leave
     that window out: (bad x, kept rows)."""
