@@ -73,8 +73,15 @@ def weights(out, name):
 
 
 def assert_direct_weights(out, name, reference="direct"):
+    """Every weight to 1e-4 (rtol) and 1e-5, but 0.1% of a variable's to 1e-4: Adam
+    divides its step by the root of the gradient's second moment, which on a unit whose
+    gradient is near zero lifts the float32 rounding of another summation order to a few
+    percent of a step (seen once in a CI run: 3.1e-5 on 23 of 262,144 weights, all one
+    unit's). An error in the mean would move most weights."""
     for got, want in zip(weights(out, name), weights(out, reference), strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        off = ~np.isclose(got, want, rtol=1e-4, atol=1e-5)
+        assert off.mean() <= 1e-3, f"{off.sum()} of {off.size} weights off"
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def assert_found(found, effective_batch, replicas=1):
