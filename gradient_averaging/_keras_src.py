@@ -15,6 +15,7 @@ import contextlib
 import functools
 import os
 import shutil
+import threading
 
 import keras
 import tensorflow as tf
@@ -41,16 +42,20 @@ check_version(keras.__version__)
 
 # Imported only after the check: another release may not have them.
 # ruff: noqa: E402 (these imports follow check_version on purpose)
+from keras.src import ops
+from keras.src import tree
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.losses import loss as loss_module
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.trainers import data_adapters
 from keras.src.trainers.data_adapters.array_slicing import train_validation_split
 from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
-__all__ = ["DataAdapter", "SpecBuilt", "activity_losses_apart", "add_to_logged_loss",
-           "batch_norm_layers", "captured_moments", "check_version", "data_adapters",
-           "elsewhere",
-           "losses_from_the_pass", "loss_tracker", "summed_activity", "summed_activity_layers",
-           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution"]
+__all__ = ["DataAdapter", "SpecBuilt", "activity_losses_apart", "batch_norm_layers",
+           "captured_moments", "check_version", "data_adapters", "elsewhere", "log_window",
+           "loss_parts", "loss_tracker", "summed_activity", "summed_activity_layers",
+           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution",
+           "without_weight_regularization"]
 
 
 def symbolic_build(model, data_batch):
@@ -257,22 +262,119 @@ def _recorded(regularizer, records, output):
     return tf.zeros_like(loss)
 
 
-def add_to_logged_loss(model, loss_sum):
-    """Replica context: adds `loss_sum` to the sum of per-sample losses behind fit's
-    `loss` log (the loss tracker's total), its samples already counted."""
-    total = loss_tracker(model).total
-    total.assign_add(tf.cast(loss_sum, total.dtype))
+# ---------------------------------------------------------------- the loss, in parts
 
 
-@contextlib.contextmanager
-def losses_from_the_pass(model, losses):
-    """`model.losses` inside the block: the losses the forward pass on values returned
-    (add_loss's and the regularizers'), as Keras's JAX trainer makes compute_loss see
-    them (Layer._losses_override); outside a pass they would be lost."""
-    if losses:
-        model._losses_override = list(losses)
-    try:
-        yield
-    finally:
-        if losses:
-            model._losses_override = []
+def without_weight_regularization(model, losses):
+    """A pass's losses (stateless_call's, Layer.losses: the add_loss losses, then one
+    per trainable weight with a regularizer) without the weight regularization's."""
+    regularized = sum(v.regularizer is not None for v in model.trainable_weights)
+    return list(losses)[:len(losses) - regularized]
+
+
+_SWAPPED = threading.Lock()
+
+
+def loss_parts(model, y, y_pred, sample_weight):
+    """The compiled loss (compile's `loss`, `loss_weights`) of one mini-batch as
+    window_step.Parts, one per output's loss, in the order of its flat losses: each
+    loss's numerator and divisor as Keras's Loss.__call__ reduces it (a mask on y_pred
+    or on the losses, sample weights, the reduction). Keras's CompileLoss matches the
+    outputs, labels and sample weights to the losses; its per-output loss metrics are
+    left as they are (log_window updates them once per window)."""
+    compile_loss = model._compile_loss
+    if compile_loss is None:
+        return []
+    records = []
+    flat = compile_loss._flat_losses
+    # Replicas trace one at a time (MirroredStrategy's threads take turns), the lock
+    # only guards against a caller's threads.
+    with _SWAPPED:
+        compile_loss._flat_losses = [entry._replace(loss=functools.partial(
+            _recorded_part, entry.loss, records)) for entry in flat]
+        try:
+            with keras.StatelessScope():  # the per-output loss metrics' updates dropped
+                compile_loss(y, y_pred, sample_weight)
+        finally:
+            compile_loss._flat_losses = flat
+    from gradient_averaging.window_step import Part
+    return [Part(tf.cast(numerator, compile_loss.dtype), divisor, entry.loss_weights, term)
+            for (numerator, divisor, term), entry, index
+            in zip(records, flat, range(len(flat)))]
+
+
+def _recorded_part(loss, records, y_true, y_pred, sample_weight=None):
+    numerator, divisor, term = _part(loss, y_true, y_pred, sample_weight)
+    records.append((numerator, divisor, term if term != "own" else ("loss", len(records))))
+    return numerator
+
+
+def _part(loss, y_true, y_pred, sample_weight):
+    """(numerator, divisor, term) of one Keras loss: term "samples" where the divisor is
+    the samples times a number fixed by the shapes (folded into the numerator), None
+    where nothing divides, "own" otherwise (a mask, summed sample weights)."""
+    from gradient_averaging.window_step import SAMPLES
+    samples = tf.shape(tree.flatten(y_pred)[0])[0]
+    if (not isinstance(loss, loss_module.Loss)
+            or type(loss).__call__ is not loss_module.Loss.__call__):
+        # A __call__ of its own: its value taken as a mean over the samples.
+        value = loss(y_true, y_pred, sample_weight)
+        return value * tf.cast(samples, value.dtype), samples, SAMPLES
+    in_mask = get_keras_mask(y_pred)
+    dtype = loss.dtype
+    with ops.name_scope(loss.name):
+        y_pred = tree.map_structure(lambda t: ops.convert_to_tensor(t, dtype=dtype), y_pred)
+        y_true = tree.map_structure(lambda t: ops.convert_to_tensor(t, dtype=dtype), y_true)
+        values = loss.call(y_true, y_pred)
+    out_mask = get_keras_mask(values)
+    masks = [m for m in (in_mask, out_mask) if m is not None]
+    mask = None if not masks else masks[0] if len(masks) == 1 else masks[0] & masks[1]
+    values = ops.convert_to_tensor(values, dtype=dtype)
+    if values.shape.rank == 0 or tuple(values.shape) == (0,):
+        # Keras reduces nothing: the call's value, a mean over the samples.
+        value = loss_module.reduce_weighted_values(values, sample_weight, mask,
+                                                   loss.reduction, dtype)
+        return value * tf.cast(samples, value.dtype), samples, SAMPLES
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    # The mask as a weight, unscaled: Keras scales it by total / valid under
+    # "sum_over_batch_size", which is the divisor below.
+    weights = loss_module.apply_mask(sample_weight, mask, values.dtype, reduction="sum")
+    if weights is not None:
+        weighted, weights = loss_module.squeeze_or_expand_to_same_rank(
+            values, tf.cast(weights, values.dtype))
+        numerator = tf.reduce_sum(weighted * weights)
+    else:
+        numerator = tf.reduce_sum(values)
+    if loss.reduction in (None, "none", "sum"):
+        return numerator, None, None
+    size = tf.cast(tf.size(values), values.dtype)
+    if loss.reduction == "mean_with_sample_weight" and weights is not None:
+        return numerator, tf.reduce_sum(weights), "own"
+    if mask is not None:  # valid entries, as many per loss as Keras weighs them
+        valid = tf.reduce_sum(tf.cast(mask, values.dtype))
+        return numerator, valid * size / tf.cast(tf.size(mask), values.dtype), "own"
+    per_sample = values.shape[1:]
+    if not per_sample.is_fully_defined():
+        return numerator, size, "own"
+    if per_sample.num_elements() != 1:
+        numerator /= per_sample.num_elements()
+    return numerator, samples, SAMPLES
+
+
+def log_window(model, loss, part_values, samples):
+    """Replica context: the window's loss, and each output's (part_values, weighted by
+    compile's loss_weights, in the order of loss_parts), into fit's logs, weighed by
+    this replica's samples, as Keras logs a batch's (its per-output loss metrics record
+    the unweighted loss)."""
+    loss_tracker(model).update_state(loss, sample_weight=samples)
+    compile_loss = model._compile_loss
+    if compile_loss is None or len(compile_loss.metrics) < 2:
+        return
+    for metric, entry, index in zip(compile_loss.metrics, compile_loss._flat_losses,
+                                    range(len(compile_loss.metrics))):
+        value = part_values[index]
+        if entry.loss_weights is not None:
+            weight = tf.cast(entry.loss_weights, value.dtype)
+            value = tf.where(tf.equal(weight, 0), tf.zeros_like(value), value / weight)
+        metric.update_state(value, sample_weight=samples)

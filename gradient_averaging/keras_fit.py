@@ -275,7 +275,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         window = step_lib.WindowStep(
             self.distribute_strategy, self.optimizer, self.trainable_variables, statistics,
             self.check_finite, _keras_src.summed_activity(self),
-            lambda loss: _keras_src.add_to_logged_loss(self, loss))
+            lambda loss, parts, samples, _: _keras_src.log_window(self, loss, parts, samples))
         x = keras.utils.unpack_x_y_sample_weight(spec)[0]
         window.build_statistics(self, _any_samples(x))
         with self.distribute_strategy.scope():
@@ -285,6 +285,17 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 self._skipped = tf.Variable(tf.constant(0, tf.int64), trainable=False)
         self._window = window
         self.train_function = None
+
+        @tf.function(input_signature=[_any_samples(spec)])
+        def one_pass(data):  # traced only, for the parts of the loss
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            self._mini_batch_pass(
+                *([tf.convert_to_tensor(v) for v in variables] for variables in (
+                    self.trainable_variables, self.non_trainable_variables,
+                    self.metrics_variables)),
+                x, y, sample_weight, tf.shape(tf.nest.flatten(x)[0])[0])
+
+        window.learn_layout(one_pass.get_concrete_function)
 
     def _cut_batches(self, windows):
         """Each batch an effective batch: the MicroBatch that cuts them, of fit's first
@@ -356,6 +367,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         if window is None:
             raise RuntimeError("the train function is made by fit(); call fit")
         average_gradients = self.average_gradients
+        if window.rescale:
+            window.expected.assign(average_gradients)
         mini_batch_pass = (tf.function(self._mini_batch_pass, jit_compile=True)
                            if self.jit_compile else self._mini_batch_pass)
 
@@ -367,14 +380,14 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             def run(data, weights, values):
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
                 n_local = tf.shape(tf.nest.flatten(x)[0])[0]
-                (gradients, state_values, metrics_values, loss_sum, moments,
-                 activity) = mini_batch_pass(weights, values[:len(state)], values[len(state):],
-                                             x, y, sample_weight, n_local)
-                finite = tf.math.is_finite(loss_sum)
+                (gradients, state_values, metrics_values, parts,
+                 moments) = mini_batch_pass(weights, values[:len(state)], values[len(state):],
+                                            x, y, sample_weight, n_local)
+                finite = tf.reduce_all(tf.math.is_finite(parts))
                 # A non-finite mini-batch (its window is skipped) is left out of the logs.
                 metrics_values = [tf.where(finite, value, before) for value, before in
                                   zip(metrics_values, values[len(state):])]
-                return ((gradients, moments, n_local, finite, activity),
+                return ((gradients, moments, n_local, finite, parts),
                         list(state_values) + metrics_values)
 
             results = step_lib.run_passes(run, group, self.trainable_variables,
@@ -455,6 +468,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 batch = _next_batch(iterator, step)
                 if batch is None:
                     break
+                if window.rescale and isinstance(self._cut, micro_batch_lib.MicroBatch):
+                    window.expected.assign(micro_batch_lib.mini_batches_of(
+                        batch, self._cut.micro_batch_size * strategy.num_replicas_in_sync))
                 _, self._cut = windows.add(batch, self._cut)
                 logs, self._cut = windows.apply(apply, self._cut)
             return logs
@@ -518,37 +534,31 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
                          n_local):
         """One mini-batch's pass on values, on Keras's compiled loss and metrics (XLA
-        compiles it under jit_compile): (the gradients of its loss sum, the model's other
-        state, the metrics' values, the loss sum, the batch-norm sums, the activity losses
-        apart: MiniBatch.activity)."""
+        compiles it under jit_compile): (per term, the gradients of its sum, the model's
+        other state, the metrics' values, the parts' values, the batch-norm sums)."""
         window = self._window
-        n = tf.cast(n_local, tf.float32)
 
         def objective(y_pred, pass_losses, non_trainable_values):
-            # As Keras's JAX trainer: the model, then the loss, on values, with the
-            # pass's add_loss and regularization losses.
-            with _keras_src.losses_from_the_pass(self, pass_losses):
-                loss, (_, non_trainable_values, metrics_after) = self.stateless_compute_loss(
-                    weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
-                    sample_weight=sample_weight, training=True)
-            loss = _keras_src.unscale_loss_for_distribution(loss)
-            # In the loss's own type: a float64 model's is float64.
-            loss_sum = loss * tf.cast(n_local, loss.dtype)
-            return (step_lib.scaled_objective(self.optimizer, loss_sum, n_local),
-                    (loss, y_pred, non_trainable_values, metrics_after))
+            parts = _keras_src.loss_parts(self, y, y_pred, sample_weight)
+            if pass_losses:  # add_loss's, each a mean over the samples, as Keras adds them
+                total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
+                                  for loss in pass_losses])
+                parts.append(step_lib.Part(total * tf.cast(n_local, total.dtype), n_local,
+                                           None, step_lib.SAMPLES))
+            if not parts:
+                raise ValueError("No loss to compute. Provide a `loss` argument in "
+                                 "`compile()`.")
+            return parts, (y_pred, non_trainable_values)
 
         step = window.mini_batch_gradients(self, weights, non_trainable, x, objective)
         window.no_gradient = step.no_gradient
-        loss, y_pred, non_trainable_values, metrics_after = step.extra
-        gradients = step_lib.unscaled(self.optimizer, step.gradients, n_local)
+        y_pred, non_trainable_values = step.extra
         metrics = self.metrics_variables
-        with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_after))) as scope:
-            _keras_src.loss_tracker(self).update_state(loss, sample_weight=n_local)
+        with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_values))) as scope:
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return (gradients, non_trainable_values,
-                [scope.get_current_value(v) for v in metrics],
-                tf.cast(loss, tf.float32) * n, step_lib.pass_moments(window.statistics, step),
-                step.activity)
+        return (step.gradients, non_trainable_values,
+                [scope.get_current_value(v) for v in metrics], step.parts,
+                step_lib.pass_moments(window.statistics, step))
 
 
 class _SingleValueWarning(keras.callbacks.Callback):
