@@ -47,6 +47,7 @@ WIDE = 1024, 4096
 def runs():
     """name -> (model maker, optimizer maker, fit's data source, fit's batch_size)."""
     from gradient_averaging import keras_fit
+    from tests.library import sequences
     from tests.library import toys
 
     def accumulate(**kwargs):
@@ -66,17 +67,45 @@ def runs():
                           toys.N * toys.B),
         "bn": (lambda: keras_fit.accumulate(toys.bn_model(), toys.N), toys.sgd, "numpy",
                toys.B),
+        # Padded token sequences under a mask: the workers sum the window's valid tokens.
+        "sequences_n": (lambda: keras_fit.accumulate(sequences.tagger(), sequences.N),
+                        sequences.sgd, "numpy", sequences.B),
     }
 
 
+def plain_model(name):
+    """The model a run wraps, plain: its direct batch's."""
+    from tests.library import sequences
+    from tests.library import toys
+    return {"bn": toys.bn_model, "sequences_n": sequences.tagger}.get(name, toys.tiny_model)
+
+
+def direct_batch(name):
+    """The direct batch's size for a run: its window's samples."""
+    from tests.library import sequences
+    from tests.library import toys
+    return sequences.N * sequences.B if name.startswith("sequences") else toys.N * toys.B
+
+
+def run_data(name):
+    """A run's (x, y)."""
+    from tests.library import sequences
+    from tests.library import toys
+    if name.startswith("sequences"):
+        ids, labels, _ = sequences.sequences(empty=(slice(8, 16),))
+        return ids, labels
+    return toys.data()
+
+
 def train(make_model, make_optimizer, source, batch_size, strategy=None, epochs=EPOCHS,
-          callbacks=None):
+          callbacks=None, data=None):
     """A run: (weights, History's history, evaluate's list, predict's array, moving
-    statistics), the model made and compiled in `strategy`'s scope (if any)."""
+    statistics), the model made and compiled in `strategy`'s scope (if any), on `data`
+    ((x, y); toys.data()'s by default)."""
     import contextlib
 
     from tests.library import toys
-    x, y = toys.data()
+    x, y = data or toys.data()
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = toys.compiled(make_model(), make_optimizer())
     validation = (x[:64], y[:64])
@@ -185,7 +214,7 @@ def main():
         callbacks = writing_callbacks(args.out, args.kill_epoch) if args.resume else None
         weights, history, evaluation, predictions, moving = train(
             *made[name], strategy, epochs=RESUME_EPOCHS if args.resume else EPOCHS,
-            callbacks=callbacks)
+            callbacks=callbacks, data=run_data(name))
         for i, w in enumerate(weights):
             arrays[f"{name}/weights/{i}"] = w
         for i, s in enumerate(moving):

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -91,6 +92,16 @@ def test_weighted_short_last_minibatch_equals_the_direct_batch_of_82():
         unweighted, _ = train(OPTIMIZERS[name], feeds, 4)
         assert_close(averaged, direct)
         assert not np.allclose(unweighted[0], direct[0], rtol=1e-6)  # weights matter here
+
+
+def test_a_masked_sequence_loss_weighed_by_its_valid_tokens_is_the_direct_batch():
+    """examples/tf1_masked_sequences.py: each run's weight its valid tokens
+    (tf.sequence_mask), so the window's update is the token mean's over all its
+    sequences; weighing the runs alike, as the post does, is not."""
+    example = runpy.run_path(os.path.join(ROOT, "examples", "tf1_masked_sequences.py"))
+    assert example["difference"] < 1e-5
+    direct, alike = example["direct"], example["train"](4, 8, weighted=False)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(direct, alike)) > 1e-3
 
 
 def test_flush_op_applies_a_partial_window_and_is_a_noop_on_an_empty_one():
