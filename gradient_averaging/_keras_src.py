@@ -364,9 +364,10 @@ def _part(loss, y_true, y_pred, sample_weight):
 
 def log_window(model, loss, part_values, samples):
     """Replica context: the window's loss, and each output's (part_values, weighted by
-    compile's loss_weights, in the order of loss_parts), into fit's logs, weighed by
-    this replica's samples, as Keras logs a batch's (its per-output loss metrics record
-    the unweighted loss)."""
+    compile's loss_weights, in the order of loss_parts), into fit's logs as Keras logs a
+    batch's: the loss weighed by the samples, each output's unweighted loss once per
+    window (Keras weighs a batch's by its static size, which a batch of fit's data, its
+    last one partial, does not have)."""
     loss_tracker(model).update_state(loss, sample_weight=samples)
     compile_loss = model._compile_loss
     if compile_loss is None or len(compile_loss.metrics) < 2:
@@ -377,4 +378,4 @@ def log_window(model, loss, part_values, samples):
         if entry.loss_weights is not None:
             weight = tf.cast(entry.loss_weights, value.dtype)
             value = tf.where(tf.equal(weight, 0), tf.zeros_like(value), value / weight)
-        metric.update_state(value, sample_weight=samples)
+        metric.update_state(value)

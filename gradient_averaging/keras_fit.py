@@ -478,31 +478,24 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return train_function
 
     def make_test_function(self, force=False):
-        """Keras's test function; with a micro_batch_size, one that evaluates each batch
-        in mini-batches of the micro-batch training uses (the largest that fit so far
-        while it is searched for; the whole batch before fit knows one), so that
-        evaluation fits where training does. The metrics are Keras's, over the batch.
-        Under a strategy of several workers, that one too (each batch whole without a
-        micro_batch_size): Keras's reduces each step's logs with strategy.reduce along
-        an axis they do not have, and fails (keras-team/keras#20585); this one reads the
-        metrics across the replicas, as the train function does."""
-        if (self.micro_batch_size is None
-                and replicas_lib.workers(self.distribute_strategy) == 1):
+        """Keras's test function on one device without a micro_batch_size; else one that
+        evaluates each batch in mini-batches of the micro-batch training uses (the
+        largest that fit so far while it is searched for; the whole batch before fit
+        knows one), so that evaluation fits where training does, and divides as
+        training does: the batch's loss is the sums of its mini-batches' and replicas'
+        losses over the sums of their divisors (one all-reduce), as on one device. (Keras's
+        own, under a strategy, averages the replicas' means; under several workers it
+        reduces each step's logs along an axis they do not have, and fails:
+        keras-team/keras#20585.) The compiled metrics are Keras's, over the batch."""
+        strategy = self.distribute_strategy
+        if self.micro_batch_size is None and strategy.num_replicas_in_sync == 1:
             return super().make_test_function(force)
         if self.test_function is not None and not force:
             return self.test_function
-        strategy = self.distribute_strategy
-
-        def replica_test(data, size):
-            # size 0: the whole batch (no micro-batch known yet).
-            samples = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int32)[0]
-            size = tf.where(size > 0, size, tf.maximum(samples, 1))
-            return window_lib.cut(data, size,
-                                  lambda group: tf.nest.flatten(self.test_step(group[0])))
 
         @tf.function(reduce_retracing=True)
         def test_batch(data, size):
-            strategy.run(replica_test, args=(data, size))
+            strategy.run(self._replica_test, args=(data, size))
             return self.get_metrics_result()
 
         def test_function(iterator):
@@ -519,6 +512,50 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
         self.test_function = test_function
         return test_function
+
+    def _replica_test(self, data, size):
+        """Replica context: evaluates this replica's share of a batch in mini-batches of
+        `size` (0: whole), one at a time, and logs the batch's loss across replicas."""
+        samples = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int32)[0]
+        size = tf.where(size > 0, size, tf.maximum(samples, 1))
+        count = tf.maximum((samples + size - 1) // size, 1)
+
+        def mini_batch(i):
+            return tf.nest.map_structure(lambda t: t[i * size:(i + 1) * size], data)
+
+        def body(i, total):
+            return i + 1, total + self._evaluated_parts(mini_batch(i))
+
+        _, total = tf.while_loop(lambda i, _: i < count, body,
+                                 (tf.constant(1), self._evaluated_parts(mini_batch(0))),
+                                 parallel_iterations=window_lib.PARALLEL_ITERATIONS)
+        total = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, total[:-1])
+        loss, part_values = step_lib.loss_of(total)
+        loss += step_lib.regularization(self.trainable_variables)
+        _keras_src.log_window(self, loss, part_values, tf.cast(samples, tf.float32))
+
+    def _evaluated_parts(self, data):
+        """One mini-batch evaluated: its compiled metrics updated, and its parts' values
+        (window_step.part_values) with its samples after them."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        n = tf.shape(tf.nest.flatten(x)[0])[0]
+        records = []
+        summed_activity = _keras_src.summed_activity(self)
+        with summed_activity(records) if summed_activity else contextlib.nullcontext():
+            y_pred = self(x, training=False)
+        parts = _keras_src.loss_parts(self, y, y_pred, sample_weight)
+        pass_losses = step_lib.data_losses(self, self.losses)
+        if pass_losses:
+            total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
+                              for loss in pass_losses])
+            parts.append(step_lib.Part(total * tf.cast(n, total.dtype), n, None,
+                                       step_lib.SAMPLES))
+        if records:
+            parts.append(step_lib.Part(tf.add_n([tf.cast(r, tf.float32) for r in records]),
+                                       None, None, None))
+        self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return tf.concat([step_lib.part_values(parts), [tf.cast(n, tf.float64)]], 0)
 
     def _evaluated_by(self):
         """The mini-batch evaluation cuts a batch into, per replica; 0: none (the whole

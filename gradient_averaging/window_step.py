@@ -66,7 +66,7 @@ def _terms(parts, keys):
     return [totals[key] for key in keys]
 
 
-def _part_values(parts):
+def part_values(parts):
     """float64 [2 x parts]: each part's weighted numerator, then its divisor (0 where it
     divides by nothing): what the window sums for its logged loss and divisions."""
     numerators, divisors = [], []
@@ -78,6 +78,25 @@ def _part_values(parts):
         divisors.append(tf.constant(0.0, tf.float64) if part.divisor is None
                         else tf.cast(part.divisor, tf.float64))
     return tf.stack(numerators + divisors)
+
+
+def loss_of(values):
+    """(the loss, each part's value): from the sums over a window (or a batch) of its
+    parts' part_values, float64 [2 x parts]. A part divided by nothing records 0 as its
+    divisor, as does one whose divisor is 0 (no valid token: its numerator is 0 too),
+    so each divides by its divisor where that is not 0."""
+    numerators, divisors = tf.split(values, 2)
+    part_values = numerators / tf.where(tf.equal(divisors, 0), tf.ones_like(divisors),
+                                        divisors)
+    return tf.reduce_sum(part_values), part_values
+
+
+def regularization(variables):
+    """The weight regularization of `variables` (a scalar float64): what Keras adds to
+    a batch's loss once."""
+    losses = [tf.cast(v.regularizer(v), tf.float64) for v in variables
+              if getattr(v, "regularizer", None) is not None]
+    return tf.add_n(losses) if losses else tf.constant(0.0, tf.float64)
 
 
 def data_losses(model, losses):
@@ -347,7 +366,7 @@ class WindowStep:
           per term, which are None, state: the model's other state after the pass
           (batch norm's moving statistics as they were, where they step once per
           update), extra: what `objective` returned beside its parts, moments: the
-          batch-norm moments of the pass, parts: the parts' values (_part_values)).
+          batch-norm moments of the pass, parts: the parts' values (part_values)).
         """
         moments, records = [], []
         statistics = self.statistics or None
@@ -374,7 +393,7 @@ class WindowStep:
         no_gradient = [[g is None for g in term] for term in gradients]
         if all(all(term) for term in zip(*no_gradient)):
             raise ValueError("no variable receives a gradient from the loss")
-        return MiniBatch(gradients, no_gradient, after, extra, moments, _part_values(parts))
+        return MiniBatch(gradients, no_gradient, after, extra, moments, part_values(parts))
 
     def _checked_layout(self, parts):
         """The terms of `parts`, which must be laid out as learn_layout learned them."""
@@ -474,7 +493,7 @@ class WindowStep:
         values = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
             [self.parts.read_value(), [tf.cast(samples, tf.float64)]], 0))
         count = len(self.layout)
-        numerators, divisors = values[:count], values[count:2 * count]
+        divisors = values[count:2 * count]
         term_divisors = [None if key is None else divisors[self.layout.index(key)]
                          for key in self.terms]
         replicas = self.strategy.num_replicas_in_sync
@@ -504,14 +523,11 @@ class WindowStep:
             else None,
             [self.overwrite[i] for i in range(len(self.variables)) if applied[i]])
         if self.log_loss:
-            safe = tf.where(tf.equal(divisors, 0), tf.ones_like(divisors), divisors)
-            part_values = tf.stack([numerators[p] if key is None else numerators[p] / safe[p]
-                                    for p, key in enumerate(self.layout)])
-            loss = tf.reduce_sum(part_values)
+            loss, values_of_parts = loss_of(values[:2 * count])
             with tf.control_dependencies([finite]):
                 if regularization:
                     loss += tf.cast(tf.add_n(regularization), tf.float64)
-                self.log_loss(loss, part_values, samples, values[-1])
+                self.log_loss(loss, values_of_parts, samples, values[-1])
         return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32), finite
 
     def _reached(self):

@@ -11,6 +11,9 @@ short) against the plain model fitted at 16; Keras's own gradient_accumulation_s
 is shown off by as much where the mask matters.
 """
 
+import os
+import runpy
+
 import keras
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ import tensorflow as tf
 
 from gradient_averaging import keras_fit
 from gradient_averaging import tf2
+from tests.helpers import ROOT
 from tests.library import sequences as seq
 from tests.library.toys import floatx
 
@@ -75,7 +79,14 @@ def make(case, accumulate=None):
                        spec.get("activity", False))
     if accumulate is not None:
         model = keras_fit.accumulate(model, **accumulate)
-    return compiled(model, spec.get("loss"), seq.sgd(spec.get("rate", 0.2)))
+    return compiled(model, spec.get("loss"), seq.sgd(spec.get("rate", 0.2)),
+                    metrics=["accuracy"])
+
+
+def validation(x, y):
+    """fit's validation arguments: the first 32 sequences, in batches of 16 (a batch's
+    masked loss is its own token mean, so both fits evaluate the same batches)."""
+    return dict(validation_data=(x[:32], y[:32]), validation_batch_size=seq.N * seq.B)
 
 
 _REFERENCES = {}
@@ -86,7 +97,8 @@ def reference(case):
     if case not in _REFERENCES:
         x, y, kwargs = data(case)
         model = make(case)
-        history = seq.fit(model, x, y, seq.N * seq.B, EPOCHS, **kwargs).history
+        history = seq.fit(model, x, y, seq.N * seq.B, EPOCHS, **kwargs,
+                          **validation(x, y)).history
         _REFERENCES[case] = model, history
     return _REFERENCES[case]
 
@@ -102,11 +114,15 @@ def test_a_masked_sequence_loss_trains_as_the_direct_batch(case, window):
     x, y, kwargs = data(case)
     direct, direct_history = reference(case)
     model = make(case, WINDOWS[window])
-    history = seq.fit(model, x, y, BATCH[window], EPOCHS, **kwargs).history
+    history = seq.fit(model, x, y, BATCH[window], EPOCHS, **kwargs,
+                      **validation(x, y)).history
     assert int(model.optimizer.iterations) == int(direct.optimizer.iterations) == 24
     assert seq.max_difference(model, direct) < 1e-5
     assert seq.max_difference(model, make(case)) > 1e-2  # it trained
-    assert_history(history, direct_history)  # the logged loss: the direct batch's
+    # The logged loss, the masked accuracy and the validation's: the direct batch's.
+    assert sorted(history) == sorted(direct_history) == [
+        "accuracy", "loss", "val_accuracy", "val_loss"]
+    assert_history(history, direct_history)
 
 
 def test_keras_own_accumulation_misses_the_masked_mean():
@@ -231,3 +247,40 @@ def test_fit_accumulated_divides_by_the_summed_weights(how):
                                          **kwargs)
     assert summary.updates == 6 and int(optimizer.iterations) == 24
     assert seq.max_difference(model, direct) < 1e-5
+
+
+def test_the_token_mean_example_is_the_direct_batch():
+    """examples/tf2_token_mean.py, docs/tf2-engine.md's runnable example."""
+    example = runpy.run_path(os.path.join(ROOT, "examples", "tf2_token_mean.py"))
+    assert example["difference"] < 1e-5 and int(example["optimizer"].iterations) == 9
+
+
+def exactness_table():
+    """docs/tf2-engine.md's table: per case, the max weight difference from the direct
+    batch of Keras's own gradient_accumulation_steps=N and of accumulate(model, N), on
+    the whole windows of the first 80 sequences (Keras's own has no partial window)."""
+    rows = []
+    for case in CASES:
+        x, y, kwargs = data(case)
+        kwargs = {k: v[:80] for k, v in kwargs.items()}
+        spec = CASES[case]
+        rate = spec.get("rate", 0.2)
+
+        def plain(optimizer, case=case, spec=spec):
+            model = seq.tagger(spec.get("kind", "embedding"), spec.get("regularized", False),
+                               spec.get("activity", False))
+            return compiled(model, spec.get("loss"), optimizer)
+
+        direct = plain(seq.sgd(rate))
+        seq.fit(direct, x[:80], y[:80], seq.N * seq.B, EPOCHS, **kwargs)
+        own = plain(keras.optimizers.SGD(rate, gradient_accumulation_steps=seq.N))
+        seq.fit(own, x[:80], y[:80], seq.B, EPOCHS, **kwargs)
+        ours = make(case, {"average_gradients": seq.N})
+        seq.fit(ours, x[:80], y[:80], seq.B, EPOCHS, **kwargs)
+        rows.append((case, seq.max_difference(own, direct), seq.max_difference(ours, direct)))
+    return rows
+
+
+if __name__ == "__main__":  # python -m tests.library.test_sequences
+    for case, own, ours in exactness_table():
+        print(f"| {case} | {own:.1e} | {ours:.1e} |")
