@@ -20,6 +20,8 @@ import threading
 import keras
 import tensorflow as tf
 
+from gradient_averaging import window
+
 # Keras releases (major, minor) from the first up to, not including, the second: 3.12 to 3.15.
 SUPPORTED = (3, 12), (3, 16)
 SUPPORTED_RANGE = ">={}.{},<{}.{}".format(*SUPPORTED[0], *SUPPORTED[1])  # as pyproject.toml
@@ -297,10 +299,8 @@ def loss_parts(model, y, y_pred, sample_weight):
                 compile_loss(y, y_pred, sample_weight)
         finally:
             compile_loss._flat_losses = flat
-    from gradient_averaging.window_step import Part
-    return [Part(tf.cast(numerator, compile_loss.dtype), divisor, entry.loss_weights, term)
-            for (numerator, divisor, term), entry, index
-            in zip(records, flat, range(len(flat)))]
+    return [window.Part(tf.cast(numerator, compile_loss.dtype), divisor, entry.loss_weights,
+                        term) for (numerator, divisor, term), entry in zip(records, flat)]
 
 
 def _recorded_part(loss, records, y_true, y_pred, sample_weight=None):
@@ -313,13 +313,12 @@ def _part(loss, y_true, y_pred, sample_weight):
     """(numerator, divisor, term) of one Keras loss: term "samples" where the divisor is
     the samples times a number fixed by the shapes (folded into the numerator), None
     where nothing divides, "own" otherwise (a mask, summed sample weights)."""
-    from gradient_averaging.window_step import SAMPLES
     samples = tf.shape(tree.flatten(y_pred)[0])[0]
     if (not isinstance(loss, loss_module.Loss)
             or type(loss).__call__ is not loss_module.Loss.__call__):
         # A __call__ of its own: its value taken as a mean over the samples.
         value = loss(y_true, y_pred, sample_weight)
-        return value * tf.cast(samples, value.dtype), samples, SAMPLES
+        return value * tf.cast(samples, value.dtype), samples, window.SAMPLES
     in_mask = get_keras_mask(y_pred)
     dtype = loss.dtype
     with ops.name_scope(loss.name):
@@ -334,7 +333,7 @@ def _part(loss, y_true, y_pred, sample_weight):
         # Keras reduces nothing: the call's value, a mean over the samples.
         value = loss_module.reduce_weighted_values(values, sample_weight, mask,
                                                    loss.reduction, dtype)
-        return value * tf.cast(samples, value.dtype), samples, SAMPLES
+        return value * tf.cast(samples, value.dtype), samples, window.SAMPLES
     if sample_weight is not None:
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
     # The mask as a weight, unscaled: Keras scales it by total / valid under
@@ -359,7 +358,7 @@ def _part(loss, y_true, y_pred, sample_weight):
         return numerator, size, "own"
     if per_sample.num_elements() != 1:
         numerator /= per_sample.num_elements()
-    return numerator, samples, SAMPLES
+    return numerator, samples, window.SAMPLES
 
 
 def log_window(model, loss, part_values, samples):

@@ -549,10 +549,10 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         if pass_losses:
             total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
                               for loss in pass_losses])
-            parts.append(step_lib.Part(total * tf.cast(n, total.dtype), n, None,
-                                       step_lib.SAMPLES))
+            parts.append(window_lib.Part(total * tf.cast(n, total.dtype), n, None,
+                                       window_lib.SAMPLES))
         if records:
-            parts.append(step_lib.Part(tf.add_n([tf.cast(r, tf.float32) for r in records]),
+            parts.append(window_lib.Part(tf.add_n([tf.cast(r, tf.float32) for r in records]),
                                        None, None, None))
         self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return tf.concat([step_lib.part_values(parts), [tf.cast(n, tf.float64)]], 0)
@@ -580,8 +580,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             if pass_losses:  # add_loss's, each a mean over the samples, as Keras adds them
                 total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
                                   for loss in pass_losses])
-                parts.append(step_lib.Part(total * tf.cast(n_local, total.dtype), n_local,
-                                           None, step_lib.SAMPLES))
+                parts.append(window_lib.Part(total * tf.cast(n_local, total.dtype), n_local,
+                                           None, window_lib.SAMPLES))
             if not parts:
                 raise ValueError("No loss to compute. Provide a `loss` argument in "
                                  "`compile()`.")

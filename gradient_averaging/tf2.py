@@ -74,19 +74,19 @@ def _loss_parts(loss_fn, y, outputs, pass_losses, n_local):
         losses, weights = out
         losses = tf.cast(losses, window_lib.accumulator_dtype(losses))
         weights = tf.broadcast_to(tf.cast(weights, losses.dtype), tf.shape(losses))
-        parts = [step_lib.Part(tf.reduce_sum(losses * weights), tf.reduce_sum(weights), None,
+        parts = [window_lib.Part(tf.reduce_sum(losses * weights), tf.reduce_sum(weights), None,
                                "weights")]
     else:
         if out.shape.rank == 0:
             raise ValueError("loss_fn must return one loss per sample, not their mean (use a "
                              "Keras loss with reduction=None), or (losses, weights)")
-        parts = [step_lib.Part(tf.reduce_sum(tf.cast(out, window_lib.accumulator_dtype(out))),
-                               n_local, None, step_lib.SAMPLES)]
+        parts = [window_lib.Part(tf.reduce_sum(tf.cast(out, window_lib.accumulator_dtype(out))),
+                               n_local, None, window_lib.SAMPLES)]
     if pass_losses:  # each a mean over the samples: once per sample
         # In float32: a float16 layer's activity loss (mixed precision) is float16.
-        parts.append(step_lib.Part(tf.cast(n_local, tf.float32) * tf.add_n(
+        parts.append(window_lib.Part(tf.cast(n_local, tf.float32) * tf.add_n(
             [tf.cast(loss, tf.float32) for loss in pass_losses]), n_local, None,
-            step_lib.SAMPLES))
+            window_lib.SAMPLES))
     return parts
 
 

@@ -6,6 +6,7 @@ mini-batches whose gradients make one update; stacked (where a caller stacks the
 lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes beside them.
 """
 
+import collections
 import numbers
 import warnings
 
@@ -22,6 +23,20 @@ PARALLEL_ITERATIONS = 1
 # TensorFlow feeds a numpy array to a session without copying it when its data is this
 # aligned.
 FEED_ALIGNMENT = 64
+
+
+Part = collections.namedtuple("Part", ["numerator", "divisor", "weight", "term"])
+Part.__doc__ = """One part of a mini-batch's loss, as the direct batch reduces it.
+
+numerator: a scalar, the part's sum over the mini-batch (weighted, masked losses);
+divisor: this mini-batch's share of what the direct batch divides that sum by (a scalar:
+  its samples, valid tokens or summed weights), or None where it divides by nothing;
+weight: the part's weight in the loss (compile's loss_weights), or None for 1;
+term: the parts whose divisors are the same quantity share a term (a hashable key:
+  SAMPLES for the mini-batch's samples, None for parts not divided); the window keeps one
+  sum per term.
+"""
+SAMPLES = "samples"  # the term of the parts divided by their mini-batch's samples
 
 
 def check_average_gradients(value, name="average_gradients"):

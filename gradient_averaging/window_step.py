@@ -38,18 +38,6 @@ from gradient_averaging import window as window_lib
 MiniBatch = collections.namedtuple(
     "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments", "parts"])
 
-Part = collections.namedtuple("Part", ["numerator", "divisor", "weight", "term"])
-Part.__doc__ = """One part of a mini-batch's loss, as the direct batch reduces it.
-
-numerator: a scalar, the part's sum over the mini-batch (weighted, masked losses);
-divisor: this mini-batch's share of what the direct batch divides that sum by (a scalar:
-  its samples, valid tokens or summed weights), or None where it divides by nothing;
-weight: the part's weight in the loss (compile's loss_weights), or None for 1;
-term: the parts whose divisors are the same quantity share a term (a hashable key:
-  SAMPLES for the mini-batch's samples, None for parts not divided); the window keeps one
-  sum per term.
-"""
-SAMPLES = "samples"  # the term of parts divided by the mini-batch's samples
 
 
 def _terms(parts, keys):
@@ -384,8 +372,8 @@ class WindowStep:
             parts, extra = objective(outputs, data_losses(model, losses), after)
             parts = list(parts)
             if records:  # a sum weighed as it is: no divisor
-                parts.append(Part(tf.add_n([tf.cast(loss, tf.float32) for loss in records]),
-                                  None, None, None))
+                parts.append(window_lib.Part(
+                    tf.add_n([tf.cast(loss, tf.float32) for loss in records]), None, None, None))
             keys = self._checked_layout(parts)
             scaled = [self._scaled(total, divisor) for total, divisor in _terms(parts, keys)]
         gradients = [self._unscaled(tape.gradient(value, weights), factor)

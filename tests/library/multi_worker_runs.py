@@ -98,19 +98,22 @@ def run_data(name):
 
 
 def train(make_model, make_optimizer, source, batch_size, strategy=None, epochs=EPOCHS,
-          callbacks=None, data=None):
+          callbacks=None, data=None, validation_batch=None):
     """A run: (weights, History's history, evaluate's list, predict's array, moving
     statistics), the model made and compiled in `strategy`'s scope (if any), on `data`
-    ((x, y); toys.data()'s by default)."""
+    ((x, y); toys.data()'s by default), validated in batches of `validation_batch`
+    (None: batch_size)."""
     import contextlib
 
     from tests.library import toys
     x, y = data or toys.data()
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = toys.compiled(make_model(), make_optimizer())
+    # Validation in the direct batch's batches: a masked loss is each batch's token mean.
     validation = (x[:64], y[:64])
     history = toys.fit(model, x, y, batch_size, source, epochs=epochs,
-                       validation_data=validation, callbacks=callbacks).history
+                       validation_data=validation, validation_batch_size=validation_batch,
+                       callbacks=callbacks).history
     return (model.get_weights(), history, model.evaluate(x, y, verbose=0),
             model.predict(x, verbose=0), toys.moving_statistics(model))
 
@@ -214,7 +217,7 @@ def main():
         callbacks = writing_callbacks(args.out, args.kill_epoch) if args.resume else None
         weights, history, evaluation, predictions, moving = train(
             *made[name], strategy, epochs=RESUME_EPOCHS if args.resume else EPOCHS,
-            callbacks=callbacks, data=run_data(name))
+            callbacks=callbacks, data=run_data(name), validation_batch=direct_batch(name))
         for i, w in enumerate(weights):
             arrays[f"{name}/weights/{i}"] = w
         for i, s in enumerate(moving):

@@ -56,7 +56,8 @@ def workers(tmp_path_factory):
             # The direct batch: the plain model, one process, batches of N x B.
             references[name] = runs_lib.train(runs_lib.plain_model(name), make_optimizer,
                                               source, runs_lib.direct_batch(name),
-                                              data=runs_lib.run_data(name))
+                                              data=runs_lib.run_data(name),
+                                              validation_batch=runs_lib.direct_batch(name))
         codes = runs_lib.wait(procs, TIMEOUT)
         assert codes == [0, 0], runs_lib.logs(out)
     finally:
@@ -75,7 +76,8 @@ def test_fit_on_two_workers_equals_the_one_process_direct_batch(workers, name):
         logged = json.loads(str(result["logs"]))[name]
         assert sorted(logged["history"]) == sorted(history)  # val_ included
         for key, values in history.items():
-            np.testing.assert_allclose(logged["history"][key], values, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(logged["history"][key], values, rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
         np.testing.assert_allclose(logged["evaluate"], evaluation, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(result[f"{name}/predict"], predictions, atol=1e-5)
     initial = runs_lib.plain_model(name)().get_weights()

@@ -28,6 +28,8 @@ from tests.library.toys import floatx
 EPOCHS = 4  # 6 updates an epoch at 16 samples each: 24
 WINDOWS = {"N": dict(average_gradients=seq.N), "micro_batch": dict(micro_batch_size=7)}
 BATCH = {"N": seq.B, "micro_batch": seq.N * seq.B}
+# make test runs each case on N; make test-slow on the micro-batch too.
+WINDOW_PARAMS = [pytest.param("N"), pytest.param("micro_batch", marks=pytest.mark.slow)]
 
 
 def compiled(model, loss=None, optimizer=None, **kwargs):
@@ -108,7 +110,7 @@ def assert_history(history, want):
         np.testing.assert_allclose(history[key], want[key], rtol=1e-5, err_msg=key)
 
 
-@pytest.mark.parametrize("window", sorted(WINDOWS))
+@pytest.mark.parametrize("window", WINDOW_PARAMS)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_masked_sequence_loss_trains_as_the_direct_batch(case, window):
     x, y, kwargs = data(case)
@@ -135,7 +137,7 @@ def test_keras_own_accumulation_misses_the_masked_mean():
     assert seq.max_difference(own, whole) > 1e-3
 
 
-@pytest.mark.parametrize("window", sorted(WINDOWS))
+@pytest.mark.parametrize("window", WINDOW_PARAMS)
 def test_several_outputs_each_with_its_mask_reduction_and_weight(window):
     """Tokens under their mask, a label per sequence under mean_with_sample_weight with
     class weights folded into sample weights... each with its own divisor, summed
@@ -186,7 +188,7 @@ def test_class_weight_under_mean_with_sample_weight():
     assert_history(got.history, want.history)
 
 
-@pytest.mark.parametrize("window", sorted(WINDOWS))
+@pytest.mark.parametrize("window", WINDOW_PARAMS)
 def test_a_mini_batch_or_a_whole_window_without_a_token_is_the_direct_batch(window):
     """Sequences 8-15 (a mini-batch) and 32-47 (a whole window, a direct batch) hold no
     token: the direct batch's loss there is 0 and its gradient zero, which SGD with
@@ -230,7 +232,8 @@ def test_under_xla_a_masked_loss_is_the_direct_batch():
 # ---------------------------------------------------------------- the TF2 loop
 
 
-@pytest.mark.parametrize("how", ["one_call", "per_mini_batch", "micro_batch"])
+@pytest.mark.parametrize("how", ["one_call", pytest.param("per_mini_batch", marks=pytest.mark.slow),
+                                 pytest.param("micro_batch", marks=pytest.mark.slow)])
 def test_fit_accumulated_divides_by_the_summed_weights(how):
     ids, labels, _ = seq.sequences(empty=(slice(8, 16),))
     token_weights = np.random.default_rng(3).uniform(0.2, 2.0, size=ids.shape)
