@@ -23,6 +23,7 @@ from gradient_averaging import keras_fit
 from gradient_averaging import tf2
 from tests.helpers import ROOT
 from tests.library import sequences as seq
+from tests.library.toys import KERAS
 from tests.library.toys import floatx
 
 EPOCHS = 4  # 6 updates an epoch at 16 samples each: 24
@@ -218,7 +219,9 @@ def test_a_float64_model_is_exact_to_1e_10():
         ours = compiled(keras_fit.accumulate(seq.tagger(), seq.N))
         seq.fit(ours, x, y, seq.B, EPOCHS)
     assert ours.get_weights()[0].dtype == np.float64
-    assert seq.max_difference(ours, direct) < 1e-10
+    # Keras 3.12's mask adds 1e-7 to a batch's valid tokens (from 3.13 it divides by
+    # them): once per direct batch, which the window's sum of divisors cannot hold.
+    assert seq.max_difference(ours, direct) < (1e-10 if KERAS >= (3, 13) else 1e-9)
 
 
 def test_under_xla_a_masked_loss_is_the_direct_batch():
