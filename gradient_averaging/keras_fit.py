@@ -124,8 +124,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     the sample-weighted mean. Windows never cross an epoch's end: the last, partial one
     is applied before `on_epoch_end`. Everything else is Keras's own: callbacks see one
     batch per update (the progress bar counts updates), `evaluate`, `predict` and
-    validation run the wrapped model, `save`/`load_model` round-trip (with this module
-    imported). Under Keras's jit_compile, XLA compiles each mini-batch's pass.
+    validation run the wrapped model, `save`/`load_model` round-trip (in any process
+    that imports gradient_averaging: _saving.py). Under Keras's jit_compile, XLA
+    compiles each mini-batch's pass.
 
     With a micro_batch_size, each batch Keras makes is one window, an effective batch:
     the train function takes it from Keras's iterator, a call cuts it, on each replica,
