@@ -106,6 +106,39 @@ def test_readmes_snippets_are_their_examples_verbatim():
         example_body(name) for name in README_EXAMPLES]
 
 
+def outside_the_checkout(tmp_path):
+    """The environment of a process started in `tmp_path` with no PYTHONPATH: only what
+    the venv has installed imports there."""
+    assert not str(tmp_path).startswith(ROOT)
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
+def test_the_venv_imports_the_checkouts_package_from_any_folder(tmp_path):
+    """make install puts the package into .venv, editable: from another folder `import
+    gradient_averaging` is this checkout's code, and nothing else of the checkout imports."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import gradient_averaging\nprint(gradient_averaging.__file__)\n"
+         "import importlib.util\nprint(importlib.util.find_spec('main'))"],
+        cwd=tmp_path, env=outside_the_checkout(tmp_path), capture_output=True, text=True,
+        timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:] + "\n(make install installs the package)"
+    assert done.stdout.split() == [os.path.join(ROOT, "gradient_averaging", "__init__.py"),
+                                   "None"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", README_EXAMPLES)
+def test_readmes_python_blocks_run_from_a_folder_outside_the_checkout(name, tmp_path):
+    """Each of README's python blocks, as README shows it, run by the venv's python in a
+    fresh process from a temporary folder, without PYTHONPATH."""
+    (block,) = [b for b in python_blocks(os.path.join(ROOT, "README.md"))
+                if b == example_body(name)]
+    (tmp_path / name).write_text(block)
+    done = subprocess.run([sys.executable, name], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT, env=outside_the_checkout(tmp_path))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_the_mechanism_snippet_is_its_example_verbatim():
     (snippet,) = [block for block in python_blocks(os.path.join(ROOT, "docs", "averagers.md"))
                   if "trainer.GradientAverager(" in block]
