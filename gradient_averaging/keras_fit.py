@@ -161,6 +161,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
             parallel_mini_batches)
         self.model = model
+        if model.built:  # its weights are ours: count_params(), summary() before fit
+            self.built = True
         self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
             average_gradients, micro_batch_size)
         self.budget = micro_batch_lib.check_budget(budget)
