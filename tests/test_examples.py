@@ -173,6 +173,44 @@ def test_bad_input_doc_shows_the_parsers_real_lines(capsys):
         assert capsys.readouterr().err.strip() == message, args
 
 
+def test_the_command_lines_flag_table_has_every_flag_once_with_its_default():
+    """docs/command-line.md's table: a row per setting of experiment/config.py, no other."""
+    from experiment import config
+
+    with open(os.path.join(ROOT, "docs", "command-line.md")) as f:
+        rows = re.findall(r"^\| `--([a-z-]+)` \| ([^|]+) \|", f.read(), flags=re.M)
+    assert sorted(name for name, _ in rows) == sorted(config.SETTINGS)
+    for name, default in rows:
+        value = config.SETTINGS[name].default
+        if isinstance(value, int) and not isinstance(value, bool):
+            assert default.strip() == str(value), name
+
+
+def test_docs_links_reach_their_files_and_headings():
+    """Every relative link of README.md and docs/ names a file that exists and, with a
+    #fragment, a heading of that file (as GitHub makes its anchors)."""
+    def anchors(path):
+        with open(path) as f:
+            headings = re.findall(r"^#+ (.*)$", f.read(), flags=re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    checked = 0
+    for page in pages:
+        with open(page) as f:
+            links = re.findall(r"\]\(([^)\s]+)\)", f.read())
+        for link in links:
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, fragment = link.partition("#")
+            target = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            assert os.path.exists(target), (page, link)
+            if fragment and target.endswith(".md"):
+                assert fragment in anchors(target), (page, link)
+            checked += 1
+    assert checked > 100
+
+
 def test_tf2_engine_docs_fit_accumulated_block_runs_and_prints_what_it_says(
         tmp_path, monkeypatch, capsys):
     """docs/tf2-engine.md's own-model block, run as shown: its closing comment is its output."""
