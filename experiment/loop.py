@@ -165,9 +165,7 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
     finished = []
     events = _agree_at_start(config, runs, datasets)
     if runs.checkpoint_dir:
-        line = resume_line(config, runs, [
-            run_checkpoint(config, runs.seed + rep, _rep_dir(runs, rep)).read()
-            for rep in range(runs.reps)])
+        line = resume_line(config, runs, _saved_states(config, runs))
         if line:
             log(line)
     # The reps' bars share it, to show an ETA for all of them beside each run's own.
@@ -199,6 +197,18 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
 def _rep_dir(runs, rep):
     """Run `rep`'s checkpoint directory (from 0): DIR/rep-<rep>."""
     return os.path.join(runs.checkpoint_dir, f"rep-{rep}")
+
+
+def _saved_states(config, runs):
+    """Each rep's checkpoint state (None where it has none), read, not loaded; under
+    multi_worker, the same on every worker (else WorkersDiffer, as train_once raises)."""
+    states = []
+    with _losing_workers(config, "no run has started"):
+        for rep in range(runs.reps):
+            ckpt = run_checkpoint(config, runs.seed + rep, _rep_dir(runs, rep))
+            states.append(ckpt.read())
+            _agree_on_checkpoint(config, ckpt, states[-1])
+    return states
 
 
 def resume_line(config, runs, states):
