@@ -230,10 +230,10 @@ def resume_line(config, runs, states):
                                           else "are finished (their results as saved)"))
     rep = next(rep for rep, state in enumerate(states) if not (state and state.get("finished")))
     state = states[rep]
-    if state is None:
-        return f"resuming with run {rep + 1} of {runs.reps} in {where}{done_part}" \
-            if done else None
-    updates = -(-config.iterations // config.average_gradients)
+    if state is None:  # the next run starts afresh
+        return f"resuming with run {rep + 1} of {runs.reps} in {where}{done_part}" if done \
+            else None
+    updates = -(-config.iterations // config.average_gradients)  # ceil(iterations / N)
     return (f"resuming run {rep + 1} of {runs.reps} after update {state['updates']} of "
             f"{updates} (iteration {state['iteration']} of {config.iterations}), from its "
             f"checkpoint in {_rep_dir(runs, rep)}{done_part}")

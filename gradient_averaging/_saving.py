@@ -30,7 +30,7 @@ class AccumulatingModelStandIn:
 def _register(keras):
     """The stand-in under REGISTERED_NAME, unless keras_fit's class is there already."""
     get_custom_objects = getattr(getattr(keras, "saving", None), "get_custom_objects", None)
-    if get_custom_objects is not None:  # a Keras without it: loading names what is missing
+    if get_custom_objects is not None:  # Keras 3's; without it loading fails as before
         get_custom_objects().setdefault(REGISTERED_NAME, AccumulatingModelStandIn)
 
 
