@@ -124,8 +124,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     the sample-weighted mean. Windows never cross an epoch's end: the last, partial one
     is applied before `on_epoch_end`. Everything else is Keras's own: callbacks see one
     batch per update (the progress bar counts updates), `evaluate`, `predict` and
-    validation run the wrapped model, `save`/`load_model` round-trip (with this module
-    imported). Under Keras's jit_compile, XLA compiles each mini-batch's pass.
+    validation run the wrapped model, `save`/`load_model` round-trip (in any process
+    that imports gradient_averaging: _saving.py). Under Keras's jit_compile, XLA
+    compiles each mini-batch's pass.
 
     With a micro_batch_size, each batch Keras makes is one window, an effective batch:
     the train function takes it from Keras's iterator, a call cuts it, on each replica,
@@ -160,6 +161,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
             parallel_mini_batches)
         self.model = model
+        if model.built:  # its weights are ours: count_params(), summary() before fit
+            self.built = True
         self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
             average_gradients, micro_batch_size)
         self.budget = micro_batch_lib.check_budget(budget)

@@ -112,6 +112,23 @@ def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_mini_batc
         assert (max_difference(keras_own, reference) < 1e-5) == keras_exact
 
 
+def test_count_params_and_summary_answer_for_a_wrapped_model_as_for_the_model():
+    """Before fit: a built model wrapped answers at once; an unbuilt one once fit built it
+    (as the model itself would)."""
+    built = tiny_model()
+    wrapped = compiled(keras_fit.accumulate(built, average_gradients=N), sgd())
+    assert wrapped.count_params() == built.count_params() > 0
+    lines = []
+    wrapped.summary(print_fn=lines.append)
+    assert f"Total params: {built.count_params()} " in "\n".join(lines)
+    unbuilt = keras.Sequential([keras.layers.Dense(CLASSES)])
+    wrapped = compiled(keras_fit.accumulate(unbuilt, average_gradients=N), sgd())
+    assert not wrapped.built
+    x, y = data()
+    fit(wrapped, x, y, B)
+    assert wrapped.count_params() == unbuilt.count_params() == (FEATURES + 1) * CLASSES
+
+
 def test_a_window_with_a_nan_is_skipped_whole_and_counted():
     x, y = data()
     bad, keep = nan_in_second_window(x)
