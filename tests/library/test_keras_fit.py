@@ -241,7 +241,8 @@ class ScaleLog(keras.callbacks.Callback):
         self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
 
 
-@pytest.mark.parametrize("initial_scale", [2.0 ** 19, 2.0 ** 26])
+@pytest.mark.parametrize("initial_scale", [2.0 ** 19,
+                                           pytest.param(2.0 ** 26, marks=pytest.mark.slow)])
 def test_the_loss_scale_moves_as_the_direct_batch_s(initial_scale):
     """Each mini-batch's pass differentiates its share of the window's mean, so its
     float16 backward pass holds the direct batch's magnitudes: at 2^19 neither
@@ -281,6 +282,7 @@ def test_the_loss_scale_moves_as_the_direct_batch_s(initial_scale):
     assert max_difference(logs["window"][2], logs["direct"][2]) < 1e-2
 
 
+@pytest.mark.slow
 def test_float8_scales_and_histories_are_the_direct_batch_s():
     """float8 layers keep scales and amax histories that the optimizer overwrites with
     their "gradient" (overwrite_with_gradient): the window gives it their elementwise

@@ -112,7 +112,8 @@ def assert_history(history, want):
 
 
 @pytest.mark.parametrize("window", WINDOW_PARAMS)
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case == "masking"
+                                  else case for case in sorted(CASES)])  # the LSTM: slow
 def test_a_masked_sequence_loss_trains_as_the_direct_batch(case, window):
     x, y, kwargs = data(case)
     direct, direct_history = reference(case)
