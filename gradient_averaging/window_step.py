@@ -26,6 +26,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from gradient_averaging import _keras_src
 from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
@@ -289,6 +290,8 @@ class WindowStep:
         replica's context as a window closes, given the window's activity losses as the
         direct batch's logs count them (its samples times their sum), to add to the
         logged loss."""
+        # The apply orders Keras's update_step calls (one_variable_at_a_time).
+        _keras_src.require(_keras_src.APPLY)
         self.strategy = strategy
         self.optimizer = optimizer
         self.variables = list(variables)
