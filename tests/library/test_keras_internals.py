@@ -225,3 +225,15 @@ def test_the_check_renames_no_layer_of_the_user():
     number = [int(n.rpartition("_")[2]) if n != "batch_normalization" else 0
               for n in (layer.name, again.name, after.name)]
     assert number == [number[0], number[0] + 1, number[0] + 2]
+
+
+def test_docs_library_md_shows_the_warning_and_the_refusal_as_written(monkeypatch):
+    with open(os.path.join(ROOT, "docs", "library.md")) as f:
+        text = f.read()
+    with pytest.warns(UserWarning) as caught:
+        _keras_src.check_release("3.16.0", {})
+    assert f"\nUserWarning: {caught[0].message}\n" in text
+    internal, = (i for i in _keras_src.INTERNALS if "unscale_loss" in i.target)
+    monkeypatch.delattr(keras.src.losses.loss, "unscale_loss_for_distribution")
+    failure = _keras_src.check_internals([internal])[_keras_src.FIT]
+    assert f"\nImportError: {_keras_src.refusal(_keras_src.FIT, failure, '3.17.0')}\n" in text
