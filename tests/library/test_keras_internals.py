@@ -138,6 +138,7 @@ print("updates:", summary.updates)
 """
 
 
+@pytest.mark.slow  # 8 to 10 s: TensorFlow in a fresh process, and a TF2 loop traced
 def test_a_keras_without_an_internal_refuses_only_the_path_that_needs_it():
     done = run_python(WITHOUT_AN_INTERNAL)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -174,6 +175,7 @@ print("updates:", int(model.optimizer.iterations))
 """
 
 
+@pytest.mark.slow  # 8 to 10 s: TensorFlow in a fresh process, and Keras fit traced
 def test_a_newer_keras_release_warns_once_and_accumulate_trains():
     done = run_python(A_NEWER_RELEASE)
     assert done.returncode == 0, done.stderr[-3000:]
