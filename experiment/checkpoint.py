@@ -80,8 +80,19 @@ class RunCheckpoint:
         Raises:
           CheckpointError: unreadable, of another configuration, or missing its files.
         """
+        state = self.read()
+        if state is not None:
+            self.in_force = state
+        self._remove_stale()
+        return state
+
+    def read(self):
+        """The saved state, checked as `load` checks it, or None; changes nothing.
+
+        Raises:
+          CheckpointError: unreadable, of another configuration, or missing its files.
+        """
         if not os.path.exists(self.state_path):
-            self._remove_stale()
             return None
         try:
             with open(self.state_path) as f:
@@ -96,8 +107,6 @@ class RunCheckpoint:
                 if not os.path.isfile(os.path.join(self.directory, name)):
                     raise CheckpointError(f"{self.state_path}: names {name}, which is "
                                           f"missing; {self._move_aside()}")
-        self.in_force = state
-        self._remove_stale()
         return state
 
     def _move_aside(self):

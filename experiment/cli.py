@@ -186,13 +186,40 @@ def _define(setting, flag_values, module):
     else:
         default = list(setting.default) if setting.kind == "multi_integer" else setting.default
         getattr(flags, "DEFINE_" + setting.kind)(setting.name, default, setting.help, **kwargs)
+        if setting.kind in _NUMBER_PARSERS:  # absl's validators keep their own parser
+            flag_values[setting.name].parser = _NUMBER_PARSERS[setting.kind](setting.lower,
+                                                                              setting.upper)
     if setting.check:
         predicate, must = setting.check
         flags.register_validator(setting.name, predicate, message=f"--{setting.name} {must}",
                                  flag_values=flag_values)
 
 
-class _IntegerOrAuto(flags.IntegerParser):
+class _SaysWhatItTakes:
+    """For absl's number parsers: a value that is no number is answered with what the flag
+    takes, in the words of absl's range check ("'abc' is not a positive integer"), not
+    with Python's ("invalid literal for int() with base 10: 'abc'")."""
+
+    def convert(self, argument):
+        try:
+            return super().convert(argument)
+        except ValueError:
+            raise ValueError(f"{argument!r} is not {self.syntactic_help}") from None
+
+
+class _Integer(_SaysWhatItTakes, flags.IntegerParser):
+    pass
+
+
+class _Float(_SaysWhatItTakes, flags.FloatParser):
+    pass
+
+
+# The parser of each kind of number flag (a multi_integer's, of each of its values).
+_NUMBER_PARSERS = {"integer": _Integer, "multi_integer": _Integer, "float": _Float}
+
+
+class _IntegerOrAuto(_Integer):
     """An integer flag that also takes `auto` (config.AUTO: found when the run starts)."""
 
     def __init__(self, lower_bound=None, upper_bound=None):

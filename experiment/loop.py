@@ -164,6 +164,10 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
     log = log or _print
     finished = []
     events = _agree_at_start(config, runs, datasets)
+    if runs.checkpoint_dir:
+        line = resume_line(config, runs, _saved_states(config, runs))
+        if line:
+            log(line)
     # The reps' bars share it, to show an ETA for all of them beside each run's own.
     clock = progress.RunsClock(runs.reps) if runs.reps > 1 else None
     for rep in range(runs.reps):
@@ -172,8 +176,7 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
             run = train_once(
                 config, datasets, seed, verbose=runs.verbose, log=log,
                 logdir=results.event_dir(runs.logdir, config, seed),
-                checkpoint_dir=runs.checkpoint_dir and os.path.join(
-                    runs.checkpoint_dir, f"rep-{rep}"),
+                checkpoint_dir=runs.checkpoint_dir and _rep_dir(runs, rep),
                 checkpoint_every=runs.checkpoint_every, should_stop=should_stop,
                 run_index=rep + 1, runs=runs.reps, clock=clock, read_losses=events)
         except (Stopped, results.WriteError) as e:
@@ -189,6 +192,63 @@ def train_reps(config, datasets, runs, record=None, should_stop=None, log=None):
                     from None
     log(results.summary_line([r["best_accuracy"] for r in finished]))
     return finished
+
+
+def _rep_dir(runs, rep):
+    """Run `rep`'s checkpoint directory (from 0): DIR/rep-<rep>."""
+    return os.path.join(runs.checkpoint_dir, f"rep-{rep}")
+
+
+def _saved_states(config, runs):
+    """Each rep's checkpoint state (None where it has none), read, not loaded; under
+    multi_worker, the same on every worker (else WorkersDiffer, as train_once raises)."""
+    states = []
+    with _losing_workers(config, "no run has started"):
+        for rep in range(runs.reps):
+            ckpt = run_checkpoint(config, runs.seed + rep, _rep_dir(runs, rep))
+            states.append(ckpt.read())
+            _agree_on_checkpoint(config, ckpt, states[-1])
+    return states
+
+
+def resume_line(config, runs, states):
+    """The one line that says where a command run again continues, or None where it
+    starts afresh: nothing left to train (every run finished), or the run it resumes and
+    the update it resumes after, or the run it goes on with.
+
+    Args:
+      states: each rep's saved checkpoint state (RunCheckpoint.read), None where it has none.
+    """
+    done = [rep + 1 for rep, state in enumerate(states) if state and state.get("finished")]
+    where = runs.checkpoint_dir
+    if len(done) == runs.reps:
+        return (f"nothing left to train: the {runs.reps} runs in {where} are finished "
+                f"(their results as saved)" if runs.reps > 1 else
+                f"nothing left to train: the run in {where} is finished (its result as saved)")
+    done_part = "" if not done else (
+        f"; {_numbered('run', done)} " + ("is finished (its result as saved)" if len(done) == 1
+                                          else "are finished (their results as saved)"))
+    rep = next(rep for rep, state in enumerate(states) if not (state and state.get("finished")))
+    state = states[rep]
+    if state is None:  # the next run starts afresh
+        return f"resuming with run {rep + 1} of {runs.reps} in {where}{done_part}" if done \
+            else None
+    updates = -(-config.iterations // config.average_gradients)  # ceil(iterations / N)
+    return (f"resuming run {rep + 1} of {runs.reps} after update {state['updates']} of "
+            f"{updates} (iteration {state['iteration']} of {config.iterations}), from its "
+            f"checkpoint in {_rep_dir(runs, rep)}{done_part}")
+
+
+def _numbered(noun, numbers):
+    """'run 2', 'runs 1-3', 'runs 1, 3-4': increasing numbers, ranges joined."""
+    spans = []
+    for number in numbers:
+        if spans and spans[-1][1] == number - 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"{noun}{'' if len(numbers) == 1 else 's'} {text}"
 
 
 def _results_not_written(runs, count, error):
@@ -274,12 +334,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
 
     with _losing_workers(config, where):
         if checkpoint_dir:
-            # E only where set: checkpoints made before it existed still resume without it.
-            identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS
-                             if key != "effective_batch_size" or config.effective_batch_size},
-                            seed=seed, **module.identity(config))
-            ckpt = checkpoint.RunCheckpoint(checkpoint_dir, identity,
-                                            workers.own_part(checkpoint_dir, config))
+            ckpt = run_checkpoint(config, seed, checkpoint_dir)
             saved = ckpt.load()
             _agree_on_checkpoint(config, ckpt, saved)
             if saved and saved["finished"]:
@@ -307,6 +362,16 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
     if ckpt:
         ckpt.save_finished(result)
     return result
+
+
+def run_checkpoint(config, seed, checkpoint_dir):
+    """The checkpoint.RunCheckpoint of the run of `config` and `seed` in `checkpoint_dir`."""
+    # E only where set: checkpoints made before it existed still resume without it.
+    identity = dict({key: getattr(config, key) for key in IDENTITY_FIELDS
+                     if key != "effective_batch_size" or config.effective_batch_size},
+                    seed=seed, **engine_module(config.engine).identity(config))
+    return checkpoint.RunCheckpoint(checkpoint_dir, identity,
+                                    workers.own_part(checkpoint_dir, config))
 
 
 def _agree_on_checkpoint(config, ckpt, saved):

@@ -16,9 +16,13 @@ One module per kind of user, each importable alone:
   * gradient_averaging.window: the pieces every path shares (N's check, stacking, the
     in-place sums, the TF1 graph's loop), for writing a window step of your own.
 The names below also import from the package itself, each loading only its module.
+A model saved from `accumulate` loads in any process that imports the package
+(gradient_averaging._saving registers it with Keras, without importing Keras).
 """
 
 import importlib
+
+from gradient_averaging import _saving
 
 __version__ = "0.2.0"
 
@@ -32,6 +36,8 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+_saving.register_when_keras_is_imported()
 
 
 def __getattr__(name):

@@ -1,18 +1,20 @@
 """Every use of Keras's internals, each checked at import.
 
-`accumulate` builds on Keras's data adapters, its loss scaling for distribution and two
-private Model methods, and replaces a third (SpecBuilt: Keras's build, which fails under
-several workers); the batch-norm statistics on BatchNormalization's `_moments`; the
-weighting of activity regularizers on how this Keras adds their losses; every TF2 path's
-apply on Keras calling `update_step` once per variable (window_step.one_variable_at_a_time).
-Keras exports none of them and may change any in a release: this module is the one place
-that touches them. INTERNALS lists each, with the paths that need it and what it must be;
-all are checked once, at import, by reading Keras's classes and code (the only objects
-made are a Model, a Layer, a BatchNormalization and a BackupAndRestore, named and without
-variables: milliseconds). A path whose internal is missing or changed is refused where it
-starts (`require`), in one line naming the internal and the Keras version; every other
-path runs. The version number refuses nothing: a release the tests do not pin warns
-once, naming the tested ones (TESTED), and runs.
+`accumulate` builds on Keras's data adapters, its compiled loss taken apart (CompileLoss's
+flat losses, Loss's reduction) and two private Model methods, and replaces a third
+(SpecBuilt: Keras's build, which fails under several workers); the batch-norm statistics
+on BatchNormalization's `_moments`; the weighting of activity regularizers on how this
+Keras adds their losses; a pass's losses without the weights' regularization on the
+order of Layer.losses; every TF2 path's apply on Keras calling `update_step` once per
+variable (window_step.one_variable_at_a_time). Keras exports none of them and may change
+any in a release: this module is the one place that touches them. INTERNALS lists each,
+with the paths that need it and what it must be; all are checked once, at import, by
+reading Keras's classes and code (the only objects made are a Model, a Loss, a
+BatchNormalization and a BackupAndRestore, named and without variables: milliseconds).
+A path whose internal is missing or changed is refused where it starts (`require`), in
+one line naming the internal and the Keras version; every other path runs. The version
+number refuses nothing: a release the tests do not pin warns once, naming the tested
+ones (TESTED), and runs.
 """
 
 # ruff: noqa: SLF001 (Keras's internals are this module's purpose, each checked in INTERNALS)
@@ -25,11 +27,14 @@ import inspect
 import os
 import re
 import shutil
+import threading
 import types
 import warnings
 
 import keras
 import tensorflow as tf
+
+from gradient_averaging import window
 
 # The Keras releases (major, minor) the tests pin, oldest and newest: requirements-low.txt and
 # requirements.txt; `make test-next` runs the library's tests on the next one's pre-release.
@@ -43,6 +48,7 @@ APPLY = "window's apply (every TF2 path)"
 BATCH_NORM = "BatchNormalization support"
 BN_UPDATE = "batch-norm statistics per update (bn_statistics='update')"
 ACTIVITY = "activity regularizer weighting (a Keras before 3.14 sums its losses)"
+REGULARIZED = "weight regularization (a model whose weights have a regularizer)"
 
 # One internal: the paths that need it, its name as a refusal names it, its kind (the
 # helper below that made it), its target ("module:attribute...") and its check: () -> None,
@@ -123,6 +129,8 @@ def exists(paths, target, *members):
 _LAYERS = "keras.src.layers.layer:Layer"
 _BN = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
 _ADAPTERS = "keras.src.trainers.data_adapters"
+_COMPILE_LOSS = "keras.src.trainers.compile_utils:CompileLoss"
+_LOSS = "keras.src.losses.loss"
 _PROBE = "gradient_averaging_probe"  # a name given, so no user's layer is renumbered
 # The paths BackupAndRestore reads and writes beside its backup_dir (elsewhere).
 _BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
@@ -141,7 +149,6 @@ INTERNALS = (
     exists((FIT,), f"{_ADAPTERS}.data_adapter:DataAdapter", "get_tf_dataset", "num_batches",
            "batch_size", "has_partial_batch", "partial_batch_size", "on_epoch_begin",
            "on_epoch_end"),
-    takes((FIT,), "keras.src.losses.loss:unscale_loss_for_distribution", None),
     # The model built from its data's spec (SpecBuilt), where Keras's fit and evaluate
     # call _maybe_symbolic_build with their epoch iterator.
     takes((FIT,), "keras:Model._symbolic_build", None, data_batch=None),
@@ -151,12 +158,21 @@ INTERNALS = (
     mentions((FIT,), "keras.src.trainers.epoch_iterator:EpochIterator.__init__",
              "data_adapter", why="SpecBuilt reads the iterator's adapter"),
     has((FIT,), "keras:Model", lambda cls: cls(name=_PROBE), "_distribute_strategy",
-        "_loss_tracker"),
-    # fit's logged loss (add_to_logged_loss) and the pass's losses (losses_from_the_pass).
-    mentions((FIT,), "keras:metrics.Mean.__init__", "total",
-             why="the loss tracker's total"),
-    has((FIT,), _LAYERS, lambda cls: cls(name=_PROBE), "_losses_override"),
-    mentions((FIT,), f"{_LAYERS}.losses", "_losses_override", why="losses_from_the_pass"),
+        "_loss_tracker", "_compile_loss"),
+    # The compiled loss in parts (loss_parts, log_window): each of CompileLoss's flat
+    # losses swapped for a recorder, reduced as Loss.__call__ reduces it.
+    exists((FIT,), f"{_COMPILE_LOSS}.Loss", "loss", "loss_weights"),
+    mentions((FIT,), f"{_COMPILE_LOSS}.call", "_flat_losses", why="loss_parts"),
+    mentions((FIT,), f"{_COMPILE_LOSS}.build", "_flat_losses", why="loss_parts"),
+    exists((FIT,), _COMPILE_LOSS, "metrics"),
+    has((FIT,), f"{_LOSS}:Loss", lambda cls: cls(name=_PROBE), "reduction", "dtype", "name"),
+    takes((FIT,), f"{_LOSS}:Loss.call", None, None, None),
+    takes((FIT,), f"{_LOSS}:reduce_weighted_values", None, None, None, None, None),
+    takes((FIT,), f"{_LOSS}:apply_mask", None, None, None, reduction="sum"),
+    takes((FIT,), f"{_LOSS}:squeeze_or_expand_to_same_rank", None, None),
+    takes((FIT,), "keras.src.backend.common.masking:get_keras_mask", None),
+    exists((FIT,), "keras.src.tree", "flatten", "map_structure"),
+    exists((FIT,), "keras.src.ops", "convert_to_tensor"),
     has((FIT,), "keras.callbacks:BackupAndRestore", lambda cls: cls(_PROBE), *_BACKUP_PATHS),
     # Every TF2 path's apply (window_step.one_variable_at_a_time): Keras's TensorFlow
     # optimizer calls update_step(gradient, variable, learning_rate), once per variable,
@@ -173,6 +189,10 @@ INTERNALS = (
     takes((BN_UPDATE,), f"{_BN}._moments", None, None, None),
     mentions((BN_UPDATE,), f"{_BN}.call", "_moments", why="captured_moments"),
     has((BN_UPDATE,), _BN, lambda cls: cls(name=_PROBE), "_reduction_axes"),
+    # A pass's losses without the weights' regularization (without_weight_regularization):
+    # Layer.losses lists the layers' own losses first, the weights' after.
+    mentions((REGULARIZED,), f"{_LAYERS}.losses", "_get_own_losses",
+             "_get_regularization_losses", why="without_weight_regularization"),
     # An activity regularizer's loss recorded apart: Layer.__call__ reads the attribute.
     mentions((ACTIVITY,), f"{_LAYERS}.__call__", "activity_regularizer",
              why="activity_losses_apart"),
@@ -235,13 +255,16 @@ def _internal(target):
 data_adapters = _internal(_ADAPTERS)
 train_validation_split = _internal(f"{_ADAPTERS}.array_slicing:train_validation_split")
 DataAdapter = _internal(f"{_ADAPTERS}.data_adapter:DataAdapter")
-unscale_loss_for_distribution = _internal("keras.src.losses.loss:unscale_loss_for_distribution")
+ops = _internal("keras.src.ops")
+tree = _internal("keras.src.tree")
+get_keras_mask = _internal("keras.src.backend.common.masking:get_keras_mask")
+loss_module = _internal("keras.src.losses.loss")
 
-__all__ = ["DataAdapter", "SpecBuilt", "activity_losses_apart", "add_to_logged_loss",
-           "batch_norm_layers", "captured_moments", "check_internals", "check_release",
-           "data_adapters", "elsewhere", "require",
-           "losses_from_the_pass", "loss_tracker", "summed_activity", "summed_activity_layers",
-           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution"]
+__all__ = ["DataAdapter", "SpecBuilt", "activity_losses_apart", "batch_norm_layers",
+           "captured_moments", "check_internals", "check_release", "data_adapters",
+           "elsewhere", "log_window", "loss_parts", "loss_tracker", "require",
+           "summed_activity", "summed_activity_layers", "symbolic_build",
+           "train_validation_split", "without_weight_regularization"]
 
 
 def symbolic_build(model, data_batch):
@@ -449,22 +472,118 @@ def _recorded(regularizer, records, output):
     return tf.zeros_like(loss)
 
 
-def add_to_logged_loss(model, loss_sum):
-    """Replica context: adds `loss_sum` to the sum of per-sample losses behind fit's
-    `loss` log (the loss tracker's total), its samples already counted."""
-    total = loss_tracker(model).total
-    total.assign_add(tf.cast(loss_sum, total.dtype))
+# ---------------------------------------------------------------- the loss, in parts
 
 
-@contextlib.contextmanager
-def losses_from_the_pass(model, losses):
-    """`model.losses` inside the block: the losses the forward pass on values returned
-    (add_loss's and the regularizers'), as Keras's JAX trainer makes compute_loss see
-    them (Layer._losses_override); outside a pass they would be lost."""
-    if losses:
-        model._losses_override = list(losses)
-    try:
-        yield
-    finally:
-        if losses:
-            model._losses_override = []
+def without_weight_regularization(model, losses):
+    """A pass's losses (stateless_call's, Layer.losses: the add_loss losses, then one
+    per trainable weight with a regularizer) without the weight regularization's."""
+    require(REGULARIZED)
+    regularized = sum(v.regularizer is not None for v in model.trainable_weights)
+    return list(losses)[:len(losses) - regularized]
+
+
+_SWAPPED = threading.Lock()
+
+
+def loss_parts(model, y, y_pred, sample_weight):
+    """The compiled loss (compile's `loss`, `loss_weights`) of one mini-batch as
+    window_step.Parts, one per output's loss, in the order of its flat losses: each
+    loss's numerator and divisor as Keras's Loss.__call__ reduces it (a mask on y_pred
+    or on the losses, sample weights, the reduction). Keras's CompileLoss matches the
+    outputs, labels and sample weights to the losses; its per-output loss metrics are
+    left as they are (log_window updates them once per window)."""
+    compile_loss = model._compile_loss
+    if compile_loss is None:
+        return []
+    records = []
+    flat = compile_loss._flat_losses
+    # Replicas trace one at a time (MirroredStrategy's threads take turns), the lock
+    # only guards against a caller's threads.
+    with _SWAPPED:
+        compile_loss._flat_losses = [entry._replace(loss=functools.partial(
+            _recorded_part, entry.loss, records)) for entry in flat]
+        try:
+            with keras.StatelessScope():  # the per-output loss metrics' updates dropped
+                compile_loss(y, y_pred, sample_weight)
+        finally:
+            compile_loss._flat_losses = flat
+    return [window.Part(tf.cast(numerator, compile_loss.dtype), divisor, entry.loss_weights,
+                        term) for (numerator, divisor, term), entry in zip(records, flat)]
+
+
+def _recorded_part(loss, records, y_true, y_pred, sample_weight=None):
+    numerator, divisor, term = _part(loss, y_true, y_pred, sample_weight)
+    records.append((numerator, divisor, term if term != "own" else ("loss", len(records))))
+    return numerator
+
+
+def _part(loss, y_true, y_pred, sample_weight):
+    """(numerator, divisor, term) of one Keras loss: term "samples" where the divisor is
+    the samples times a number fixed by the shapes (folded into the numerator), None
+    where nothing divides, "own" otherwise (a mask, summed sample weights)."""
+    samples = tf.shape(tree.flatten(y_pred)[0])[0]
+    if (not isinstance(loss, loss_module.Loss)
+            or type(loss).__call__ is not loss_module.Loss.__call__):
+        # A __call__ of its own: its value taken as a mean over the samples.
+        value = loss(y_true, y_pred, sample_weight)
+        return value * tf.cast(samples, value.dtype), samples, window.SAMPLES
+    in_mask = get_keras_mask(y_pred)
+    dtype = loss.dtype
+    with keras.name_scope(loss.name):  # public: keras-nightly's ops no longer has it
+        y_pred = tree.map_structure(lambda t: ops.convert_to_tensor(t, dtype=dtype), y_pred)
+        y_true = tree.map_structure(lambda t: ops.convert_to_tensor(t, dtype=dtype), y_true)
+        values = loss.call(y_true, y_pred)
+    out_mask = get_keras_mask(values)
+    masks = [m for m in (in_mask, out_mask) if m is not None]
+    mask = None if not masks else masks[0] if len(masks) == 1 else masks[0] & masks[1]
+    values = ops.convert_to_tensor(values, dtype=dtype)
+    if values.shape.rank == 0 or tuple(values.shape) == (0,):
+        # Keras reduces nothing: the call's value, a mean over the samples.
+        value = loss_module.reduce_weighted_values(values, sample_weight, mask,
+                                                   loss.reduction, dtype)
+        return value * tf.cast(samples, value.dtype), samples, window.SAMPLES
+    if sample_weight is not None:
+        sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
+    # The mask as a weight, unscaled: Keras scales it by total / valid under
+    # "sum_over_batch_size", which is the divisor below.
+    weights = loss_module.apply_mask(sample_weight, mask, values.dtype, reduction="sum")
+    if weights is not None:
+        weighted, weights = loss_module.squeeze_or_expand_to_same_rank(
+            values, tf.cast(weights, values.dtype))
+        numerator = tf.reduce_sum(weighted * weights)
+    else:
+        numerator = tf.reduce_sum(values)
+    if loss.reduction in (None, "none", "sum"):
+        return numerator, None, None
+    size = tf.cast(tf.size(values), values.dtype)
+    if loss.reduction == "mean_with_sample_weight" and weights is not None:
+        return numerator, tf.reduce_sum(weights), "own"
+    if mask is not None:  # valid entries, as many per loss as Keras weighs them
+        valid = tf.reduce_sum(tf.cast(mask, values.dtype))
+        return numerator, valid * size / tf.cast(tf.size(mask), values.dtype), "own"
+    per_sample = values.shape[1:]
+    if not per_sample.is_fully_defined():
+        return numerator, size, "own"
+    if per_sample.num_elements() != 1:
+        numerator /= per_sample.num_elements()
+    return numerator, samples, window.SAMPLES
+
+
+def log_window(model, loss, part_values, samples):
+    """Replica context: the window's loss, and each output's (part_values, weighted by
+    compile's loss_weights, in the order of loss_parts), into fit's logs as Keras logs a
+    batch's: the loss weighed by the samples, each output's unweighted loss once per
+    window (Keras weighs a batch's by its static size, which a batch of fit's data, its
+    last one partial, does not have)."""
+    loss_tracker(model).update_state(loss, sample_weight=samples)
+    compile_loss = model._compile_loss
+    if compile_loss is None or len(compile_loss.metrics) < 2:
+        return
+    for metric, entry, index in zip(compile_loss.metrics, compile_loss._flat_losses,
+                                    range(len(compile_loss.metrics))):
+        value = part_values[index]
+        if entry.loss_weights is not None:
+            weight = tf.cast(entry.loss_weights, value.dtype)
+            value = tf.where(tf.equal(weight, 0), tf.zeros_like(value), value / weight)
+        metric.update_state(value)

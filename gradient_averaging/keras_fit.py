@@ -127,8 +127,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     the sample-weighted mean. Windows never cross an epoch's end: the last, partial one
     is applied before `on_epoch_end`. Everything else is Keras's own: callbacks see one
     batch per update (the progress bar counts updates), `evaluate`, `predict` and
-    validation run the wrapped model, `save`/`load_model` round-trip (with this module
-    imported). Under Keras's jit_compile, XLA compiles each mini-batch's pass.
+    validation run the wrapped model, `save`/`load_model` round-trip (in any process
+    that imports gradient_averaging: _saving.py). Under Keras's jit_compile, XLA
+    compiles each mini-batch's pass.
 
     With a micro_batch_size, each batch Keras makes is one window, an effective batch:
     the train function takes it from Keras's iterator, a call cuts it, on each replica,
@@ -163,6 +164,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
             parallel_mini_batches)
         self.model = model
+        if model.built:  # its weights are ours: count_params(), summary() before fit
+            self.built = True
         self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
             average_gradients, micro_batch_size)
         self.budget = micro_batch_lib.check_budget(budget)
@@ -278,7 +281,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         window = step_lib.WindowStep(
             self.distribute_strategy, self.optimizer, self.trainable_variables, statistics,
             self.check_finite, _keras_src.summed_activity(self),
-            lambda loss: _keras_src.add_to_logged_loss(self, loss))
+            lambda loss, parts, samples, _: _keras_src.log_window(self, loss, parts, samples))
         x = keras.utils.unpack_x_y_sample_weight(spec)[0]
         window.build_statistics(self, _any_samples(x))
         with self.distribute_strategy.scope():
@@ -288,6 +291,17 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 self._skipped = tf.Variable(tf.constant(0, tf.int64), trainable=False)
         self._window = window
         self.train_function = None
+
+        @tf.function(input_signature=[_any_samples(spec)])
+        def one_pass(data):  # traced only, for the parts of the loss
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            self._mini_batch_pass(
+                *([tf.convert_to_tensor(v) for v in variables] for variables in (
+                    self.trainable_variables, self.non_trainable_variables,
+                    self.metrics_variables)),
+                x, y, sample_weight, tf.shape(tf.nest.flatten(x)[0])[0])
+
+        window.learn_layout(one_pass.get_concrete_function)
 
     def _cut_batches(self, windows):
         """Each batch an effective batch: the MicroBatch that cuts them, of fit's first
@@ -359,6 +373,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         if window is None:
             raise RuntimeError("the train function is made by fit(); call fit")
         average_gradients = self.average_gradients
+        if window.rescale:
+            window.expected.assign(average_gradients)
         mini_batch_pass = (tf.function(self._mini_batch_pass, jit_compile=True)
                            if self.jit_compile else self._mini_batch_pass)
 
@@ -370,14 +386,14 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             def run(data, weights, values):
                 x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
                 n_local = tf.shape(tf.nest.flatten(x)[0])[0]
-                (gradients, state_values, metrics_values, loss_sum, moments,
-                 activity) = mini_batch_pass(weights, values[:len(state)], values[len(state):],
-                                             x, y, sample_weight, n_local)
-                finite = tf.math.is_finite(loss_sum)
+                (gradients, state_values, metrics_values, parts,
+                 moments) = mini_batch_pass(weights, values[:len(state)], values[len(state):],
+                                            x, y, sample_weight, n_local)
+                finite = tf.reduce_all(tf.math.is_finite(parts))
                 # A non-finite mini-batch (its window is skipped) is left out of the logs.
                 metrics_values = [tf.where(finite, value, before) for value, before in
                                   zip(metrics_values, values[len(state):])]
-                return ((gradients, moments, n_local, finite, activity),
+                return ((gradients, moments, n_local, finite, parts),
                         list(state_values) + metrics_values)
 
             results = step_lib.run_passes(run, group, self.trainable_variables,
@@ -458,6 +474,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 batch = _next_batch(iterator, step)
                 if batch is None:
                     break
+                if window.rescale and isinstance(self._cut, micro_batch_lib.MicroBatch):
+                    window.expected.assign(micro_batch_lib.mini_batches_of(
+                        batch, self._cut.micro_batch_size * strategy.num_replicas_in_sync))
                 _, self._cut = windows.add(batch, self._cut)
                 logs, self._cut = windows.apply(apply, self._cut)
             return logs
@@ -465,31 +484,24 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return train_function
 
     def make_test_function(self, force=False):
-        """Keras's test function; with a micro_batch_size, one that evaluates each batch
-        in mini-batches of the micro-batch training uses (the largest that fit so far
-        while it is searched for; the whole batch before fit knows one), so that
-        evaluation fits where training does. The metrics are Keras's, over the batch.
-        Under a strategy of several workers, that one too (each batch whole without a
-        micro_batch_size): Keras's reduces each step's logs with strategy.reduce along
-        an axis they do not have, and fails (keras-team/keras#20585); this one reads the
-        metrics across the replicas, as the train function does."""
-        if (self.micro_batch_size is None
-                and replicas_lib.workers(self.distribute_strategy) == 1):
+        """Keras's test function on one device without a micro_batch_size; else one that
+        evaluates each batch in mini-batches of the micro-batch training uses (the
+        largest that fit so far while it is searched for; the whole batch before fit
+        knows one), so that evaluation fits where training does, and divides as
+        training does: the batch's loss is the sums of its mini-batches' and replicas'
+        losses over the sums of their divisors (one all-reduce), as on one device. (Keras's
+        own, under a strategy, averages the replicas' means; under several workers it
+        reduces each step's logs along an axis they do not have, and fails:
+        keras-team/keras#20585.) The compiled metrics are Keras's, over the batch."""
+        strategy = self.distribute_strategy
+        if self.micro_batch_size is None and strategy.num_replicas_in_sync == 1:
             return super().make_test_function(force)
         if self.test_function is not None and not force:
             return self.test_function
-        strategy = self.distribute_strategy
-
-        def replica_test(data, size):
-            # size 0: the whole batch (no micro-batch known yet).
-            samples = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int32)[0]
-            size = tf.where(size > 0, size, tf.maximum(samples, 1))
-            return window_lib.cut(data, size,
-                                  lambda group: tf.nest.flatten(self.test_step(group[0])))
 
         @tf.function(reduce_retracing=True)
         def test_batch(data, size):
-            strategy.run(replica_test, args=(data, size))
+            strategy.run(self._replica_test, args=(data, size))
             return self.get_metrics_result()
 
         def test_function(iterator):
@@ -507,6 +519,50 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self.test_function = test_function
         return test_function
 
+    def _replica_test(self, data, size):
+        """Replica context: evaluates this replica's share of a batch in mini-batches of
+        `size` (0: whole), one at a time, and logs the batch's loss across replicas."""
+        samples = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int32)[0]
+        size = tf.where(size > 0, size, tf.maximum(samples, 1))
+        count = tf.maximum((samples + size - 1) // size, 1)
+
+        def mini_batch(i):
+            return tf.nest.map_structure(lambda t: t[i * size:(i + 1) * size], data)
+
+        def body(i, total):
+            return i + 1, total + self._evaluated_parts(mini_batch(i))
+
+        _, total = tf.while_loop(lambda i, _: i < count, body,
+                                 (tf.constant(1), self._evaluated_parts(mini_batch(0))),
+                                 parallel_iterations=window_lib.PARALLEL_ITERATIONS)
+        total = tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, total[:-1])
+        loss, part_values = step_lib.loss_of(total)
+        loss += step_lib.regularization(self.trainable_variables)
+        _keras_src.log_window(self, loss, part_values, tf.cast(samples, tf.float32))
+
+    def _evaluated_parts(self, data):
+        """One mini-batch evaluated: its compiled metrics updated, and its parts' values
+        (window_step.part_values) with its samples after them."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        n = tf.shape(tf.nest.flatten(x)[0])[0]
+        records = []
+        summed_activity = _keras_src.summed_activity(self)
+        with summed_activity(records) if summed_activity else contextlib.nullcontext():
+            y_pred = self(x, training=False)
+        parts = _keras_src.loss_parts(self, y, y_pred, sample_weight)
+        pass_losses = step_lib.data_losses(self, self.losses)
+        if pass_losses:
+            total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
+                              for loss in pass_losses])
+            parts.append(window_lib.Part(total * tf.cast(n, total.dtype), n, None,
+                                       window_lib.SAMPLES))
+        if records:
+            parts.append(window_lib.Part(tf.add_n([tf.cast(r, tf.float32) for r in records]),
+                                       None, None, None))
+        self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return tf.concat([step_lib.part_values(parts), [tf.cast(n, tf.float64)]], 0)
+
     def _evaluated_by(self):
         """The mini-batch evaluation cuts a batch into, per replica; 0: none (the whole
         batch)."""
@@ -521,37 +577,31 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
                          n_local):
         """One mini-batch's pass on values, on Keras's compiled loss and metrics (XLA
-        compiles it under jit_compile): (the gradients of its loss sum, the model's other
-        state, the metrics' values, the loss sum, the batch-norm sums, the activity losses
-        apart: MiniBatch.activity)."""
+        compiles it under jit_compile): (per term, the gradients of its sum, the model's
+        other state, the metrics' values, the parts' values, the batch-norm sums)."""
         window = self._window
-        n = tf.cast(n_local, tf.float32)
 
         def objective(y_pred, pass_losses, non_trainable_values):
-            # As Keras's JAX trainer: the model, then the loss, on values, with the
-            # pass's add_loss and regularization losses.
-            with _keras_src.losses_from_the_pass(self, pass_losses):
-                loss, (_, non_trainable_values, metrics_after) = self.stateless_compute_loss(
-                    weights, non_trainable_values, metrics_values, x=x, y=y, y_pred=y_pred,
-                    sample_weight=sample_weight, training=True)
-            loss = _keras_src.unscale_loss_for_distribution(loss)
-            # In the loss's own type: a float64 model's is float64.
-            loss_sum = loss * tf.cast(n_local, loss.dtype)
-            return (step_lib.scaled_objective(self.optimizer, loss_sum, n_local),
-                    (loss, y_pred, non_trainable_values, metrics_after))
+            parts = _keras_src.loss_parts(self, y, y_pred, sample_weight)
+            if pass_losses:  # add_loss's, each a mean over the samples, as Keras adds them
+                total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
+                                  for loss in pass_losses])
+                parts.append(window_lib.Part(total * tf.cast(n_local, total.dtype), n_local,
+                                           None, window_lib.SAMPLES))
+            if not parts:
+                raise ValueError("No loss to compute. Provide a `loss` argument in "
+                                 "`compile()`.")
+            return parts, (y_pred, non_trainable_values)
 
         step = window.mini_batch_gradients(self, weights, non_trainable, x, objective)
         window.no_gradient = step.no_gradient
-        loss, y_pred, non_trainable_values, metrics_after = step.extra
-        gradients = step_lib.unscaled(self.optimizer, step.gradients, n_local)
+        y_pred, non_trainable_values = step.extra
         metrics = self.metrics_variables
-        with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_after))) as scope:
-            _keras_src.loss_tracker(self).update_state(loss, sample_weight=n_local)
+        with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_values))) as scope:
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return (gradients, non_trainable_values,
-                [scope.get_current_value(v) for v in metrics],
-                tf.cast(loss, tf.float32) * n, step_lib.pass_moments(window.statistics, step),
-                step.activity)
+        return (step.gradients, non_trainable_values,
+                [scope.get_current_value(v) for v in metrics], step.parts,
+                step_lib.pass_moments(window.statistics, step))
 
 
 class _SingleValueWarning(keras.callbacks.Callback):

@@ -109,6 +109,13 @@ class MicroBatch(collections.namedtuple(
         return describe(self)
 
 
+def mini_batches_of(batch, size):
+    """The mini-batches of `size` samples (all replicas') a batch (a nested structure
+    of tensors) is cut into: at least one."""
+    samples = int(tf.shape(tf.nest.flatten(batch)[0])[0])
+    return max(1, -(-samples // size))
+
+
 class NothingFits(ValueError):
     """Not even a micro-batch of one sample (or the update) fits in the budget."""
 

@@ -6,6 +6,8 @@ Legacy TF1 code changes one line, where the optimizer is made:
     train_op = opt.minimize(loss, global_step=global_step)   # run once per mini-batch
     ...
     sess.run(opt.flush_op())                                 # a trailing partial window
+    # under MonitoredTrainingSession: chief_only_hooks=[opt.flush_hook()], which flushes
+    # before the final checkpoint
 
 Each run of `train_op` adds its mini-batch's gradients to accumulator variables; the
 Nth run also applies their (weighted) mean with the wrapped optimizer and resets the
@@ -170,6 +172,19 @@ def _window_variable(initial_value, name):
                        collections=[v1.GraphKeys.GLOBAL_VARIABLES])
 
 
+class FlushHook(v1.train.SessionRunHook):
+    """Runs an AveragingOptimizer's flush op when the session ends (AveragingOptimizer.
+    flush_hook). A MonitoredSession ends its hooks in the order they are listed, at the
+    end of the data (OutOfRangeError) as after a stop, and its CheckpointSaverHook saves
+    the final checkpoint in its own `end`: this hook must come before it."""
+
+    def __init__(self, flush_op):
+        self.flush_op = flush_op
+
+    def end(self, session):
+        session.run(self.flush_op)
+
+
 class AveragingOptimizer(v1.train.Optimizer):
     """Applies the mean gradient of N mini-batches with any v1 optimizer.
 
@@ -285,6 +300,21 @@ class AveragingOptimizer(v1.train.Optimizer):
           RuntimeError: minimize/apply_gradients has not been built in this graph.
         """
         return self._window("flush_op").flush_op
+
+    def flush_hook(self):
+        """A SessionRunHook that runs flush_op() as the session ends, so that the final
+        checkpoint holds the partial window's update (at the end of the data, or after a
+        stop hook).
+
+        MonitoredTrainingSession puts `chief_only_hooks` before its CheckpointSaverHook
+        and `hooks` after it: pass this one in `chief_only_hooks` (or list it before a
+        CheckpointSaverHook of your own). In `hooks` it flushes after the final save,
+        and that checkpoint does not hold the update.
+
+        Raises:
+          RuntimeError: minimize/apply_gradients has not been built in this graph.
+        """
+        return FlushHook(self.flush_op())
 
     @property
     def skipped_windows(self):

@@ -65,18 +65,29 @@ def stack_window(mini_batches):
     return xs, ys, sizes
 
 
-def _loss_sum(loss_fn, y, outputs, regularization, n_local):
-    """The sum of a mini-batch's per-sample losses, regularization once per sample."""
-    losses = loss_fn(y, outputs)
-    if losses.shape.rank == 0:
-        raise ValueError("loss_fn must return one loss per sample, not their mean "
-                         "(use a Keras loss with reduction=None)")
-    loss_sum = tf.reduce_sum(tf.cast(losses, tf.float32))
-    if regularization:  # regularizers count once per sample, so once per mean
+def _loss_parts(loss_fn, y, outputs, pass_losses, n_local):
+    """A mini-batch's loss as window_step.Parts: loss_fn's losses summed and divided by
+    the samples, or, where it returns (losses, weights), the weighted sum divided by
+    the summed weights; the pass's add_loss losses once per sample."""
+    out = loss_fn(y, outputs)
+    if isinstance(out, tuple) and len(out) == 2:
+        losses, weights = out
+        losses = tf.cast(losses, window_lib.accumulator_dtype(losses))
+        weights = tf.broadcast_to(tf.cast(weights, losses.dtype), tf.shape(losses))
+        parts = [window_lib.Part(tf.reduce_sum(losses * weights), tf.reduce_sum(weights), None,
+                               "weights")]
+    else:
+        if out.shape.rank == 0:
+            raise ValueError("loss_fn must return one loss per sample, not their mean (use a "
+                             "Keras loss with reduction=None), or (losses, weights)")
+        parts = [window_lib.Part(tf.reduce_sum(tf.cast(out, window_lib.accumulator_dtype(out))),
+                               n_local, None, window_lib.SAMPLES)]
+    if pass_losses:  # each a mean over the samples: once per sample
         # In float32: a float16 layer's activity loss (mixed precision) is float16.
-        loss_sum += tf.cast(n_local, tf.float32) * tf.add_n(
-            [tf.cast(loss, tf.float32) for loss in regularization])
-    return loss_sum
+        parts.append(window_lib.Part(tf.cast(n_local, tf.float32) * tf.add_n(
+            [tf.cast(loss, tf.float32) for loss in pass_losses]), n_local, None,
+            window_lib.SAMPLES))
+    return parts
 
 
 def _has_activity_regularizer(model):
@@ -156,7 +167,7 @@ class _Accumulator:
                 "samples_total")
         self.step = step_lib.WindowStep(
             self.strategy, optimizer, self.variables, self.statistics, check_finite,
-            summed_activity, lambda loss: self.loss_total.assign_add(tf.cast(loss, tf.float64)))
+            summed_activity, self._log)
         self._pass = (tf.function(self._gradients, jit_compile=True)
                       if self.jit_compile else self._gradients)
         self.apply_step = tf.function(self.step.apply)
@@ -167,54 +178,58 @@ class _Accumulator:
 
     def _gradients(self, weights, state, x, y, n_local):
         """One mini-batch's pass on values (XLA compiles it under jit_compile):
-        (gradients of its loss sum, the model's other state, the loss sum, the
-        batch-norm sums, the activity losses apart: MiniBatch.activity)."""
-        loss_sum = []
-
-        def objective(outputs, regularization, unused_state):
-            loss_sum.append(_loss_sum(self.loss_fn, y, outputs, regularization, n_local))
-            return step_lib.scaled_objective(self.optimizer, loss_sum[0], n_local), None
+        (per term, the gradients of its sum, the model's other state, the parts' values,
+        the batch-norm sums)."""
+        def objective(outputs, pass_losses, unused_state):
+            return _loss_parts(self.loss_fn, y, outputs, pass_losses, n_local), None
 
         step = self.step.mini_batch_gradients(self.model, weights, state, x, objective)
         self.step.no_gradient = step.no_gradient
-        gradients = step_lib.unscaled(self.optimizer, step.gradients, n_local)
-        return (gradients, step.state, loss_sum[0], step_lib.pass_moments(self.statistics, step),
-                step.activity)
+        return (step.gradients, step.state, step.parts,
+                step_lib.pass_moments(self.statistics, step))
 
-    def _replica_mini_batches(self, batches, n_locals, n_globals):
+    def _replica_mini_batches(self, batches, n_locals):
         """Adds this replica's shares of a group of global mini-batches to the window, in
         order; their passes may run at once (step_lib.run_passes). Returns a token that
         exists once all are added."""
         def run(batch, weights, state):
             (x, y), n_local = batch
-            gradients, state, loss_sum, moments, activity = self._pass(
-                weights, state, x, y, n_local)
-            return (gradients, loss_sum, moments, activity), state
+            gradients, state, parts, moments = self._pass(weights, state, x, y, n_local)
+            return (gradients, parts, moments), state
 
         results = step_lib.run_passes(run, list(zip(batches, n_locals)), self.variables,
                                       self.model.non_trainable_variables)
         tokens = []
-        for (gradients, loss_sum, moments, activity), n_local, n_global in zip(
-                results, n_locals, n_globals):
-            finite = tf.math.is_finite(loss_sum)
-            # A NaN must not poison the running loss that the logs report.
-            self.loss_total.assign_add(tf.where(finite, tf.cast(loss_sum, tf.float64), 0.0))
-            self.samples_total.assign_add(
-                tf.where(finite, tf.cast(n_global, tf.float64), tf.constant(0.0, tf.float64)))
-            tokens.append(self.step.add(gradients, moments, n_local, finite, activity))
+        for (gradients, parts, moments), n_local in zip(results, n_locals):
+            finite = tf.reduce_all(tf.math.is_finite(parts))
+            tokens.append(self.step.add(gradients, moments, n_local, finite, parts))
         return step_lib.last_of(tokens)
 
     def _add(self, batches):
         """Cross-replica: adds a group of global mini-batches (x, y), in order, each
         replica its shares."""
-        n_globals = [tf.shape(tf.nest.flatten(batch)[0])[0] for batch in batches]
         shares = [replicas_lib.distribute(self.strategy, batch) for batch in batches]
         return self.strategy.run(self._replica_mini_batches, args=(
-            [share for share, _ in shares], [n_local for _, n_local in shares], n_globals))
+            [share for share, _ in shares], [n_local for _, n_local in shares]))
 
-    def _build_statistics(self, x):
-        self.step.build_statistics(self.model, tf.nest.map_structure(
-            lambda t: _spec(t, 1), x))
+    def _build(self, x, y):
+        """The window step's batch-norm sums and its parts (one pass traced), for
+        mini-batches like (x, y) (tensors, arrays or specs): once, before training."""
+        x_spec, y_spec = (tf.nest.map_structure(lambda t: _spec(t, 1), t) for t in (x, y))
+        self.step.build_statistics(self.model, x_spec)
+
+        @tf.function(input_signature=[x_spec, y_spec])
+        def one_pass(x, y):  # traced only, for the parts of the loss
+            self._gradients([tf.convert_to_tensor(v) for v in self.variables],
+                            [tf.convert_to_tensor(v) for v in self.model.non_trainable_variables],
+                            x, y, tf.shape(tf.nest.flatten(x)[0])[0])
+
+        self.step.learn_layout(one_pass.get_concrete_function)
+
+    def _log(self, loss, unused_parts, samples, all_samples):
+        """WindowStep's log_loss: the running totals (loss_totals)."""
+        self.loss_total.assign_add(loss * tf.cast(samples, tf.float64))
+        self.samples_total.assign_add(all_samples)
 
     def _counted(self, applied, single):
         applied = bool(applied)
@@ -234,14 +249,14 @@ class _Accumulator:
         many times at once as the window loop runs passes (parallel_mini_batches), for
         their peak."""
         signature = tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))
-        self._build_statistics(signature[0])
-        replicas, group = self.strategy.num_replicas_in_sync, self.parallel_mini_batches
+        self._build(*signature)
+        group = self.parallel_mini_batches
 
         @tf.function(input_signature=[signature])
         def add(batch):
             n = tf.shape(tf.nest.flatten(batch)[0])[0]
             self.strategy.run(self._replica_mini_batches,
-                              args=([batch] * group, [n] * group, [n * replicas] * group))
+                              args=([batch] * group, [n] * group))
 
         state = (self.model.trainable_variables + list(self.optimizer.variables)
                  + self._pass_state())
@@ -348,6 +363,9 @@ class _Accumulator:
             self._effective_windows[key] = micro_batch_lib.EffectiveWindows(
                 self._effective_add(signature), self.step, self._pass_state())
         windows = self._effective_windows[key]
+        if self.step.rescale and isinstance(found, micro_batch_lib.MicroBatch):
+            self.step.expected.assign(micro_batch_lib.mini_batches_of(
+                batch, found.micro_batch_size * self.strategy.num_replicas_in_sync))
         count, found = windows.add(tuple(batch), found)
         (applied, single), found = windows.apply(self.apply_step, found)
         return self._counted(bool(applied), single.numpy()), count, found
@@ -429,7 +447,7 @@ class WindowAccumulator(_Accumulator):
     def _compile_window_step(self, xs, ys, sizes):
         signature = tf.nest.map_structure(lambda t: _spec(t, 2), (xs, ys)) + (
             tf.TensorSpec([None], tf.convert_to_tensor(sizes).dtype),)
-        self._build_statistics(tf.nest.map_structure(lambda t: t[0], xs))
+        self._build(*tf.nest.map_structure(lambda t: t[0], (xs, ys)))
 
         @tf.function(input_signature=signature)
         def window_step(xs, ys, sizes):
@@ -490,13 +508,15 @@ class WindowAccumulator(_Accumulator):
           True where the window was applied, False where it was skipped.
         """
         self.build_window(xs, ys, sizes)
+        if self.step.rescale:
+            self.step.expected.assign(len(sizes))
         return self._counted(*(v.numpy() for v in self.window_step(xs, ys, sizes)))
 
     def _effective_add(self, signature):
         """The tf.function adding one effective batch (x, y) to the open window as
         mini-batches of `size` samples per replica, one at a time: (batch, size) ->
         mini-batches; one trace for every batch size and micro-batch."""
-        self._build_statistics(signature[0])
+        self._build(*signature)
         replicas = self.strategy.num_replicas_in_sync
 
         @tf.function(input_signature=[signature, tf.TensorSpec([], tf.int32)])
@@ -510,7 +530,7 @@ class WindowAccumulator(_Accumulator):
         """The tf.function that pulls one window of up to N mini-batches from an
         iterator, one at a time, and applies it: -> (mini-batches, applied, single)."""
         if average_gradients not in self._iterator_steps:
-            self._build_statistics(element_spec[0])
+            self._build(*element_spec)
 
             @tf.function
             def window_from(iterator):
@@ -550,6 +570,8 @@ class WindowAccumulator(_Accumulator):
         if dataset is None:  # nothing to train on
             return counts.summary(warn_partial, applied)
         window_from = self._iterator_step(counts.average_gradients, dataset.element_spec)
+        if self.step.rescale:
+            self.step.expected.assign(counts.average_gradients)
         iterator = iter(dataset)
         while True:
             size, applied, single = window_from(iterator)
@@ -606,8 +628,8 @@ class MiniBatchAccumulator(_Accumulator):
 
     @property
     def sums(self):
-        """The window's replica-local gradient sums."""
-        return self.step.sums
+        """The window's replica-local gradient sums (every term's, in order)."""
+        return [total for term in self.step.sums or [] for total in term]
 
     @property
     def samples(self):
@@ -618,12 +640,14 @@ class MiniBatchAccumulator(_Accumulator):
         """Compiles the mini-batch step for batches shaped like (x, y), without training."""
         if self.mini_batch_step is None:
             signature = tf.nest.map_structure(lambda t: _spec(t, 1), (x, y))
-            self._build_statistics(x)
+            self._build(x, y)
 
             def mini_batch_step(x, y):
                 self._add([(x, y)])
 
             self.mini_batch_step = tf.function(mini_batch_step, input_signature=signature)
+            if self.step.rescale:
+                self.step.expected.assign(self.average_gradients or 1)
             # Traced now: apply_step needs to know which variables get a gradient.
             self.mini_batch_step.get_concrete_function()
 

@@ -6,6 +6,7 @@ mini-batches whose gradients make one update; stacked (where a caller stacks the
 lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes beside them.
 """
 
+import collections
 import numbers
 import warnings
 
@@ -22,6 +23,20 @@ PARALLEL_ITERATIONS = 1
 # TensorFlow feeds a numpy array to a session without copying it when its data is this
 # aligned.
 FEED_ALIGNMENT = 64
+
+
+Part = collections.namedtuple("Part", ["numerator", "divisor", "weight", "term"])
+Part.__doc__ = """One part of a mini-batch's loss, as the direct batch reduces it.
+
+numerator: a scalar, the part's sum over the mini-batch (weighted, masked losses);
+divisor: this mini-batch's share of what the direct batch divides that sum by (a scalar:
+  its samples, valid tokens or summed weights), or None where it divides by nothing;
+weight: the part's weight in the loss (compile's loss_weights), or None for 1;
+term: the parts whose divisors are the same quantity share a term (a hashable key:
+  SAMPLES for the mini-batch's samples, None for parts not divided); the window keeps one
+  sum per term.
+"""
+SAMPLES = "samples"  # the term of the parts divided by their mini-batch's samples
 
 
 def check_average_gradients(value, name="average_gradients"):
@@ -300,34 +315,61 @@ def zero_sums(sums, finite):
     return [tf.cond(finite, lambda: tf.group(in_place()), lambda: tf.group(written()))]
 
 
-def divide_in_place(sums, count, addends=None):
-    """Divides each sum variable by `count`, one after the other, and says whether all
-    the results are finite: the window's mean in the sums' own buffers
-    (assign_in_place), with one variable's temporary at a time (all at once would hold a
-    second copy of the gradients).
+def divide_in_place(terms, divisors, addends=None, overwrite=None):
+    """Writes each variable's share of the window's mean into its first sum's buffer,
+    one variable after the other (assign_in_place), and says whether all are finite:
+    one variable's temporaries at a time (all at once would hold a second copy of the
+    gradients).
 
     Args:
-      addends: a tensor (or None) per sum, added to it after the division: what was
-        summed apart, whose weight does not depend on the window's samples.
+      terms: per term, one sum variable or None (the term does not reach it) per
+        variable, aligned; each variable is reached by at least one term.
+      divisors: per term, the scalar its sums are divided by (0: its sums are zero, as
+        every numerator was), or None: not divided.
+      addends: None, or per variable None, a tensor, or a function of no arguments that
+        makes it (run in turn, so that its temporary lives only then), added after the
+        division: what does not depend on the window's samples.
+      overwrite: None, or per variable whether it is written with its "gradient"
+        (float8's scales and histories): its terms' elementwise maximum, undivided.
 
     Returns:
       (values, finite): each variable's value after the division (a read that shares
       its buffer), and a bool scalar tensor: no NaN or Inf in any of them (a sum or
-      addend that was not finite, a count of zero, a sum that overflowed).
+      addend that was not finite, a sum that overflowed).
     """
-    addends = [None] * len(sums) if addends is None else addends
-    finite, done = [], []
-    for total, addend in zip(sums, addends):
+    count = len(terms[0]) if terms else 0
+    addends = [None] * count if addends is None else addends
+    overwrite = [False] * count if overwrite is None else overwrite
+    finite, done, buffers = [], [], []
+    for i in range(count):
+        sums = [(term[i], divisor) for term, divisor in zip(terms, divisors)
+                if term[i] is not None]
+        buffer = sums[0][0]
         with tf.control_dependencies(done):
-            value = total / tf.cast(count, total.dtype)
-            if addend is not None:
-                value += tf.cast(addend, total.dtype)
+            value = None
+            for total, divisor in sums:
+                if overwrite[i]:
+                    part = total.read_value()
+                    value = part if value is None else tf.maximum(value, part)
+                    continue
+                part = total
+                if divisor is not None:
+                    divisor = tf.cast(divisor, total.dtype)
+                    part = total / tf.where(tf.equal(divisor, 0), tf.ones_like(divisor),
+                                            divisor)
+                value = part if value is None else value + part
+            addend = addends[i]
+            if callable(addend):
+                addend = addend()
+            if addend is not None and not overwrite[i]:
+                value += tf.cast(addend, buffer.dtype)
             check = tf.reduce_all(tf.math.is_finite(value))
             finite.append(check)
             with tf.control_dependencies([check]):
-                done = [assign_in_place(total, value)]
+                done = [assign_in_place(buffer, value)]
+        buffers.append(buffer)
     with tf.control_dependencies(done):
-        values = [total.read_value() for total in sums]
+        values = [buffer.read_value() for buffer in buffers]
     return values, (tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True))
 
 

@@ -10,17 +10,23 @@ step alone (the window loop hands over one at a time, so one mini-batch's activa
 are alive at once); the mean is divided in place, one variable at a time
 (window.divide_in_place).
 
-The applied gradient is the sum of every sample's loss gradient divided by the window's
-samples: exactly the mean loss's over the window, whatever the sizes of its mini-batches.
-An activity regularizer's loss that Keras adds as a raw sum over the batch (before 3.14)
-counts once per window, not once per sample: its gradients are summed apart, in a second
-accumulator made only for such a model, and added undivided (WindowStep.activity_sums).
+The applied gradient is the direct batch's: a loss is a sum divided by a divisor (its
+samples, its valid tokens under a mask, its summed sample weights, or nothing for a
+"sum"), and the direct batch of the window's samples divides the sum of all of them by
+the sum of all their divisors. So each mini-batch adds the gradient of its sum (a
+Part's numerator) and its divisor, and the window divides once, whatever the sizes of
+its mini-batches or the tokens they hold. Parts that divide by different quantities
+(two outputs under different masks; a per-token loss beside a per-sample add_loss) are
+summed apart, a term each: one accumulator and one backward pass per term, the first
+term's only where all divide alike. Weight regularization, a function of the weights
+alone, is differentiated once per window, at the apply.
 A window in which any loss or gradient is NaN or Inf is skipped whole (the replicas vote
 first): the optimizer does not step, so its `iterations`, and an LR schedule, stay put.
 """
 
 import collections
 import contextlib
+import functools
 import threading
 
 import keras
@@ -31,63 +37,64 @@ from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
 MiniBatch = collections.namedtuple(
-    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments", "activity"])
+    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments", "parts"])
 
 
-def mini_batch_gradients(model, weights, non_trainable, x, objective, statistics=None,
-                         summed_activity=None, optimizer=None):
-    """One mini-batch's forward and backward pass, on values: every path's pass.
 
-    Args:
-      model: the Keras model, run by `stateless_call` in training mode.
-      weights, non_trainable: the values of its trainable and other variables.
-      x: the mini-batch's inputs (this replica's share).
-      objective: (outputs, regularization losses, non_trainable) -> (the scalar to
-        differentiate, anything else to return), computed under the tape.
-      statistics: the model's batch_statistics.BatchStatistics, or None.
-      summed_activity: the WindowStep's (see there), or None: the activity
-        regularizers' losses are left out of the regularization losses and
-        differentiated apart, a second backward pass on the same tape.
-      optimizer: scales the activity losses as it scales the loss (summed_activity).
+def _terms(parts, keys):
+    """The parts summed by term, in the order of `keys`: [(weighted sum, divisor)]."""
+    totals = {}
+    for part in parts:
+        value = tf.cast(part.numerator, window_lib.accumulator_dtype(part.numerator))
+        if part.weight is not None:
+            value = value * tf.cast(part.weight, value.dtype)
+        if part.term in totals:
+            totals[part.term] = (totals[part.term][0] + value, totals[part.term][1])
+        else:
+            totals[part.term] = (value, part.divisor)
+    return [totals[key] for key in keys]
 
-    Returns:
-      MiniBatch(gradients: a tensor, rows (tf.IndexedSlices: an embedding's, added
-      as rows, window.add_rows) or None per weight, no_gradient: which are None,
-      state: the model's other state after the pass (batch norm's moving statistics
-      as they were, where they step once per update), extra: what `objective`
-      returned beside its scalar, moments: the batch-norm moments of the pass,
-      activity: (the activity losses' gradients, a tensor, rows or None per weight,
-      their float32 sum), or None where summed_activity is).
-    """
-    moments, records = [], []
-    capture = statistics.capture(moments) if statistics else contextlib.nullcontext()
-    apart = summed_activity(records) if summed_activity else contextlib.nullcontext()
-    with tf.GradientTape(persistent=bool(summed_activity)) as tape:
-        tape.watch(weights)
-        with capture, apart:
-            outputs, after, regularization = model.stateless_call(
-                weights, non_trainable, x, training=True, return_losses=True)
-        if statistics:
-            after = statistics.held(non_trainable, after)
-        value, extra = objective(outputs, regularization, after)
-        if records:
-            activity_loss = tf.add_n([tf.cast(loss, tf.float32) for loss in records])
-            # A sum weighed as it is (no mean to take), scaled as the loss is.
-            activity_value = scaled_objective(optimizer, activity_loss, 1)
-    grads = tape.gradient(value, weights)
-    activity = None
-    if records:
-        activity_grads = tape.gradient(activity_value, weights)
-        # A weight that only the activity losses reach still has a loss gradient, zero,
-        # so that it is applied (a weight without one is left out of the apply); made as
-        # the pass runs, not a constant that Grappler folds and the executor keeps.
-        grads = [window_lib.zeros(w.shape, w.dtype) if g is None and a is not None else g
-                 for g, a, w in zip(grads, activity_grads, weights)]
-        activity = (activity_grads, activity_loss)
-    no_gradient = [g is None for g in grads]
-    if all(no_gradient):
-        raise ValueError("no variable receives a gradient from the loss")
-    return MiniBatch(grads, no_gradient, after, extra, moments, activity)
+
+def part_values(parts):
+    """float64 [2 x parts]: each part's weighted numerator, then its divisor (0 where it
+    divides by nothing): what the window sums for its logged loss and divisions."""
+    numerators, divisors = [], []
+    for part in parts:
+        value = tf.cast(part.numerator, tf.float64)
+        if part.weight is not None:
+            value *= tf.cast(part.weight, tf.float64)
+        numerators.append(value)
+        divisors.append(tf.constant(0.0, tf.float64) if part.divisor is None
+                        else tf.cast(part.divisor, tf.float64))
+    return tf.stack(numerators + divisors)
+
+
+def loss_of(values):
+    """(the loss, each part's value): from the sums over a window (or a batch) of its
+    parts' part_values, float64 [2 x parts]. A part divided by nothing records 0 as its
+    divisor, as does one whose divisor is 0 (no valid token: its numerator is 0 too),
+    so each divides by its divisor where that is not 0."""
+    numerators, divisors = tf.split(values, 2)
+    part_values = numerators / tf.where(tf.equal(divisors, 0), tf.ones_like(divisors),
+                                        divisors)
+    return tf.reduce_sum(part_values), part_values
+
+
+def regularization(variables):
+    """The weight regularization of `variables` (a scalar float64): what Keras adds to
+    a batch's loss once."""
+    losses = [tf.cast(v.regularizer(v), tf.float64) for v in variables
+              if getattr(v, "regularizer", None) is not None]
+    return tf.add_n(losses) if losses else tf.constant(0.0, tf.float64)
+
+
+def data_losses(model, losses):
+    """A pass's losses (stateless_call's) without weight regularization's, which the
+    window differentiates once, at the apply (WindowStep._shares)."""
+    if not any(getattr(v, "regularizer", None) is not None for v in model.trainable_weights):
+        return list(losses)
+    from gradient_averaging import _keras_src  # Keras's layout of a layer's losses
+    return _keras_src.without_weight_regularization(model, losses)
 
 
 @contextlib.contextmanager
@@ -142,38 +149,12 @@ def pass_moments(statistics, step):
     return statistics.add(statistics.zeros(), step.moments, statistics.shifts(step.state))
 
 
-def scaled_objective(optimizer, loss_sum, n_local):
-    """The scalar to differentiate for a mini-batch's loss sum (unscaled() makes its
-    gradients those of the sum).
-
-    Under a LossScaleOptimizer (mixed precision) the scaled loss is the mini-batch's
-    mean, as Keras scales a batch's: its float16 gradients keep the magnitude of a
-    direct batch's; they are made gradients of the sum again in float32.
-    """
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return loss_sum
-    return optimizer.scale_loss(loss_sum / _mean_over(n_local))
-
-
-def unscaled(optimizer, gradients, n_local):
-    """The gradients of scaled_objective's scalar as those of the loss sum (the
-    LossScaleOptimizer unscales what it applies by its own scale)."""
-    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        return gradients
-    mean_over = _mean_over(n_local)
-    return [None if g is None else _times(g, tf.cast(mean_over, g.dtype)) for g in gradients]
-
-
 def _times(gradient, factor):
     """A gradient times a scalar; rows (tf.IndexedSlices) stay rows."""
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(gradient.values * factor, gradient.indices,
                                 gradient.dense_shape)
     return gradient * factor
-
-
-def _mean_over(n_local):
-    return tf.maximum(tf.cast(n_local, tf.float32), 1.0)
 
 
 def run_passes(run, batches, weight_variables, state_variables):
@@ -264,32 +245,43 @@ class WindowStep:
     """A window's state on each replica, and the two things done with it: add a
     mini-batch (`add`, in a replica's context), apply the window (`apply`, across).
 
+    Made in two steps: the step, then `learn_layout` (a trace of one pass, before any
+    other) learns the parts the objective returns and makes the sums, one per term.
+
     Attributes:
-      sums: replica-local gradient sums, one per trainable variable, in its
-        accumulation type.
+      layout: each part's term, in the order the objective returns them (None before
+        learn_layout); terms: the distinct terms, in that order.
+      sums: per term, replica-local gradient sums, one per trainable variable, in its
+        accumulation type (where the variable is marked overwrite_with_gradient, as
+        float8's scales and histories are, the window's elementwise maximum of what
+        the passes give it, which the optimizer writes as it is, as Keras's own
+        accumulation does).
       mini_batches: mini-batches added to the open window.
       samples: the open window's samples on this replica (its shares' samples).
+      parts: the open window's sums, on this replica, of each part's weighted numerator
+        then of its divisor (float64 [2 x parts]), over its finite mini-batches.
       nonfinite: mini-batches of the open window whose loss was not finite, on this
         replica (the sums are checked when the window closes: a sum is finite only if
         every term was).
+      expected: mini-batches a window is expected to hold (set by the window loop):
+        under loss scaling or with float8 layers, each pass differentiates its share of
+        the window's mean, numerator / (expected x divisor), so that its backward pass
+        holds the direct batch's magnitudes (float16's range; float8's histories); its
+        gradients are taken back to the numerator's, so the value changes no result.
       statistics_sums: the window's batch-norm sums (made by `build_statistics`).
-      no_gradient: which variables the loss does not reach (known once traced).
+      no_gradient: per term, which variables it does not reach (known once traced).
       summed_activity: where this Keras adds activity regularizers' losses as raw sums
         over the batch (before 3.14; _keras_src.summed_activity): records -> a context
-        manager under which the forward pass records them apart; else None.
-      activity_sums: with summed_activity, replica-local sums of their gradients, kept
-        apart: the direct batch of the window's E samples adds the raw sum over all
-        of them, so they enter the applied gradient as they are, not divided by E.
-      activity_losses: with summed_activity, their sum over the open window's finite
-        mini-batches on this replica (for the logs).
+        manager under which the forward pass records them apart (a part divided by
+        nothing: the direct batch of the window's samples adds the sum over all of them).
     """
 
     def __init__(self, strategy, optimizer, variables, statistics, check_finite,
                  summed_activity=None, log_loss=None):
-        """See the attributes; `log_loss`, with summed_activity: a function run in each
-        replica's context as a window closes, given the window's activity losses as the
-        direct batch's logs count them (its samples times their sum), to add to the
-        logged loss."""
+        """See the attributes; `log_loss`: None, or a function run in each replica's
+        context as a window closes, given the window's loss as the direct batch's logs
+        count it, each part's value (float64 [parts]), and the samples of the window's
+        finite mini-batches on this replica and on all."""
         # The apply orders Keras's update_step calls (one_variable_at_a_time).
         _keras_src.require(_keras_src.APPLY)
         self.strategy = strategy
@@ -299,22 +291,48 @@ class WindowStep:
         self.check_finite = check_finite
         self.summed_activity = summed_activity
         self.log_loss = log_loss
+        self.layout = self.terms = self.sums = self.parts = None
         self.no_gradient = None
-        self.activity_no_gradient = None
         self.statistics_sums = None
-        self.activity_sums = self.activity_losses = None
+        self.overwrite = [bool(getattr(v, "overwrite_with_gradient", False))
+                          for v in self.variables]
+        self.regularizers = [getattr(v, "regularizer", None) for v in self.variables]
+        self.rescale = (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                        or any(self.overwrite))
+        self._discovered = None
         with strategy.scope():
-            self.sums = self._accumulators("window_sum")
             self.mini_batches = replicas_lib.local_variable(
                 0, tf.VariableAggregation.ONLY_FIRST_REPLICA, "window_mini_batches")
             self.samples = replicas_lib.local_variable(
                 0.0, tf.VariableAggregation.SUM, "window_samples")
+            self.logged_samples = replicas_lib.local_variable(
+                0.0, tf.VariableAggregation.SUM, "window_logged_samples")
             self.nonfinite = replicas_lib.local_variable(
                 0.0, tf.VariableAggregation.SUM, "window_nonfinite")
-            if summed_activity:  # one more accumulator, only for such a model
-                self.activity_sums = self._accumulators("window_activity_sum")
-                self.activity_losses = replicas_lib.local_variable(
-                    0.0, tf.VariableAggregation.SUM, "window_activity_losses")
+            self.expected = tf.Variable(1.0, trainable=False, name="window_expected",
+                                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+    def learn_layout(self, trace):
+        """Learns the parts a pass returns and makes the window's sums: `trace()` traces
+        one pass (a tf.function's get_concrete_function: nothing runs), once, before
+        any other. Idempotent."""
+        if self.layout is not None:
+            return
+        self._discovered = []
+        try:
+            with self.strategy.scope():
+                trace()
+            layout = self._discovered
+        finally:
+            self._discovered = None
+        self.layout = tuple(layout)
+        self.terms = tuple(dict.fromkeys(self.layout))
+        with self.strategy.scope():
+            self.sums = [self._accumulators(f"window_sum{'_' + str(t) if t else ''}")
+                         for t in range(len(self.terms))]
+            self.parts = replicas_lib.local_variable(
+                tf.zeros([2 * len(self.layout)], tf.float64), tf.VariableAggregation.SUM,
+                "window_parts")
 
     def _accumulators(self, name):
         """One replica-local sum per trainable variable, in its accumulation type."""
@@ -323,11 +341,84 @@ class WindowStep:
             tf.VariableAggregation.SUM, f"{name}_{i}") for i, v in enumerate(self.variables)]
 
     def mini_batch_gradients(self, model, weights, non_trainable, x, objective):
-        """The module's mini_batch_gradients with this window's statistics, its
-        activity regularizers' losses apart where they are summed, and its optimizer."""
-        return mini_batch_gradients(model, weights, non_trainable, x, objective,
-                                    self.statistics or None, self.summed_activity,
-                                    self.optimizer)
+        """One mini-batch's forward and backward pass, on values: every path's pass.
+
+        Args:
+          model: the Keras model, run by `stateless_call` in training mode.
+          weights, non_trainable: the values of its trainable and other variables.
+          x: the mini-batch's inputs (this replica's share).
+          objective: (outputs, the pass's losses (add_loss's; weight regularization
+            is the window's, at the apply), non_trainable) -> (parts, anything else to
+            return): the mini-batch's loss as Parts, computed under the tape.
+
+        Returns:
+          MiniBatch(gradients: per term, a tensor, rows (tf.IndexedSlices: an
+          embedding's, added as rows, window.add_rows) or None per weight, no_gradient:
+          per term, which are None, state: the model's other state after the pass
+          (batch norm's moving statistics as they were, where they step once per
+          update), extra: what `objective` returned beside its parts, moments: the
+          batch-norm moments of the pass, parts: the parts' values (part_values)).
+        """
+        moments, records = [], []
+        statistics = self.statistics or None
+        capture = statistics.capture(moments) if statistics else contextlib.nullcontext()
+        apart = (self.summed_activity(records) if self.summed_activity
+                 else contextlib.nullcontext())
+        keys = self.terms
+        with tf.GradientTape(persistent=keys is None or len(keys) > 1) as tape:
+            tape.watch(weights)
+            with capture, apart:
+                outputs, after, losses = model.stateless_call(
+                    weights, non_trainable, x, training=True, return_losses=True)
+            if statistics:
+                after = statistics.held(non_trainable, after)
+            parts, extra = objective(outputs, data_losses(model, losses), after)
+            parts = list(parts)
+            if records:  # a sum weighed as it is: no divisor
+                parts.append(window_lib.Part(
+                    tf.add_n([tf.cast(loss, tf.float32) for loss in records]), None, None, None))
+            keys = self._checked_layout(parts)
+            scaled = [self._scaled(total, divisor) for total, divisor in _terms(parts, keys)]
+        gradients = [self._unscaled(tape.gradient(value, weights), factor)
+                     for value, factor in scaled]
+        no_gradient = [[g is None for g in term] for term in gradients]
+        if all(all(term) for term in zip(*no_gradient)):
+            raise ValueError("no variable receives a gradient from the loss")
+        return MiniBatch(gradients, no_gradient, after, extra, moments, part_values(parts))
+
+    def _checked_layout(self, parts):
+        """The terms of `parts`, which must be laid out as learn_layout learned them."""
+        layout = tuple(part.term for part in parts)
+        if self._discovered is not None:
+            self._discovered[:] = layout
+            return tuple(dict.fromkeys(layout))
+        if layout != self.layout:
+            raise ValueError(f"the loss's parts changed from {self.layout} to {layout}: "
+                             "a window needs the same parts in every mini-batch")
+        return self.terms
+
+    def _scaled(self, total, divisor):
+        """(the scalar to differentiate for a term's weighted sum, the factor that takes
+        its gradients back to the sum's, or None): see `expected`."""
+        if not self.rescale:
+            return total, None
+        share = tf.cast(self.expected.read_value(), total.dtype)
+        if divisor is not None:
+            divisor = tf.cast(divisor, total.dtype)
+            share = share * tf.where(tf.not_equal(divisor, 0), divisor, tf.ones_like(divisor))
+        value = total / share
+        if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            value = self.optimizer.scale_loss(value)
+        return value, share
+
+    def _unscaled(self, gradients, factor):
+        """A pass's gradients as those of its term's weighted sum (under a
+        LossScaleOptimizer, times its scale, which it divides what it applies by);
+        a variable written with its gradient keeps it as it is."""
+        if factor is None:
+            return gradients
+        return [g if g is None or overwrite else _times(g, tf.cast(factor, g.dtype))
+                for g, overwrite in zip(gradients, self.overwrite)]
 
     def build_statistics(self, model, x_spec):
         """Learns the calls a forward pass makes on inputs like `x_spec` and makes their
@@ -346,31 +437,36 @@ class WindowStep:
             self.statistics_sums = replicas_lib.local_variable(
                 self.statistics.zeros(), tf.VariableAggregation.SUM, "statistics_sums")
 
-    def add(self, gradients, moments, n_local, finite, activity=None):
+    def add(self, gradients, moments, n_local, finite, parts):
         """Replica context: adds one mini-batch's pass to the window.
 
         Args:
-          gradients: the gradients of its share's loss sum, a tensor or None each.
+          gradients: per term, the gradients of its weighted sum, a tensor or None each.
           moments: its batch-norm sums (`pass_moments`), or None without statistics.
           n_local: the samples of this replica's share.
           finite: bool scalar, whether its loss was finite.
-          activity: the pass's MiniBatch.activity.
+          parts: the pass's MiniBatch.parts.
 
         Returns:
           A token (n_local) that exists once the mini-batch is added: a window loop
           fetches the next mini-batch after it (see `next_after`).
         """
-        ops = window_lib.add_in_place(self.sums, gradients)
-        if activity is not None:
-            activity_gradients, activity_loss = activity
-            self.activity_no_gradient = [g is None for g in activity_gradients]
-            ops += window_lib.add_in_place(self.activity_sums, activity_gradients)
-            finite = tf.logical_and(finite, tf.math.is_finite(activity_loss))
-            ops.append(self.activity_losses.assign_add(tf.where(finite, activity_loss, 0.0)))
+        ops = []
+        for sums, term in zip(self.sums, gradients):
+            ops += window_lib.add_in_place(
+                [s for s, overwrite in zip(sums, self.overwrite) if not overwrite],
+                [g for g, overwrite in zip(term, self.overwrite) if not overwrite])
+            ops += [s.assign(tf.maximum(s, tf.cast(g, s.dtype)), read_value=False)
+                    for s, g, overwrite in zip(sums, term, self.overwrite)
+                    if overwrite and g is not None]
+        finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(parts)))
+        ops.append(self.parts.assign_add(tf.where(finite, parts, tf.zeros_like(parts))))
         if self.statistics:
             ops.append(self.statistics_sums.assign_add(moments))
+        n = tf.cast(n_local, tf.float32)
         ops += [self.mini_batches.assign_add(1),
-                self.samples.assign_add(tf.cast(n_local, tf.float32)),
+                self.samples.assign_add(n),
+                self.logged_samples.assign_add(tf.where(finite, n, 0.0)),
                 self.nonfinite.assign_add(1.0 - tf.cast(finite, tf.float32))]
         with tf.control_dependencies(ops):
             return tf.identity(n_local)
@@ -378,31 +474,69 @@ class WindowStep:
     def _shares(self):
         """Replica context: this replica's share of the mean (the optimizer sums the
         shares), its vote (1.0 where anything was not finite) and whether its sums are
-        finite after the division (for _reset)."""
-        sums = [total for total, none in zip(self.sums, self.no_gradient) if not none]
-        samples = tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, self.samples.read_value())
-        addends = None
-        if self.activity_no_gradient is not None:
-            addends = [None if apart else total for total, apart, none in zip(
-                self.activity_sums, self.activity_no_gradient, self.no_gradient)
-                if not none]
-            if self.log_loss:
-                self.log_loss(samples * self.activity_losses.read_value())
-        shares, finite = window_lib.divide_in_place(sums, samples, addends)
+        finite after the division (for _reset).
+
+        One all-reduce of the parts' sums (a few scalars) gives every term its divisor,
+        the window's over all replicas; weight regularization's gradient is added
+        once, each replica its share."""
+        context = tf.distribute.get_replica_context()
+        samples = self.logged_samples.read_value()
+        values = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
+            [self.parts.read_value(), [tf.cast(samples, tf.float64)]], 0))
+        count = len(self.layout)
+        divisors = values[count:2 * count]
+        term_divisors = [None if key is None else divisors[self.layout.index(key)]
+                         for key in self.terms]
+        replicas = self.strategy.num_replicas_in_sync
+        applied = self._reached()
+        regularization = []
+
+        def addend(i):
+            regularizer, variable = self.regularizers[i], self.variables[i]
+            if regularizer is None:
+                return None
+            value = tf.convert_to_tensor(variable)
+            with tf.GradientTape() as tape:
+                tape.watch(value)
+                loss = tf.cast(regularizer(value), tf.float32)
+            regularization.append(loss)
+            gradient = tape.gradient(loss, value) / replicas
+            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                gradient = self.optimizer.scale_loss(gradient)
+            return gradient
+
+        shares, finite = window_lib.divide_in_place(
+            [[None if none[i] else sums[i] for i in range(len(self.variables)) if applied[i]]
+             for sums, none in zip(self.sums, self.no_gradient)],
+            term_divisors,
+            [functools.partial(addend, i) if self.regularizers[i] else None
+             for i in range(len(self.variables)) if applied[i]] if any(self.regularizers)
+            else None,
+            [self.overwrite[i] for i in range(len(self.variables)) if applied[i]])
+        if self.log_loss:
+            loss, values_of_parts = loss_of(values[:2 * count])
+            with tf.control_dependencies([finite]):
+                if regularization:
+                    loss += tf.cast(tf.add_n(regularization), tf.float64)
+                self.log_loss(loss, values_of_parts, samples, values[-1])
         return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32), finite
+
+    def _reached(self):
+        """Per variable, whether any term's gradient reaches it (those are applied)."""
+        return [not all(term[i] for term in self.no_gradient)
+                for i in range(len(self.variables))]
 
     def _reset(self, finite=False):
         """Replica context: opens the next window. `finite`: whether every sum is
         finite (window.zero_sums); False where not known."""
         # Its counts say the window is empty once its sums are.
         with tf.control_dependencies(
-                window_lib.zero_sums(self.sums + (self.activity_sums or []), finite)):
+                window_lib.zero_sums([s for sums in self.sums for s in sums], finite)):
             self.mini_batches.assign(0)
             self.samples.assign(0.0)
+            self.logged_samples.assign(0.0)
             self.nonfinite.assign(0.0)
-            if self.activity_losses is not None:
-                self.activity_losses.assign(0.0)
+            self.parts.assign(tf.zeros_like(self.parts))
             if self.statistics:
                 self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
 
@@ -425,7 +559,7 @@ class WindowStep:
         """
         strategy, optimizer = self.strategy, self.optimizer
         shares, nonfinite, finite = strategy.run(self._shares)
-        variables = [v for v, none in zip(self.variables, self.no_gradient) if not none]
+        variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
 
         def apply_shares(shares):
             with one_variable_at_a_time(optimizer):

@@ -106,6 +106,39 @@ def test_readmes_snippets_are_their_examples_verbatim():
         example_body(name) for name in README_EXAMPLES]
 
 
+def outside_the_checkout(tmp_path):
+    """The environment of a process started in `tmp_path` with no PYTHONPATH: only what
+    the venv has installed imports there."""
+    assert not str(tmp_path).startswith(ROOT)
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
+def test_the_venv_imports_the_checkouts_package_from_any_folder(tmp_path):
+    """make install puts the package into .venv, editable: from another folder `import
+    gradient_averaging` is this checkout's code, and nothing else of the checkout imports."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import gradient_averaging\nprint(gradient_averaging.__file__)\n"
+         "import importlib.util\nprint(importlib.util.find_spec('main'))"],
+        cwd=tmp_path, env=outside_the_checkout(tmp_path), capture_output=True, text=True,
+        timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:] + "\n(make install installs the package)"
+    assert done.stdout.split() == [os.path.join(ROOT, "gradient_averaging", "__init__.py"),
+                                   "None"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", README_EXAMPLES)
+def test_readmes_python_blocks_run_from_a_folder_outside_the_checkout(name, tmp_path):
+    """Each of README's python blocks, as README shows it, run by the venv's python in a
+    fresh process from a temporary folder, without PYTHONPATH."""
+    (block,) = [b for b in python_blocks(os.path.join(ROOT, "README.md"))
+                if b == example_body(name)]
+    (tmp_path / name).write_text(block)
+    done = subprocess.run([sys.executable, name], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=TIMEOUT, env=outside_the_checkout(tmp_path))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
 def test_the_mechanism_snippet_is_its_example_verbatim():
     (snippet,) = [block for block in python_blocks(os.path.join(ROOT, "docs", "averagers.md"))
                   if "trainer.GradientAverager(" in block]
@@ -138,6 +171,44 @@ def test_bad_input_doc_shows_the_parsers_real_lines(capsys):
             cli.parse_flags(["main.py", *args])
         assert exit_info.value.code == 2, args
         assert capsys.readouterr().err.strip() == message, args
+
+
+def test_the_command_lines_flag_table_has_every_flag_once_with_its_default():
+    """docs/command-line.md's table: a row per setting of experiment/config.py, no other."""
+    from experiment import config
+
+    with open(os.path.join(ROOT, "docs", "command-line.md")) as f:
+        rows = re.findall(r"^\| `--([a-z-]+)` \| ([^|]+) \|", f.read(), flags=re.M)
+    assert sorted(name for name, _ in rows) == sorted(config.SETTINGS)
+    for name, default in rows:
+        value = config.SETTINGS[name].default
+        if isinstance(value, int) and not isinstance(value, bool):
+            assert default.strip() == str(value), name
+
+
+def test_docs_links_reach_their_files_and_headings():
+    """Every relative link of README.md and docs/ names a file that exists and, with a
+    #fragment, a heading of that file (as GitHub makes its anchors)."""
+    def anchors(path):
+        with open(path) as f:
+            headings = re.findall(r"^#+ (.*)$", f.read(), flags=re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+    pages = [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md"))
+    checked = 0
+    for page in pages:
+        with open(page) as f:
+            links = re.findall(r"\]\(([^)\s]+)\)", f.read())
+        for link in links:
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, fragment = link.partition("#")
+            target = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            assert os.path.exists(target), (page, link)
+            if fragment and target.endswith(".md"):
+                assert fragment in anchors(target), (page, link)
+            checked += 1
+    assert checked > 100
 
 
 def test_tf2_engine_docs_fit_accumulated_block_runs_and_prints_what_it_says(

@@ -3,15 +3,22 @@
 Each function takes plain data (shapes in its docstring). A PNG is written whole or not at
 all (a full disk leaves the previous figure). matplotlib draws on its Agg canvas, without
 pyplot: no display, no global figure state. Accuracies are in percent, as main.py records.
+
+    python -m tools.figures --benchmarks=BENCHMARKS.md   # BENCHMARKS.png again, from its table
 """
 
 import io
+import os
+import re
 
 import numpy as np
+from absl import app
+from absl import flags
 from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from experiment import cli
 from experiment import results
 
 DPI = 120
@@ -26,7 +33,13 @@ CURVE_HEIGHTS = (3, 1)  # the part above a break against the part below it
 MARKED_POINTS = 30  # curves with this few evaluations get a marker at each (one is a dot)
 JITTER = 0.08  # half-width of the strip of per-run points, in category widths
 SEED = 0       # the strip's jitter is drawn the same every time
-BENCH_INCHES = (8.0, 4.6)  # the bench figure as it reads at README width (~900 px)
+BENCH_INCHES = (8.0, 5.6)  # the bench figure as it reads at README width (~960 px)
+# Every contender its own colour: tab10's ten, then five darker ones of tab20b's.
+BENCH_COLOURS = tuple(f"C{i}" for i in range(10)) + (
+    "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173")
+BENCH_LEGEND_COLUMNS = 2  # the longest name (about 60 characters) fits twice across
+# BENCHMARKS.md's section whose table the figure draws (bench_speed.Speed's).
+SPEED_SECTION = "## Speed at the post's configurations"
 
 
 def runs_to_inputs(pairs):
@@ -200,38 +213,80 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
 def bench_figure(speed, names):
     """The bench's speed ratios, not saved: (Figure, its axes). Per (N, B) of `speed`
     (bench_speed.Speed's rows: {"n", "b", "vs_direct": {label: paired ratio}}) a bar per
-    contender, the median ratio to direct with its quartiles; `names`: {label: words}.
+    contender, each in its own colour, the median ratio to direct with its quartiles
+    where the rows hold them ("q1", "q3"); `names`: {label: words}.
 
     Raises:
-      ValueError: no rows.
+      ValueError: no rows, or more contenders than BENCH_COLOURS.
     """
     if not speed:
         raise ValueError("bench ratios: no speed rows to draw")
+    labels = [k for k in speed[0]["vs_direct"] if k != "direct"]
+    if len(labels) > len(BENCH_COLOURS):
+        raise ValueError(f"bench ratios: {len(labels)} contenders, {len(BENCH_COLOURS)} "
+                         "colours (BENCH_COLOURS)")
+    quartiles = all("q1" in v for row in speed for v in row["vs_direct"].values())
     fig = Figure(figsize=BENCH_INCHES, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
-    labels = [k for k in speed[0]["vs_direct"] if k != "direct"]
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
         r = [row["vs_direct"][label] for row in speed]
         ratio = np.array([v["ratio"] for v in r])
-        quartiles = np.array([[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]])
-        ax.bar(np.arange(len(speed)) - 0.4 + (i + 0.5) * width, ratio, width,
-               yerr=np.maximum(quartiles, 0), capsize=2, label=f"{label}: {names[label]}",
-               color=f"C{i % 10}", error_kw={"linewidth": 0.8})
+        spread = None if not quartiles else np.maximum(
+            [[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]], 0)
+        ax.bar(np.arange(len(speed)) - 0.4 + (i + 0.5) * width, ratio, width, yerr=spread,
+               capsize=2, label=f"{label}: {names[label]}", color=BENCH_COLOURS[i],
+               error_kw={"linewidth": 0.8})
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--",
                label=f"direct: {names['direct']} (= 1)")
-    ax.set_ylim(0, 1.08 * max(max(v["q3"], v["ratio"]) for row in speed
+    ax.set_ylim(0, 1.08 * max(max(v.get("q3", 0), v["ratio"]) for row in speed
                               for v in row["vs_direct"].values()))
     ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])
     ax.set_xlabel("N x B: N mini-batches of B samples per update")
     ax.set_ylabel("time per update / direct's")
-    ax.set_title("Speed: median ratio to direct, whiskers the quartiles (lower is faster)",
+    ax.set_title("Speed: median ratio to direct" + (", whiskers the quartiles" if quartiles
+                                                    else "") + " (lower is faster)",
                  fontsize="medium")
     ax.grid(axis="y", alpha=0.3)
-    fig.legend(loc="outside lower center", ncol=3, fontsize="x-small")
+    fig.legend(loc="outside lower center", ncol=BENCH_LEGEND_COLUMNS, fontsize="x-small")
     fig.suptitle("Gradient accumulation: speed (make bench)")
     return fig, ax
+
+
+def speed_from_benchmarks(text):
+    """(speed rows as bench_figure takes them, names) from BENCHMARKS.md's text: its
+    speed section's table ("| N x B | direct | ... |", each cell "6.1 ms, 1.00x") and
+    its list of contenders ("- `direct`: ..."). The table holds the median ratios only,
+    not their quartiles.
+
+    Raises:
+      ValueError: the text has no such section or table.
+    """
+    _, found, section = text.partition(SPEED_SECTION)
+    section = section.split("\n## ", 1)[0]
+    names = dict(re.findall(r"^- `(\w+)`: (.+)$", section, flags=re.M))
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")]
+    if not (found and names and len(rows) > 2 and rows[0][0] == "N x B"):
+        raise ValueError(f"no speed table under {SPEED_SECTION!r} (make bench writes it)")
+    columns = {label: k for k, label in enumerate(rows[0]) if label in names}
+    speed = []
+    for cells in rows[2:]:  # the header's separator row left out
+        n, b = (int(v) for v in cells[0].split(" x "))
+        speed.append({"n": n, "b": b, "vs_direct": {
+            label: {"ratio": float(re.search(r"([\d.]+)x$", cells[k]).group(1))}
+            for label, k in columns.items()}})
+    return speed, names
+
+
+def redraw_benchmarks(markdown_path):
+    """BENCHMARKS.png (beside `markdown_path`) again from its markdown: the median
+    ratios without whiskers, which the markdown does not keep. Returns the PNG's path."""
+    with open(markdown_path) as f:
+        speed, names = speed_from_benchmarks(f.read())
+    fig, _ = bench_figure(speed, names)
+    return _save(fig, os.path.splitext(markdown_path)[0] + ".png")
 
 
 def _figure(rows, columns, width=PANEL_INCHES[0]):
@@ -250,3 +305,21 @@ def png_bytes(fig):
 def _save(fig, path):
     results.atomic_write_bytes(path, png_bytes(fig))
     return path
+
+
+def main(argv):
+    if len(argv) > 1:
+        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    path = flags.FLAGS.benchmarks
+    try:
+        print(f"Wrote {redraw_benchmarks(path)}")
+    except OSError as e:
+        cli.fail(f"--benchmarks={path}: cannot read it or write its figure ({results.cause(e)})")
+    except ValueError as e:
+        cli.fail(f"--benchmarks={path}: {e}")
+
+
+if __name__ == "__main__":
+    cli.define("string", "benchmarks", "BENCHMARKS.md", "The bench's markdown, whose speed "
+               "table is drawn again into the PNG of the same name beside it.")
+    app.run(main, flags_parser=cli.parse_flags)

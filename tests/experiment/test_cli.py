@@ -125,6 +125,21 @@ def test_bad_flag_values_give_one_line(capsys, arg, named):
     assert named in err
 
 
+NUMBER_KINDS = {"integer": "integer", "multi_integer": "integer", "float": "number"}
+
+
+@pytest.mark.parametrize("setting", [s for s in config.SETTINGS.values()
+                                     if s.kind in NUMBER_KINDS], ids=lambda s: s.name)
+def test_a_word_for_a_number_is_told_what_the_flag_takes(capsys, setting):
+    """`--iterations=abc`: what the flag takes ("is not a positive integer"), the words
+    absl's range check uses, never Python's "invalid literal for int() with base 10"."""
+    with flagsaver.flagsaver():
+        err = one_line_exit(capsys, cli.parse_flags, ["main.py", f"--{setting.name}=abc"])
+    assert err.startswith(f"error: flag --{setting.name}=abc: 'abc' is not ")
+    assert NUMBER_KINDS[setting.kind] in err and "invalid literal" not in err \
+        and "could not convert" not in err
+
+
 def corrupt(directory, stem, mutate):
     path = os.path.join(directory, stem)
     with open(path, "rb") as f:

@@ -61,6 +61,43 @@ def test_stopped_mid_window_resumes_to_the_same_weights(tmp_path, mnist_quick, a
     assert os.listdir(directory) == [checkpoint.STATE_FILE]
 
 
+def test_a_resumed_command_says_where_it_continues_and_a_finished_one_that_nothing_is_left(
+        tmp_path, mnist_quick):
+    """train_reps' first line: none on a fresh start; the run and the update it resumes
+    after; nothing left to train once every run is finished."""
+    cfg = config(iterations=30, eval_every=0)
+    runs = config_lib.Runs(reps=2, checkpoint_dir=str(tmp_path))
+    commands = []
+    for should_stop in (stop_at(30 + 13, [0]), None, None):  # run 2 stops at iteration 13
+        lines = []
+        try:
+            loop.train_reps(cfg, mnist_quick, runs, should_stop=should_stop, log=lines.append)
+        except loop.Stopped:
+            pass
+        commands.append(lines)
+    assert commands[0][0].startswith("Training finished.")  # run 1; nothing said first
+    assert commands[1][0] == ("resuming run 2 of 2 after update 2 of 6 (iteration 13 of 30), "
+                              f"from its checkpoint in {tmp_path}/rep-1; run 1 is finished "
+                              "(its result as saved)")
+    assert commands[2][0] == (f"nothing left to train: the 2 runs in {tmp_path} are finished "
+                              "(their results as saved)")
+    assert commands[1][1:] == commands[2][1:]  # the runs' lines and the summary, as saved
+
+
+def test_the_resume_line_names_the_run_it_goes_on_with():
+    runs = config_lib.Runs(reps=4, checkpoint_dir="ck")
+    finished, partial = {"finished": True}, {"finished": False, "updates": 7, "iteration": 35}
+    assert loop.resume_line(config(), runs, [None] * 4) is None
+    assert loop.resume_line(config(), runs, [finished, finished, None, None]) == (
+        "resuming with run 3 of 4 in ck; runs 1-2 are finished (their results as saved)")
+    assert loop.resume_line(config(), runs, [partial, None, None, None]) == (
+        "resuming run 1 of 4 after update 7 of 12 (iteration 35 of 60), from its checkpoint "
+        "in ck/rep-0")
+    assert loop.resume_line(config(), config_lib.Runs(reps=1, checkpoint_dir="ck"),
+                            [finished]) == (
+        "nothing left to train: the run in ck is finished (its result as saved)")
+
+
 def test_periodic_checkpoints_keep_only_the_latest_files(tmp_path, mnist_quick):
     directory = str(tmp_path / "ckpt")
     with pytest.raises(loop.Stopped):

@@ -70,8 +70,8 @@ def model(batch_norm=False):
 
 
 def sequences():
-    """The effective batches of token sequences, (tokens, labels) each: every sequence
-    at least half its batch's length, zero-padded to it."""
+    """The effective batches of token sequences, (tokens, labels per token) each: every
+    sequence at least half its batch's length, zero-padded to it (the padding masked)."""
     import numpy as np
     rng = np.random.default_rng(1)
     batches = []
@@ -80,7 +80,7 @@ def sequences():
         lengths[0] = steps
         tokens = rng.integers(1, VOCABULARY, (samples, steps)).astype(np.int32)
         tokens[np.arange(steps) >= lengths[:, None]] = 0
-        batches.append((tokens, rng.integers(0, CLASSES, samples).astype(np.int32)))
+        batches.append((tokens, rng.integers(0, CLASSES, (samples, steps)).astype(np.int32)))
     return batches
 
 
@@ -94,17 +94,26 @@ def sequence_dataset():
 
 
 def sequence_model():
-    """Embedded tokens, a wide Dense layer on every step, pooled: no dropout, no batch
-    norm (the update is the direct batch's however the window is cut)."""
+    """Embedded tokens (the padding masked), a wide Dense layer and the logits on every
+    step: the loss is a mean over each batch's valid tokens. No dropout, no batch norm
+    (the update is the direct batch's however the window is cut)."""
     import keras
     init = keras.initializers.GlorotUniform
     return keras.Sequential([
         keras.Input((None,), dtype="int32"),
-        keras.layers.Embedding(VOCABULARY, FEATURES,
+        keras.layers.Embedding(VOCABULARY, FEATURES, mask_zero=True,
                                embeddings_initializer=keras.initializers.RandomUniform(seed=4)),
         keras.layers.Dense(UNITS, activation="relu", kernel_initializer=init(5)),
-        keras.layers.GlobalAveragePooling1D(),
         keras.layers.Dense(CLASSES, kernel_initializer=init(6))])
+
+
+def token_losses(y, logits):
+    """fit_accumulated's loss_fn on the sequences: per-token losses, weighed by the
+    valid tokens (y: labels, weights)."""
+    import keras
+    labels, weights = y
+    return keras.losses.sparse_categorical_crossentropy(labels, logits,
+                                                        from_logits=True), weights
 
 
 def loss(reduction="sum_over_batch_size"):
@@ -222,13 +231,17 @@ def keras_sequences(out):
 
 
 def tf2_sequences(out):
-    """fit_accumulated, micro_batch_size="auto", on the sequences."""
+    """fit_accumulated, micro_batch_size="auto", on the sequences, each token weighed by
+    its mask."""
+    import tensorflow as tf
+
     from gradient_averaging import tf2
     net = sequence_model()
     with Warnings() as lines:
-        summary = tf2.fit_accumulated(net, sequence_dataset(), sequence_optimizer(),
-                                      loss(None), micro_batch_size="auto",
-                                      budget=SEQUENCE_BUDGET)
+        weighted = sequence_dataset().map(
+            lambda tokens, labels: (tokens, (labels, tf.cast(tokens > 0, tf.float32))))
+        summary = tf2.fit_accumulated(net, weighted, sequence_optimizer(), token_losses,
+                                      micro_batch_size="auto", budget=SEQUENCE_BUDGET)
     save(out, "tf2_sequences", net.trainable_variables)
     return {"found": found(summary.micro_batch), "warnings": lines,
             "updates": summary.updates, "mini_batches": summary.mini_batches}

@@ -47,6 +47,7 @@ WIDE = 1024, 4096
 def runs():
     """name -> (model maker, optimizer maker, fit's data source, fit's batch_size)."""
     from gradient_averaging import keras_fit
+    from tests.library import sequences
     from tests.library import toys
 
     def accumulate(**kwargs):
@@ -66,22 +67,53 @@ def runs():
                           toys.N * toys.B),
         "bn": (lambda: keras_fit.accumulate(toys.bn_model(), toys.N), toys.sgd, "numpy",
                toys.B),
+        # Padded token sequences under a mask: the workers sum the window's valid tokens.
+        "sequences_n": (lambda: keras_fit.accumulate(sequences.tagger(), sequences.N),
+                        sequences.sgd, "numpy", sequences.B),
     }
 
 
+def plain_model(name):
+    """The model a run wraps, plain: its direct batch's."""
+    from tests.library import sequences
+    from tests.library import toys
+    return {"bn": toys.bn_model, "sequences_n": sequences.tagger}.get(name, toys.tiny_model)
+
+
+def direct_batch(name):
+    """The direct batch's size for a run: its window's samples."""
+    from tests.library import sequences
+    from tests.library import toys
+    return sequences.N * sequences.B if name.startswith("sequences") else toys.N * toys.B
+
+
+def run_data(name):
+    """A run's (x, y)."""
+    from tests.library import sequences
+    from tests.library import toys
+    if name.startswith("sequences"):
+        ids, labels, _ = sequences.sequences(empty=(slice(8, 16),))
+        return ids, labels
+    return toys.data()
+
+
 def train(make_model, make_optimizer, source, batch_size, strategy=None, epochs=EPOCHS,
-          callbacks=None):
+          callbacks=None, data=None, validation_batch=None):
     """A run: (weights, History's history, evaluate's list, predict's array, moving
-    statistics), the model made and compiled in `strategy`'s scope (if any)."""
+    statistics), the model made and compiled in `strategy`'s scope (if any), on `data`
+    ((x, y); toys.data()'s by default), validated in batches of `validation_batch`
+    (None: batch_size)."""
     import contextlib
 
     from tests.library import toys
-    x, y = toys.data()
+    x, y = data or toys.data()
     with strategy.scope() if strategy else contextlib.nullcontext():
         model = toys.compiled(make_model(), make_optimizer())
+    # Validation in the direct batch's batches: a masked loss is each batch's token mean.
     validation = (x[:64], y[:64])
     history = toys.fit(model, x, y, batch_size, source, epochs=epochs,
-                       validation_data=validation, callbacks=callbacks).history
+                       validation_data=validation, validation_batch_size=validation_batch,
+                       callbacks=callbacks).history
     return (model.get_weights(), history, model.evaluate(x, y, verbose=0),
             model.predict(x, verbose=0), toys.moving_statistics(model))
 
@@ -185,7 +217,7 @@ def main():
         callbacks = writing_callbacks(args.out, args.kill_epoch) if args.resume else None
         weights, history, evaluation, predictions, moving = train(
             *made[name], strategy, epochs=RESUME_EPOCHS if args.resume else EPOCHS,
-            callbacks=callbacks)
+            callbacks=callbacks, data=run_data(name), validation_batch=direct_batch(name))
         for i, w in enumerate(weights):
             arrays[f"{name}/weights/{i}"] = w
         for i, s in enumerate(moving):

@@ -112,6 +112,23 @@ def test_whole_windows_keras_accumulation_still_counts_the_schedule_in_mini_batc
         assert (max_difference(keras_own, reference) < 1e-5) == keras_exact
 
 
+def test_count_params_and_summary_answer_for_a_wrapped_model_as_for_the_model():
+    """Before fit: a built model wrapped answers at once; an unbuilt one once fit built it
+    (as the model itself would)."""
+    built = tiny_model()
+    wrapped = compiled(keras_fit.accumulate(built, average_gradients=N), sgd())
+    assert wrapped.count_params() == built.count_params() > 0
+    lines = []
+    wrapped.summary(print_fn=lines.append)
+    assert f"Total params: {built.count_params()} " in "\n".join(lines)
+    unbuilt = keras.Sequential([keras.layers.Dense(CLASSES)])
+    wrapped = compiled(keras_fit.accumulate(unbuilt, average_gradients=N), sgd())
+    assert not wrapped.built
+    x, y = data()
+    fit(wrapped, x, y, B)
+    assert wrapped.count_params() == unbuilt.count_params() == (FEATURES + 1) * CLASSES
+
+
 def test_a_window_with_a_nan_is_skipped_whole_and_counted():
     x, y = data()
     bad, keep = nan_in_second_window(x)
@@ -211,6 +228,100 @@ def test_mixed_float16_with_keras_loss_scale_optimizer(jit_compile):
     # float16 activations: as close as the direct batch's own rounding allows.
     assert max_difference(model, reference) < 1e-2
     assert max_difference(model, tiny_model()) > 1e-2
+
+
+class ScaleLog(keras.callbacks.Callback):
+    """The LossScaleOptimizer's scale after each update (Keras's batch: the window)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.scales.append(float(self.model.optimizer.dynamic_scale.numpy()))
+
+
+@pytest.mark.parametrize("initial_scale", [2.0 ** 19, 2.0 ** 26])
+def test_the_loss_scale_moves_as_the_direct_batch_s(initial_scale):
+    """Each mini-batch's pass differentiates its share of the window's mean, so its
+    float16 backward pass holds the direct batch's magnitudes: at 2^19 neither
+    overflows (a mini-batch's own mean did, in its fourth); from 2^26 both halve the
+    scale on the same updates, skipped once each, and then apply the same."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 20)).astype(np.float32)
+    y = rng.integers(0, 10, size=128).astype(np.int64)
+
+    def model(**accumulate):
+        init = keras.initializers.GlorotUniform
+        with mixed_float16():
+            net = keras.Sequential([
+                keras.Input((20,)),
+                keras.layers.Dense(32, activation="relu", kernel_initializer=init(1)),
+                keras.layers.Dense(10, kernel_initializer=init(2))])
+            net = keras_fit.accumulate(net, **accumulate) if accumulate else net
+            return compiled(net, keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1), initial_scale=initial_scale))
+
+    logs = {}
+    for name, accumulate, batch in (("direct", {}, 128), ("window", {"average_gradients": 4}, 32),
+                                    ("micro", {"micro_batch_size": 32}, 128)):
+        net, log = model(**accumulate), ScaleLog()
+        fit(net, x, y, batch, epochs=12, callbacks=[log])
+        logs[name] = log.scales, int(net.optimizer.iterations), net
+    direct, window, micro = (logs[name][0] for name in ("direct", "window", "micro"))
+    assert window == micro
+    if initial_scale == 2.0 ** 19:  # nothing skipped, nothing halved, as the direct batch
+        assert window == direct == [2.0 ** 19] * 12
+        assert logs["window"][1] == logs["direct"][1] == 12
+    else:
+        # Halved on the same updates while a sample's own values overflow; the direct
+        # batch's float16 sums over 128 samples may overflow where four over 32 do not.
+        assert window[:5] == direct[:5] == [initial_scale / 2 ** (k + 1) for k in range(5)]
+        assert all(w >= d for w, d in zip(window, direct))
+    assert max_difference(logs["window"][2], logs["direct"][2]) < 1e-2
+
+
+def test_float8_scales_and_histories_are_the_direct_batch_s():
+    """float8 layers keep scales and amax histories that the optimizer overwrites with
+    their "gradient" (overwrite_with_gradient): the window gives it their elementwise
+    maximum over its mini-batches, as Keras's own accumulation does, not a mean."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 20)).astype(np.float32)
+    y = rng.integers(0, 10, size=128).astype(np.int64)
+
+    def model(optimizer=None, **accumulate):
+        init = keras.initializers.GlorotUniform
+        net = keras.Sequential([keras.Input((20,)),
+                                keras.layers.Dense(32, activation="relu",
+                                                   kernel_initializer=init(1)),
+                                keras.layers.Dense(10, kernel_initializer=init(2))])
+        net.quantize("float8")
+        net = keras_fit.accumulate(net, **accumulate) if accumulate else net
+        return compiled(net, optimizer or keras.optimizers.SGD(0.1))
+
+    def histories(net):  # by layer and name, in order
+        return {f"{i}/{v.name}": v.numpy() for i, v in enumerate(net.weights)
+                if "amax_history" in v.name or v.name.endswith("scale")}
+
+    direct = model()
+    fit(direct, x, y, 128, epochs=1)
+    ours = model(average_gradients=4)
+    fit(ours, x, y, 32, epochs=1)
+    keras_own = model(keras.optimizers.SGD(0.1, gradient_accumulation_steps=4))
+    fit(keras_own, x, y, 32, epochs=1)
+    want, got, own = histories(direct), histories(ours), histories(keras_own)
+    assert want and set(got) == set(want)
+    for path in want:  # one update: the direct batch's histories and scales
+        np.testing.assert_allclose(got[path], want[path], rtol=1e-2, err_msg=path)
+        # Keras's own: its inputs' and kernels' too, but each pass's output gradient is
+        # its mini-batch's mean's, N times the direct batch's, and so is that history.
+        if "outputs_grad_amax_history" in path:
+            np.testing.assert_allclose(own[path][0], 4 * want[path][0], rtol=1e-2)
+        else:
+            np.testing.assert_allclose(own[path], want[path], rtol=1e-2, err_msg=path)
+    fit(direct, x, y, 128, epochs=20)
+    fit(ours, x, y, 32, epochs=20)
+    assert max_difference(ours, direct) < 5e-3  # float8's rounding
 
 
 def test_a_float64_model_trains_as_its_direct_batch():

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import keras
 import numpy as np
@@ -30,7 +31,7 @@ def test_every_internal_the_package_uses_is_in_this_keras():
     assert _keras_src.FAILED == {}
     paths = {path for internal in _keras_src.INTERNALS for path in internal.paths}
     assert paths == {_keras_src.FIT, _keras_src.APPLY, _keras_src.BATCH_NORM,
-                     _keras_src.BN_UPDATE, _keras_src.ACTIVITY}
+                     _keras_src.BN_UPDATE, _keras_src.ACTIVITY, _keras_src.REGULARIZED}
 
 
 def test_the_tested_releases_are_the_pins_of_the_oldest_and_the_newest():
@@ -74,11 +75,15 @@ CHANGED = {"takes": lambda: None, "mentions": lambda: None, "has": _Changed,
                          ids=[internal.name.split(" ")[0] for internal in _keras_src.INTERNALS])
 def test_an_internal_removed_or_changed_refuses_its_paths_in_one_line(internal, how,
                                                                       monkeypatch):
-    owner, name = _owner(internal.target)
-    if how == "removed":
-        monkeypatch.delattr(owner, name)
+    if ":" not in internal.target:  # a module: gone from the import system, or emptied
+        monkeypatch.setitem(sys.modules, internal.target,
+                            None if how == "removed" else types.ModuleType("changed"))
     else:
-        monkeypatch.setattr(owner, name, CHANGED[internal.kind])
+        owner, name = _owner(internal.target)
+        if how == "removed":
+            monkeypatch.delattr(owner, name)
+        else:
+            monkeypatch.setattr(owner, name, CHANGED[internal.kind])
     failed = _keras_src.check_internals([internal])
     assert set(failed) == set(internal.paths)
     for path, failure in failed.items():
@@ -114,15 +119,15 @@ def test_keras_calls_update_step_once_per_variable_in_their_order():
         np.testing.assert_array_equal(v.numpy(), 0.5)
 
 
-# A Keras without unscale_loss_for_distribution: accumulate is refused at its import, in
-# one line; the TF2 loop needs no such internal, and trains.
+# A Keras without data_adapters.is_tf_dataset: accumulate is refused at its import, in one
+# line; the TF2 loop needs no such internal, and trains.
 WITHOUT_AN_INTERNAL = """
 import keras
-import keras.src.losses.loss
+import keras.src.trainers.data_adapters
 import numpy as np
 import tensorflow as tf
 
-del keras.src.losses.loss.unscale_loss_for_distribution
+del keras.src.trainers.data_adapters.is_tf_dataset
 try:
     import gradient_averaging.keras_fit
 except ImportError as error:
@@ -145,10 +150,9 @@ def test_a_keras_without_an_internal_refuses_only_the_path_that_needs_it():
     refused, updates = done.stdout.splitlines()
     assert refused == (
         f"refused: gradient_averaging's Keras fit path (accumulate) cannot run on keras "
-        f"{keras.__version__}: it needs keras.src.losses.loss.unscale_loss_for_distribution"
-        f"(...): module 'keras.src.losses.loss' has no attribute "
-        f"'unscale_loss_for_distribution' (tested on Keras 3.12 to 3.15: pip install "
-        f"'keras>=3.12,<3.16')")
+        f"{keras.__version__}: it needs keras.src.trainers.data_adapters.is_tf_dataset(...): "
+        f"module 'keras.src.trainers.data_adapters' has no attribute 'is_tf_dataset' (tested "
+        f"on Keras 3.12 to 3.15: pip install 'keras>=3.12,<3.16')")
     assert updates == "updates: 2"
 
 
@@ -235,7 +239,7 @@ def test_docs_library_md_shows_the_warning_and_the_refusal_as_written(monkeypatc
     with pytest.warns(UserWarning) as caught:
         _keras_src.check_release("3.16.0", {})
     assert f"\nUserWarning: {caught[0].message}\n" in text
-    internal, = (i for i in _keras_src.INTERNALS if "unscale_loss" in i.target)
-    monkeypatch.delattr(keras.src.losses.loss, "unscale_loss_for_distribution")
+    internal, = (i for i in _keras_src.INTERNALS if i.target.endswith(":is_tf_dataset"))
+    monkeypatch.delattr(keras.src.trainers.data_adapters, "is_tf_dataset")
     failure = _keras_src.check_internals([internal])[_keras_src.FIT]
     assert f"\nImportError: {_keras_src.refusal(_keras_src.FIT, failure, '3.17.0')}\n" in text

@@ -54,9 +54,10 @@ def workers(tmp_path_factory):
         references = {}
         for name, (_, make_optimizer, source, _) in runs_lib.runs().items():
             # The direct batch: the plain model, one process, batches of N x B.
-            make = toys.bn_model if name == "bn" else toys.tiny_model
-            references[name] = runs_lib.train(make, make_optimizer, source,
-                                              toys.N * toys.B)
+            references[name] = runs_lib.train(runs_lib.plain_model(name), make_optimizer,
+                                              source, runs_lib.direct_batch(name),
+                                              data=runs_lib.run_data(name),
+                                              validation_batch=runs_lib.direct_batch(name))
         codes = runs_lib.wait(procs, TIMEOUT)
         assert codes == [0, 0], runs_lib.logs(out)
     finally:
@@ -65,7 +66,7 @@ def workers(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["one_dataset", "n_numpy", "micro_dataset"])
+@pytest.mark.parametrize("name", ["one_dataset", "n_numpy", "micro_dataset", "sequences_n"])
 def test_fit_on_two_workers_equals_the_one_process_direct_batch(workers, name):
     results, references = workers
     weights, history, evaluation, predictions, _ = references[name]
@@ -75,10 +76,11 @@ def test_fit_on_two_workers_equals_the_one_process_direct_batch(workers, name):
         logged = json.loads(str(result["logs"]))[name]
         assert sorted(logged["history"]) == sorted(history)  # val_ included
         for key, values in history.items():
-            np.testing.assert_allclose(logged["history"][key], values, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(logged["history"][key], values, rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
         np.testing.assert_allclose(logged["evaluate"], evaluation, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(result[f"{name}/predict"], predictions, atol=1e-5)
-    initial = toys.tiny_model().get_weights()
+    initial = runs_lib.plain_model(name)().get_weights()
     assert max(float(np.abs(w - i).max()) for w, i in zip(weights, initial)) > 1e-2  # trained
 
 

@@ -1,7 +1,8 @@
 """What `pip install` ships and what it needs: one package, gradient_averaging, whose TF1
 part imports no Keras, installed beside a newer Keras and TensorFlow without taking them
-back; and a model saved by the first release (0.1.0, `tf2_accumulator`) still loads. (What
-the Keras part checks of the Keras it finds: test_keras_internals.py.)"""
+back; a saved model loads in a fresh process that imports the package alone (and what one
+without it gets); and a model saved by the first release (0.1.0, `tf2_accumulator`) still
+loads. (What the Keras part checks of the Keras it finds: test_keras_internals.py.)"""
 
 import io
 import os
@@ -173,3 +174,91 @@ def test_a_keras_file_saved_by_the_first_release_loads():
     x = np.arange(24, dtype=np.float32).reshape(6, 4) / 24
     np.testing.assert_allclose(loaded.predict(x, verbose=0), x @ kernel + bias,
                                rtol=1e-6, atol=1e-7)
+
+
+# A fresh process that imports the package and nothing of it by name: `import
+# gradient_averaging` loads neither Keras nor keras_fit, and a saved AccumulatingModel
+# then loads (Keras imported after the package, as a user's script may).
+LOAD_AFTER_IMPORT_GRADIENT_AVERAGING = """
+import sys
+
+import numpy as np
+
+import gradient_averaging
+print(sorted(m for m in sys.modules
+             if m.split(".")[0] in ("keras", "tensorflow") or m.startswith("gradient_averaging.")))
+import keras
+loaded = keras.models.load_model("m.keras")
+print(type(loaded).__name__, loaded.average_gradients, loaded.count_params())
+np.testing.assert_array_equal(loaded.predict(np.load("x.npy"), verbose=0), np.load("y.npy"))
+"""
+# A process without the package: Keras cannot find the class; the wrapped model, saved
+# alone (`.model.save`), is plain Keras and loads.
+LOAD_WITHOUT_THE_PACKAGE = """
+import sys
+
+import numpy as np
+
+sys.modules["gradient_averaging"] = None  # `import gradient_averaging` now fails
+import keras
+try:
+    keras.models.load_model("m.keras")
+except TypeError as e:
+    print(str(e).split(". ")[0])
+plain = keras.models.load_model("plain.keras")
+print(type(plain).__name__)
+np.testing.assert_array_equal(plain.predict(np.load("x.npy"), verbose=0), np.load("y.npy"))
+"""
+
+
+@pytest.mark.slow
+def test_a_saved_model_loads_in_a_fresh_process_after_import_gradient_averaging(tmp_path):
+    model = keras_fit.accumulate(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+                                 average_gradients=2)
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.arange(24, dtype=np.float32).reshape(6, 4) / 24
+    model.fit(x, x[:, :3], batch_size=3, epochs=1, verbose=0)
+    model.save(tmp_path / "m.keras")
+    model.model.save(tmp_path / "plain.keras")  # for serving: the plain Keras model
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", model.predict(x, verbose=0))
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    processes = [subprocess.Popen([sys.executable, "-c", script], cwd=tmp_path, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for script in (LOAD_AFTER_IMPORT_GRADIENT_AVERAGING, LOAD_WITHOUT_THE_PACKAGE)]
+    (with_package, _), (without, _) = outputs = [p.communicate(timeout=180) for p in processes]
+    for process, (_, err) in zip(processes, outputs):
+        assert process.returncode == 0, err[-3000:]
+    assert with_package.splitlines() == ["['gradient_averaging._saving']",
+                                         "AccumulatingModel 2 15"], with_package
+    assert without.splitlines() == ["Could not locate class 'AccumulatingModel'",
+                                    "Sequential"], without
+
+
+def test_import_gradient_averaging_loads_neither_keras_nor_tensorflow(tmp_path):
+    done = run_python("import sys\nimport gradient_averaging\n"
+                      "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+                      "('keras', 'tensorflow', 'numpy') or m.startswith('gradient_averaging.')))",
+                      cwd=tmp_path, path=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["['gradient_averaging._saving']"]
+
+
+def test_the_stand_in_keras_finds_builds_the_accumulating_model(monkeypatch):
+    """Where Keras is imported already, `import gradient_averaging` registers the stand-in
+    at once (keras_fit's own class, once imported, takes the name); loading builds the
+    real class from a saved config."""
+    from gradient_averaging import _saving
+
+    registry = keras.saving.get_custom_objects()
+    assert registry[_saving.REGISTERED_NAME] is keras_fit.AccumulatingModel
+    monkeypatch.delitem(registry, _saving.REGISTERED_NAME)
+    _saving.register_when_keras_is_imported()
+    stand_in = keras.saving.get_registered_object(_saving.REGISTERED_NAME)
+    assert stand_in is _saving.AccumulatingModelStandIn
+    model = keras_fit.accumulate(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]),
+                                 average_gradients=2)
+    config = keras.saving.serialize_keras_object(model)
+    assert config["registered_name"] == _saving.REGISTERED_NAME
+    rebuilt = keras.saving.deserialize_keras_object(config)
+    assert type(rebuilt) is keras_fit.AccumulatingModel and rebuilt.average_gradients == 2

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from tests.library.tf1_toys import W2
 from tests.library.tf1_toys import WIDTH
 from tests.library.tf1_toys import Model
 from tests.library.tf1_toys import X
+from tests.library.tf1_toys import Y
 from tests.library.tf1_toys import assert_close
 from tests.library.tf1_toys import concatenated
 from tests.library.tf1_toys import minibatches
@@ -91,6 +93,16 @@ def test_weighted_short_last_minibatch_equals_the_direct_batch_of_82():
         unweighted, _ = train(OPTIMIZERS[name], feeds, 4)
         assert_close(averaged, direct)
         assert not np.allclose(unweighted[0], direct[0], rtol=1e-6)  # weights matter here
+
+
+def test_a_masked_sequence_loss_weighed_by_its_valid_tokens_is_the_direct_batch():
+    """examples/tf1_masked_sequences.py: each run's weight its valid tokens
+    (tf.sequence_mask), so the window's update is the token mean's over all its
+    sequences; weighing the runs alike, as the post does, is not."""
+    example = runpy.run_path(os.path.join(ROOT, "examples", "tf1_masked_sequences.py"))
+    assert example["difference"] < 1e-5
+    direct, alike = example["direct"], example["train"](4, 8, weighted=False)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(direct, alike)) > 1e-3
 
 
 def test_flush_op_applies_a_partial_window_and_is_a_noop_on_an_empty_one():
@@ -224,6 +236,54 @@ def test_update_ops_run_once_per_minibatch_and_flush_needs_no_feed():
             sess.run(opt.flush_op())  # the 2 open mini-batches; the update ops do not run
             assert not np.array_equal(sess.run(model.variables[0]), after_updates)
             np.testing.assert_allclose(sess.run(moving_mean), expected, rtol=RTOL)
+
+
+class _StopAfter(v1.train.SessionRunHook):
+    """Asks the session to stop after `runs` runs: a stop that leaves a window open."""
+
+    def __init__(self, runs):
+        self.runs, self.done = runs, 0
+
+    def after_run(self, run_context, run_values):
+        self.done += 1
+        if self.done >= self.runs:
+            run_context.request_stop()
+
+
+@pytest.mark.parametrize("end, where, runs, saved_step", [
+    ("end of data", "chief_only_hooks", 24, 5),  # 4 windows of 5, then 4 mini-batches
+    ("stop hook", "chief_only_hooks", 13, 3),  # 2 windows, then 3
+    ("end of data", "hooks", 24, 4),  # TensorFlow's order: after the final save
+])
+def test_flush_hook_applies_the_last_window_before_the_final_checkpoint(
+        tmp_path, end, where, runs, saved_step):
+    """MonitoredTrainingSession over a tf.data input that runs out, or stopped by a hook:
+    with flush_hook() in chief_only_hooks the final checkpoint holds the partial window's
+    update, at the direct batch's weights and global step; in `hooks` it does not."""
+    n = 5
+    feeds = minibatches([4] * 24)
+    with tf.Graph().as_default():
+        x, y = v1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensor_slices((X, Y)).batch(4)).get_next()
+        model = mlp(x, y)
+        global_step = v1.train.get_or_create_global_step()
+        opt = AveragingOptimizer(OPTIMIZERS["adam"](), n)
+        train_op = opt.minimize(model.loss, global_step=global_step)
+        hooks = {where: [opt.flush_hook()]}
+        if end == "stop hook":
+            hooks.setdefault("hooks", []).append(_StopAfter(runs))
+        done = 0
+        with v1.train.MonitoredTrainingSession(checkpoint_dir=str(tmp_path), **hooks) as sess:
+            while not sess.should_stop():  # OutOfRangeError ends the session at the data's end
+                sess.run(train_op)
+                done += 1
+    assert done == runs
+    checkpoint = tf.train.load_checkpoint(str(tmp_path))
+    assert checkpoint.get_tensor("global_step") == saved_step
+    windows = concatenated(feeds[:runs], n)  # the direct batch of each window
+    assert len(windows) == saved_step + (where == "hooks")  # there, the last is not in it
+    direct, _ = train(OPTIMIZERS["adam"], windows[:saved_step])
+    assert_close([checkpoint.get_tensor(name) for name in ("w1", "b1", "w2")], direct)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -21,6 +21,7 @@ from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
 from tests.helpers import CPU_ONLY
 from tests.helpers import run_cli
+from tests.library import sequences
 from tests.library.toys import activity_regularized
 from tests.library.toys import check_mirrored_fit
 from tests.library.toys import cross_entropy
@@ -355,7 +356,7 @@ strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 from experiment import data
 from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import tf2
-from tests.library import toys
+from tests.library import sequences, toys
 from tests.library.toys import count_all_reduces, cross_entropy, small_conv_net, windows
 
 def accumulator(trainer):
@@ -390,7 +391,8 @@ print(json.dumps({
     "skipped": not one_call.apply_window(poisoned),
     "unchanged": all(np.array_equal(a, b) for a, b in zip(before, one_call.model.get_weights())),
     "updates": int(one_call.optimizer.iterations.numpy()),
-    **toys.mirrored_fit(strategy), **toys.multi_worker_fit()}))
+    **toys.mirrored_fit(strategy), **sequences.mirrored_fit(strategy),
+    **toys.multi_worker_fit()}))
 """
 
 
@@ -416,6 +418,7 @@ def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     assert result["skipped"] and result["unchanged"] and result["updates"] == 3
     # In the same process (one TensorFlow start less): Keras fit through accumulate.
     check_mirrored_fit(result)
+    sequences.check_mirrored_fit(result)
 
 
 def test_the_old_spellings_still_train_with_a_deprecation_warning(mnist):

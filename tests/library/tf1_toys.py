@@ -30,10 +30,11 @@ OPTIMIZERS = {
 Model = collections.namedtuple("Model", "x y loss variables")
 
 
-def mlp():
-    """x [B, 4] -> tanh(5) -> 2, mean squared error over the batch."""
-    x = v1.placeholder(tf.float64, [None, 4], name="x")
-    y = v1.placeholder(tf.float64, [None, 2], name="y")
+def mlp(x=None, y=None):
+    """x [B, 4] -> tanh(5) -> 2, mean squared error over the batch; x and y are fed
+    placeholders unless given (an input pipeline's tensors)."""
+    x = v1.placeholder(tf.float64, [None, 4], name="x") if x is None else x
+    y = v1.placeholder(tf.float64, [None, 2], name="y") if y is None else y
     w1 = v1.get_variable("w1", initializer=tf.constant(W1))
     b1 = v1.get_variable("b1", initializer=tf.constant(B1))
     w2 = v1.get_variable("w2", initializer=tf.constant(W2))

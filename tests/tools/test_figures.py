@@ -4,12 +4,15 @@ data point lies inside its axes, legends lie outside them, the bench figure read
 README width and names each contender."""
 
 import math
+import os
 
 import numpy as np
 import pytest
 from matplotlib import colors
 from matplotlib import image
+from matplotlib.container import BarContainer
 
+from tests.helpers import ROOT
 from tools import figures
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -150,9 +153,10 @@ def test_best_accuracy_spread_shows_runs_and_the_posts_error_bars(tmp_path):
 
 
 def speed_rows():
-    """bench_speed.Speed's rows, with the keys the figure does not use left in."""
-    labels = ("direct", "stack", "running", "graph", "fused", "keras", "keras_long", "tf2",
-              "keras_fit")
+    """bench_speed.Speed's rows, every contender the bench races, with the keys the figure
+    does not use left in."""
+    from tools.bench_speed import LABELS as labels
+
     rows = []
     for n, b in ((1, 100), (5, 20), (20, 5)):
         ratios = {k: 1.0 + 0.1 * i * (n > 1) for i, k in enumerate(labels)}
@@ -178,8 +182,54 @@ def test_bench_figure_reads_at_readme_width_shows_every_bar_and_names_every_cont
     for label in speed_rows()[0]["vs_direct"]:
         assert any(name.startswith(label + ":") for name in names), (label, names)
     assert_legends_off_the_axes(fig, [ax])
+    assert_legends_inside_the_figure(fig)
+    assert_a_colour_per_contender(ax, len(speed_rows()[0]["vs_direct"]) - 1)
     with pytest.raises(ValueError, match="no speed rows"):
         figures.bench_figure([], CONTENDERS)
+
+
+def assert_legends_inside_the_figure(fig):
+    """Every legend of `fig` lies whole inside the figure: no entry cut at its edges."""
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    for legend in fig.legends:
+        box = legend.get_window_extent(renderer)
+        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
+        assert fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1, (box, fig.bbox)
+
+
+def assert_a_colour_per_contender(ax, contenders):
+    """Each contender's bars share one colour, and no two contenders share theirs."""
+    by_label = {}
+    for container in ax.containers:
+        if isinstance(container, BarContainer):
+            by_label[container.get_label()] = {bar.get_facecolor() for bar in container.patches}
+    assert len(by_label) == contenders
+    assert all(len(colours) == 1 for colours in by_label.values()), by_label
+    assert len({colours.pop() for colours in by_label.values()}) == contenders
+
+
+def test_bench_figure_redraws_from_the_table_benchmarks_md_holds(tmp_path):
+    """BENCHMARKS.md's speed table and contender list give the figure again (its medians;
+    the file keeps no quartiles, so no whiskers), written beside the markdown."""
+    from tools.bench_speed import LABELS
+
+    with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
+        text = f.read()
+    speed, names = figures.speed_from_benchmarks(text)
+    assert [(row["n"], row["b"]) for row in speed] == [(1, 100), (5, 20), (10, 10), (20, 5)]
+    assert list(speed[0]["vs_direct"]) == list(names) == list(LABELS)
+    assert speed[0]["vs_direct"]["direct"] == {"ratio": 1.0}
+    (tmp_path / "BENCHMARKS.md").write_text(text)
+    path = figures.redraw_benchmarks(str(tmp_path / "BENCHMARKS.md"))
+    assert path == str(tmp_path / "BENCHMARKS.png")
+    assert_png(path)
+    fig, ax = figures.bench_figure(speed, names)
+    assert "whiskers" not in ax.get_title()
+    assert_legends_inside_the_figure(fig)
+    assert_a_colour_per_contender(ax, len(LABELS) - 1)
+    with pytest.raises(ValueError, match="no speed table"):
+        figures.speed_from_benchmarks("# Benchmarks\n")
 
 
 @pytest.mark.parametrize("scale", [1, 10])
