@@ -76,6 +76,17 @@ $(LOW_VENV)/.installed: requirements-low.txt
 test-low: $(LOW_VENV)/.installed
 	$(LOW_VENV)/bin/python -m pytest -q -n 2 --dist worksteal tests/library
 
+# The library's tests on the next Keras and TensorFlow before they ship: the newest
+# pre-releases the registry has (keras-nightly, tf-nightly), pinned in requirements-next.txt
+# so that a run is repeatable (bump them on purpose), in a venv of their own.
+NEXT_VENV := .venv-next
+$(NEXT_VENV)/.installed: requirements-next.txt
+	$(call make_venv,$(NEXT_VENV),requirements-next.txt)
+
+.PHONY: test-next
+test-next: $(NEXT_VENV)/.installed
+	$(NEXT_VENV)/bin/python -m pytest -q -n 2 --dist worksteal tests/library
+
 # The post's whole table: 4 configurations x REPS runs, into RESULTS_DIR/table.md.
 # Stopped, it keeps finished runs; the same command carries on. JOBS=0: one per core.
 # FAIR=1: every configuration evaluated every 100 updates (RESULTS_DIR/fair/).
@@ -119,5 +130,6 @@ gpu-check: install
 	$(PY) -m tools.gpu_check $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LOW_VENV) .pytest_cache .ruff_cache build *.egg-info
-	find . -name __pycache__ -not -path "./.venv/*" -not -path "./.venv-low/*" -prune -exec rm -rf {} +
+	rm -rf $(VENV) $(LOW_VENV) $(NEXT_VENV) .pytest_cache .ruff_cache build *.egg-info
+	find . -name __pycache__ -not -path "./.venv/*" -not -path "./.venv-low/*" \
+	  -not -path "./.venv-next/*" -prune -exec rm -rf {} +

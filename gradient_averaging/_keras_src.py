@@ -1,63 +1,270 @@
-"""Every use of Keras's internals, behind a check of the version.
+"""Every use of Keras's internals, each checked at import.
 
-`accumulate` builds on Keras's data adapters, its loss scaling for distribution and two
-private Model methods, and replaces a third (SpecBuilt: Keras's build, which fails under
-several workers); the batch-norm statistics on BatchNormalization's `_moments`; the
-weighting of activity regularizers on how this Keras adds their losses.
-Keras exports none of them and may change any in a release: this module is the one place
-that touches them, and it refuses, in one line, a Keras it was not tested on.
-requirements.txt pins the newest, requirements-low.txt the oldest; pyproject.toml bounds them.
+`accumulate` builds on Keras's data adapters, its compiled loss taken apart (CompileLoss's
+flat losses, Loss's reduction) and two private Model methods, and replaces a third
+(SpecBuilt: Keras's build, which fails under several workers); the batch-norm statistics
+on BatchNormalization's `_moments`; the weighting of activity regularizers on how this
+Keras adds their losses; a pass's losses without the weights' regularization on the
+order of Layer.losses; every TF2 path's apply on Keras calling `update_step` once per
+variable (window_step.one_variable_at_a_time). Keras exports none of them and may change
+any in a release: this module is the one place that touches them. INTERNALS lists each,
+with the paths that need it and what it must be; all are checked once, at import, by
+reading Keras's classes and code (the only objects made are a Model, a Loss, a
+BatchNormalization and a BackupAndRestore, named and without variables: milliseconds).
+A path whose internal is missing or changed is refused where it starts (`require`), in
+one line naming the internal and the Keras version; every other path runs. The version
+number refuses nothing: a release the tests do not pin warns once, naming the tested
+ones (TESTED), and runs.
 """
 
-# ruff: noqa: SLF001 (Keras's internals are this module's purpose, behind check_version)
+# ruff: noqa: SLF001 (Keras's internals are this module's purpose, each checked in INTERNALS)
 
+import collections
 import contextlib
 import functools
+import importlib
+import inspect
 import os
+import re
 import shutil
 import threading
+import types
+import warnings
 
 import keras
 import tensorflow as tf
 
 from gradient_averaging import window
 
-# Keras releases (major, minor) from the first up to, not including, the second: 3.12 to 3.15.
-SUPPORTED = (3, 12), (3, 16)
-SUPPORTED_RANGE = ">={}.{},<{}.{}".format(*SUPPORTED[0], *SUPPORTED[1])  # as pyproject.toml
+# The Keras releases (major, minor) the tests pin, oldest and newest: requirements-low.txt and
+# requirements.txt; `make test-next` runs the library's tests on the next one's pre-release.
+TESTED = (3, 12), (3, 15)
+TESTED_RANGE = "{}.{} to {}.{}".format(*TESTED[0], *TESTED[1])
+TESTED_PINS = ">={}.{},<{}.{}".format(*TESTED[0], TESTED[1][0], TESTED[1][1] + 1)
+
+# The paths a missing internal refuses, as the refusal names them.
+FIT = "Keras fit path (accumulate)"
+APPLY = "window's apply (every TF2 path)"
+BATCH_NORM = "BatchNormalization support"
+BN_UPDATE = "batch-norm statistics per update (bn_statistics='update')"
+ACTIVITY = "activity regularizer weighting (a Keras before 3.14 sums its losses)"
+REGULARIZED = "weight regularization (a model whose weights have a regularizer)"
+
+# One internal: the paths that need it, its name as a refusal names it, its kind (the
+# helper below that made it), its target ("module:attribute...") and its check: () -> None,
+# raising (AttributeError, ImportError, LookupError...) where it is missing or changed.
+Internal = collections.namedtuple("Internal", ["paths", "name", "kind", "target", "check"])
 
 
-def check_version(version):
-    """Raises ImportError, in one line, unless `version` is a supported Keras release."""
+def _resolve(target):
+    """The object at "module:attribute.attribute..."; raises where there is none."""
+    module, _, attributes = target.partition(":")
+    value = importlib.import_module(module)
+    for attribute in filter(None, attributes.split(".")):
+        value = getattr(value, attribute)
+    return value
+
+
+def _code_names(function):
+    """Every name `function`'s code (its nested functions' too) loads, stores or calls."""
+    function = inspect.unwrap(getattr(function, "fget", function))
+    names, codes = set(), [getattr(function, "__code__", None)]  # None: not Python's
+    codes = [code for code in codes if code is not None]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return names
+
+
+def takes(paths, target, *args, **kwargs):
+    """The function at `target` exists and takes the call the package makes (`args`,
+    `kwargs`: placeholders, `self` included for a method)."""
+    shown = ", ".join(["..."] * len(args) + [f"{k}=..." for k in kwargs])
+    name = f"{target.replace(':', '.')}({shown})"
+
+    def check():
+        signature = inspect.signature(_resolve(target))
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise LookupError(f"its signature is {signature} ({e})") from None
+    return Internal(paths, name, "takes", target, check)
+
+
+def mentions(paths, target, *names, why):
+    """Keras's function at `target` exists and its code still uses each of `names` (an
+    attribute it sets or reads, a method it calls): `why` says what relies on it."""
+    def check():
+        missing = sorted(set(names) - _code_names(_resolve(target)))
+        if missing:
+            raise LookupError(f"its code no longer uses {', '.join(missing)}")
+    return Internal(paths, f"{target.replace(':', '.')} using {', '.join(names)} ({why})",
+                    "mentions", target, check)
+
+
+def has(paths, target, make, *attributes):
+    """A fresh instance of the class at `target` (`make`: class -> instance, built
+    without variables) has each of `attributes`."""
+    def check():
+        instance = make(_resolve(target))
+        missing = [a for a in attributes if not hasattr(instance, a)]
+        if missing:
+            raise LookupError(f"an instance has no {', '.join(missing)}")
+    return Internal(paths, f"{target.replace(':', '.')}().{', .'.join(attributes)}", "has",
+                    target, check)
+
+
+def exists(paths, target, *members):
+    """The object at `target` exists, with each of `members`."""
+    def check():
+        value = _resolve(target)
+        missing = [m for m in members if not hasattr(value, m)]
+        if missing:
+            raise LookupError(f"it has no {', '.join(missing)}")
+    shown = f" with {', '.join(members)}" if members else ""
+    return Internal(paths, f"{target.replace(':', '.')}{shown}", "exists", target, check)
+
+
+_LAYERS = "keras.src.layers.layer:Layer"
+_BN = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
+_ADAPTERS = "keras.src.trainers.data_adapters"
+_COMPILE_LOSS = "keras.src.trainers.compile_utils:CompileLoss"
+_LOSS = "keras.src.losses.loss"
+_PROBE = "gradient_averaging_probe"  # a name given, so no user's layer is renumbered
+# The paths BackupAndRestore reads and writes beside its backup_dir (elsewhere).
+_BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
+                 "_prev_training_metadata_path")
+
+INTERNALS = (
+    # accumulate: Keras's data adapters and its loss scaling for distribution, as Keras's
+    # own fit uses them; an adapter of the package's own passed through as it is.
+    takes((FIT,), f"{_ADAPTERS}:get_data_adapter", None, None, None, batch_size=None,
+          shuffle=False, class_weight=None),
+    mentions((FIT,), f"{_ADAPTERS}:get_data_adapter", "DataAdapter",
+             why="an adapter given is used as it is"),
+    takes((FIT,), f"{_ADAPTERS}:is_tf_dataset", None),
+    takes((FIT,), f"{_ADAPTERS}.array_slicing:train_validation_split", None,
+          validation_split=0.1),
+    exists((FIT,), f"{_ADAPTERS}.data_adapter:DataAdapter", "get_tf_dataset", "num_batches",
+           "batch_size", "has_partial_batch", "partial_batch_size", "on_epoch_begin",
+           "on_epoch_end"),
+    # The model built from its data's spec (SpecBuilt), where Keras's fit and evaluate
+    # call _maybe_symbolic_build with their epoch iterator.
+    takes((FIT,), "keras:Model._symbolic_build", None, data_batch=None),
+    takes((FIT,), "keras:Model._maybe_symbolic_build", None, iterator=None, data_batch=None),
+    mentions((FIT,), "keras:Model.fit", "_maybe_symbolic_build", why="SpecBuilt"),
+    mentions((FIT,), "keras:Model.evaluate", "_maybe_symbolic_build", why="SpecBuilt"),
+    mentions((FIT,), "keras.src.trainers.epoch_iterator:EpochIterator.__init__",
+             "data_adapter", why="SpecBuilt reads the iterator's adapter"),
+    has((FIT,), "keras:Model", lambda cls: cls(name=_PROBE), "_distribute_strategy",
+        "_loss_tracker", "_compile_loss"),
+    # The compiled loss in parts (loss_parts, log_window): each of CompileLoss's flat
+    # losses swapped for a recorder, reduced as Loss.__call__ reduces it.
+    exists((FIT,), f"{_COMPILE_LOSS}.Loss", "loss", "loss_weights"),
+    mentions((FIT,), f"{_COMPILE_LOSS}.call", "_flat_losses", why="loss_parts"),
+    mentions((FIT,), f"{_COMPILE_LOSS}.build", "_flat_losses", why="loss_parts"),
+    exists((FIT,), _COMPILE_LOSS, "metrics"),
+    has((FIT,), f"{_LOSS}:Loss", lambda cls: cls(name=_PROBE), "reduction", "dtype", "name"),
+    takes((FIT,), f"{_LOSS}:Loss.call", None, None, None),
+    takes((FIT,), f"{_LOSS}:reduce_weighted_values", None, None, None, None, None),
+    takes((FIT,), f"{_LOSS}:apply_mask", None, None, None, reduction="sum"),
+    takes((FIT,), f"{_LOSS}:squeeze_or_expand_to_same_rank", None, None),
+    takes((FIT,), "keras.src.backend.common.masking:get_keras_mask", None),
+    exists((FIT,), "keras.src.tree", "flatten", "map_structure"),
+    exists((FIT,), "keras.src.ops", "convert_to_tensor"),
+    has((FIT,), "keras.callbacks:BackupAndRestore", lambda cls: cls(_PROBE), *_BACKUP_PATHS),
+    # Every TF2 path's apply (window_step.one_variable_at_a_time): Keras's TensorFlow
+    # optimizer calls update_step(gradient, variable, learning_rate), once per variable,
+    # through the attribute, so an instance's own update_step is the one called.
+    takes((APPLY, FIT), "keras:optimizers.Optimizer.update_step", None, None, None, None),
+    mentions((APPLY, FIT),
+             "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
+             "update_step", why="window_step.one_variable_at_a_time orders its calls"),
+    # The layers of a model, nested ones each once.
+    takes((BATCH_NORM, BN_UPDATE, ACTIVITY), f"{_LAYERS}._flatten_layers", None,
+          include_self=False),
+    has((BATCH_NORM, BN_UPDATE), _BN, lambda cls: cls(name=_PROBE), "synchronized"),
+    # The window's batch-norm statistics: each pass's moments, captured in _moments.
+    takes((BN_UPDATE,), f"{_BN}._moments", None, None, None),
+    mentions((BN_UPDATE,), f"{_BN}.call", "_moments", why="captured_moments"),
+    has((BN_UPDATE,), _BN, lambda cls: cls(name=_PROBE), "_reduction_axes"),
+    # A pass's losses without the weights' regularization (without_weight_regularization):
+    # Layer.losses lists the layers' own losses first, the weights' after.
+    mentions((REGULARIZED,), f"{_LAYERS}.losses", "_get_own_losses",
+             "_get_regularization_losses", why="without_weight_regularization"),
+    # An activity regularizer's loss recorded apart: Layer.__call__ reads the attribute.
+    mentions((ACTIVITY,), f"{_LAYERS}.__call__", "activity_regularizer",
+             why="activity_losses_apart"),
+)
+
+
+def check_internals(internals=INTERNALS):
+    """{path: the first of its internals this Keras lacks or changed, and why}."""
+    failed = {}
+    for internal in internals:
+        try:
+            internal.check()
+        except Exception as e:  # whatever a check raises is its internal's failure
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            for path in internal.paths:
+                failed.setdefault(path, f"{internal.name}: {why}")
+    return failed
+
+
+def refusal(path, failure, version):
+    """The one line that refuses `path` for `failure` (check_internals') on Keras `version`."""
+    return (f"gradient_averaging's {path} cannot run on keras {version}: it needs "
+            f"{failure} (tested on Keras {TESTED_RANGE}: pip install 'keras{TESTED_PINS}')")
+
+
+def require(*paths):
+    """Raises ImportError, in one line, where this Keras lacks an internal of `paths`."""
+    for path in paths:
+        if path in FAILED:
+            raise ImportError(refusal(path, FAILED[path], keras.__version__))
+
+
+def check_release(version, failed):
+    """Warns, once, where Keras `version` is not a release the tests pin (TESTED); what
+    runs is decided by the internals (`failed`: check_internals'), not the version."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    release = (int(match[1]), int(match[2])) if match else None
+    if release is not None and TESTED[0] <= release <= TESTED[1]:
+        return
+    relation = ("newer than" if release is not None and release > TESTED[1] else
+                "older than" if release is not None else "not one of")
+    outcome = (f"the {', '.join(sorted(failed))} lack Keras internals and are refused" if failed
+               else "every Keras internal it uses is there, so it runs")
+    warnings.warn(f"gradient_averaging: keras {version} is {relation} the Keras releases it "
+                  f"is tested on ({TESTED_RANGE}); {outcome}", stacklevel=2)
+
+
+FAILED = check_internals()
+check_release(keras.__version__, FAILED)
+
+
+def _internal(target):
+    """The object at `target`, or None where this Keras has none (its paths are refused)."""
     try:
-        release = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        release = None
-    if release is None or not SUPPORTED[0] <= release < SUPPORTED[1]:
-        raise ImportError(
-            f"gradient_averaging's Keras fit path supports keras{SUPPORTED_RANGE} (it uses "
-            f"keras.src internals); keras {version} is installed: "
-            f"pip install 'keras{SUPPORTED_RANGE}'")
+        return _resolve(target)
+    except (AttributeError, ImportError):
+        return None
 
 
-check_version(keras.__version__)
-
-# Imported only after the check: another release may not have them.
-# ruff: noqa: E402 (these imports follow check_version on purpose)
-from keras.src import ops
-from keras.src import tree
-from keras.src.backend.common.masking import get_keras_mask
-from keras.src.losses import loss as loss_module
-from keras.src.losses.loss import unscale_loss_for_distribution
-from keras.src.trainers import data_adapters
-from keras.src.trainers.data_adapters.array_slicing import train_validation_split
-from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+data_adapters = _internal(_ADAPTERS)
+train_validation_split = _internal(f"{_ADAPTERS}.array_slicing:train_validation_split")
+DataAdapter = _internal(f"{_ADAPTERS}.data_adapter:DataAdapter")
+ops = _internal("keras.src.ops")
+tree = _internal("keras.src.tree")
+get_keras_mask = _internal("keras.src.backend.common.masking:get_keras_mask")
+loss_module = _internal("keras.src.losses.loss")
 
 __all__ = ["DataAdapter", "SpecBuilt", "activity_losses_apart", "batch_norm_layers",
-           "captured_moments", "check_version", "data_adapters", "elsewhere", "log_window",
-           "loss_parts", "loss_tracker", "summed_activity", "summed_activity_layers",
-           "symbolic_build", "train_validation_split", "unscale_loss_for_distribution",
-           "without_weight_regularization"]
+           "captured_moments", "check_internals", "check_release", "data_adapters",
+           "elsewhere", "log_window", "loss_parts", "loss_tracker", "require",
+           "summed_activity", "summed_activity_layers", "symbolic_build",
+           "train_validation_split", "without_weight_regularization"]
 
 
 def symbolic_build(model, data_batch):
@@ -86,9 +293,7 @@ class SpecBuilt:
 # The paths a writing callback of Keras writes to (and BackupAndRestore reads from).
 _WRITES = {keras.callbacks.ModelCheckpoint: ("filepath",),
            keras.callbacks.TensorBoard: ("log_dir",),
-           keras.callbacks.BackupAndRestore: ("backup_dir", "_weights_path",
-                                              "_training_metadata_path", "_prev_weights_path",
-                                              "_prev_training_metadata_path")}
+           keras.callbacks.BackupAndRestore: ("backup_dir", *_BACKUP_PATHS)}
 
 
 @contextlib.contextmanager
@@ -143,6 +348,7 @@ def batch_norm_layers(model, per_update):
         or, where its moments are captured, renorm=True (its corrections depend on each
         batch's spread) or a subclass with its own `call` or `_moments`.
     """
+    require(BN_UPDATE if per_update else BATCH_NORM)
     base = keras.layers.BatchNormalization
     found = []
     for layer in model._flatten_layers(include_self=False):
@@ -237,9 +443,11 @@ def summed_activity_layers(model):
     any loss. The direct batch of a window's E samples adds the sum over all of them, so a
     mini-batch's activity term must weigh E times its loss's, and E is known only when
     the window closes: the window step sums these gradients apart (window_step)."""
-    layers = [layer for layer in model._flatten_layers()
-              if getattr(layer, "activity_regularizer", None) is not None]
-    return [] if not layers or _activity_losses_are_means() else layers
+    if _activity_losses_are_means():
+        return []
+    require(ACTIVITY)
+    return [layer for layer in model._flatten_layers()
+            if getattr(layer, "activity_regularizer", None) is not None]
 
 
 @contextlib.contextmanager
@@ -270,6 +478,7 @@ def _recorded(regularizer, records, output):
 def without_weight_regularization(model, losses):
     """A pass's losses (stateless_call's, Layer.losses: the add_loss losses, then one
     per trainable weight with a regularizer) without the weight regularization's."""
+    require(REGULARIZED)
     regularized = sum(v.regularizer is not None for v in model.trainable_weights)
     return list(losses)[:len(losses) - regularized]
 
@@ -321,7 +530,7 @@ def _part(loss, y_true, y_pred, sample_weight):
         return value * tf.cast(samples, value.dtype), samples, window.SAMPLES
     in_mask = get_keras_mask(y_pred)
     dtype = loss.dtype
-    with ops.name_scope(loss.name):
+    with keras.name_scope(loss.name):  # public: keras-nightly's ops no longer has it
         y_pred = tree.map_structure(lambda t: ops.convert_to_tensor(t, dtype=dtype), y_pred)
         y_true = tree.map_structure(lambda t: ops.convert_to_tensor(t, dtype=dtype), y_true)
         values = loss.call(y_true, y_pred)

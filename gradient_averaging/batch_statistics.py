@@ -42,7 +42,7 @@ class BatchStatistics:
     def __init__(self, model, bn_statistics="update"):
         self.per_update = check_bn_statistics(bn_statistics) == "update"
         self.layers = []
-        # Only a model with batch norm needs Keras's internals (and their version check).
+        # Only a model with batch norm needs Keras's internals (_keras_src checks them).
         if any(v.name in ("moving_mean", "moving_variance")
                for v in model.non_trainable_variables):
             from gradient_averaging import _keras_src

@@ -33,6 +33,9 @@ from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
+# Refused here, in one line, where this Keras lacks or changed an internal fit relies on.
+_keras_src.require(_keras_src.FIT)
+
 # The trainer's steps a model may override; AccumulatingModel runs Keras's own instead.
 OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 

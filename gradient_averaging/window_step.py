@@ -32,6 +32,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from gradient_averaging import _keras_src
 from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
@@ -281,6 +282,8 @@ class WindowStep:
         context as a window closes, given the window's loss as the direct batch's logs
         count it, each part's value (float64 [parts]), and the samples of the window's
         finite mini-batches on this replica and on all."""
+        # The apply orders Keras's update_step calls (one_variable_at_a_time).
+        _keras_src.require(_keras_src.APPLY)
         self.strategy = strategy
         self.optimizer = optimizer
         self.variables = list(variables)

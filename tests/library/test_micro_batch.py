@@ -47,6 +47,7 @@ from tools import memory
 
 LIMIT_MB = 64
 MIB = 1 << 20
+TF = tuple(int(part) for part in tf.__version__.split(".")[:2])  # (major, minor)
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +261,13 @@ def test_under_xla_a_trial_holds_the_margin_so_a_whole_chunk_reads_at_most_the_l
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["hold"] == 10 * MIB  # the reserved CPU's margin: 10%
+    assert result["with"] <= result["limit"], result
+    if TF > (2, 21) and result["without"] <= result["limit"]:
+        pytest.xfail("tf-nightly 2.23 (make test-next) runs this program in 48 MiB, held or "
+                     "not, under the 90 MiB limit: its allocator does not hand it the whole "
+                     "free chunk, so the hold has nothing to keep out here")
     assert result["without"] > result["limit"], result
-    assert 70 * MIB < result["with"] <= result["limit"], result  # needs 16 + 48 MiB
+    assert 70 * MIB < result["with"], result  # needs 16 + 48 MiB
 
 
 # ---------------------------------------------------------------- in this process

@@ -1,10 +1,12 @@
 """What `pip install` ships and what it needs: one package, gradient_averaging, whose TF1
-part imports no Keras and whose Keras part refuses a Keras it was not tested on; a saved
-model loads in a fresh process that imports the package alone (and what one without it
-gets); and a model saved by the first release (0.1.0, `tf2_accumulator`) still loads."""
+part imports no Keras, installed beside a newer Keras and TensorFlow without taking them
+back; a saved model loads in a fresh process that imports the package alone (and what one
+without it gets); and a model saved by the first release (0.1.0, `tf2_accumulator`) still
+loads. (What the Keras part checks of the Keras it finds: test_keras_internals.py.)"""
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,14 +32,20 @@ def run_python(code, cwd, path, timeout=180):
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    """The checkout, built offline with the venv's setuptools from a copy (an in-tree
-    build would write build/ into the checkout), installed into a target directory."""
-    base = tmp_path_factory.mktemp("install")
-    source = base / "checkout"
+def checkout(tmp_path_factory):
+    """A copy of the checkout to build from (an in-tree build would write build/ into it)."""
+    source = tmp_path_factory.mktemp("install") / "checkout"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".venv", ".git", "__pycache__", "results", "*.png", "tests", "docs"))
-    target = base / "site-packages"
+        ".venv*", ".git", "__pycache__", "results", "*.png", "tests", "docs"))
+    return source
+
+
+@pytest.fixture(scope="module")
+def installed(checkout):
+    """The checkout, built offline with the venv's setuptools from a copy, installed into a
+    target directory."""
+    source = checkout
+    target = checkout.parent / "site-packages"
     done = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
          "--no-build-isolation", "--disable-pip-version-check", "--target", str(target),
@@ -54,10 +62,57 @@ def test_pip_installs_the_one_package_and_nothing_of_the_experiment(installed):
     metadata, = installed.glob("*.dist-info/METADATA")
     requires = [line for line in metadata.read_text().splitlines()
                 if line.startswith("Requires-Dist:")]
-    keras_range, = (line.split("keras", 1)[1] for line in requires if " keras" in line)
-    # The range _keras_src accepts is the one pip installs.
-    assert set(keras_range.split(",")) == set(_keras_src.SUPPORTED_RANGE.split(",")), requires
-    assert "Requires-Dist: tensorflow>=2.20" in requires, requires
+    # From the oldest release tested to the next major one: pip never takes a newer Keras
+    # or TensorFlow back to install the package (test_pip_keeps_...).
+    ranges = {name: set(spec.split(",")) for name, spec in (
+        re.fullmatch(r"Requires-Dist: ([\w-]+) ?\(?([^)]*)\)?", line).groups()
+        for line in requires)}
+    oldest, newest = _keras_src.TESTED
+    assert ranges == {"keras": {">={}.{}".format(*oldest), f"<{newest[0] + 1}"},
+                      "tensorflow": {">=2.20", "<3"}}, requires
+
+
+def fake_wheel(directory, name, version):
+    """A wheel of `name` `version` that installs its metadata and nothing else: as pip's
+    resolver sees an installed release."""
+    info = f"{name}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(directory / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+
+
+def test_pip_keeps_a_keras_and_a_tensorflow_newer_than_the_pins(checkout, tmp_path):
+    """A user's Keras 3.16 and TensorFlow 2.23 (newer than requirements.txt's; metadata
+    only) stay as they are when the package's wheel (built offline, as `installed`) is
+    installed beside them, though the wheels beside it offer the pins to go back to."""
+    wheels = tmp_path / "wheels"
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-index",
+         "--no-build-isolation", "--disable-pip-version-check", "--wheel-dir", str(wheels),
+         str(checkout)], capture_output=True, text=True, timeout=180)
+    assert built.returncode == 0, built.stderr[-3000:]
+    for name, version in (("keras", "3.16.0"), ("keras", "3.15.1"),
+                          ("tensorflow", "2.23.0"), ("tensorflow", "2.21.0")):
+        fake_wheel(wheels, name, version)
+    venv = tmp_path / "venv"  # no pip of its own: this one installs into it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=60)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+           "--disable-pip-version-check"]
+    offline = ["install", "--no-index", "--find-links", str(wheels)]
+    for wanted in (["keras==3.16.0", "tensorflow==2.23.0"], ["gradient-averaging"]):
+        done = subprocess.run(pip + offline + wanted, capture_output=True, text=True,
+                              timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert "Uninstalling" not in done.stdout, done.stdout
+    listed = subprocess.run(pip + ["list", "--format=freeze"], capture_output=True,
+                            text=True, timeout=180).stdout.split()
+    assert {"keras==3.16.0", "tensorflow==2.23.0"} <= set(listed), listed
+    assert any(line.startswith("gradient-averaging==") for line in listed), listed
 
 
 def test_the_installed_package_imports_from_another_directory(installed, tmp_path):
@@ -98,17 +153,6 @@ def test_the_tf1_part_imports_and_trains_without_keras(tmp_path):
     done = run_python(WITHOUT_KERAS, cwd=tmp_path, path=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["0.0", "[]"]  # one update of the mean: 1 - 0.5 * 2
-
-
-def test_another_keras_release_is_refused_in_one_line(monkeypatch):
-    for version in ("3.12.0", "3.13.2", "3.14.1", "3.15.0", "3.15.1"):
-        _keras_src.check_version(version)
-    for version in ("3.11.3", "3.16.0", "4.0.0", "2.15.0", "nightly"):
-        with pytest.raises(ImportError) as error:
-            _keras_src.check_version(version)
-        message = str(error.value)
-        assert len(message.splitlines()) == 1
-        assert f"keras {version} is installed" in message and "keras>=3.12,<3.16" in message
 
 
 def test_a_keras_file_saved_by_the_first_release_loads():

@@ -163,7 +163,13 @@ def test_several_outputs_each_with_its_mask_reduction_and_weight(window):
     ours = model(**WINDOWS[window])
     got = seq.fit(ours, ids, y, BATCH[window], EPOCHS, sample_weight=weights).history
     assert seq.max_difference(ours, direct) < 1e-5
-    assert_history(got, {k: want[k] for k in ("loss", "tokens_loss", "label_loss")})
+    assert_history(got, {"loss": want["loss"]})
+    if KERAS > (3, 15):
+        pytest.xfail("keras-nightly 3.16.0.dev2026102704 (make test-next) logs the direct "
+                     "batch's per-output losses otherwise than 3.15 (tokens_loss, epoch 1: "
+                     "3.011195, 3.15.1: 3.014386; the loss the same): the windows' weights "
+                     "and loss are the direct batch's, their per-output logs 3.15's")
+    assert_history(got, {k: want[k] for k in ("tokens_loss", "label_loss")})
 
 
 def test_class_weight_under_mean_with_sample_weight():

@@ -52,14 +52,24 @@ def test_without_a_gpu_gpu_check_runs_nothing_and_gpu_md_says_so(tmp_path, monke
     text = gpu_check.check(str(output), log=lambda line: None)
     assert output.read_text() == text
     assert "**No GPU was found**" in text and "not yet measured on a GPU" in text
-    build = tf.sysconfig.get_build_info()
-    assert f"cuda_version={build.get('cuda_version')}" in text
-    assert f"is_cuda_build={build.get('is_cuda_build')}" in text
+    build = tf.sysconfig.get_build_info()  # every key this TensorFlow's build has
+    assert ", ".join(f"{k}={v}" for k, v in build.items()) in text
     rows = [line for line in text.splitlines() if line.endswith("| no GPU | not measured |")]
     assert len(rows) == 4
     assert "no GPU" in "\n".join(bench_device.Device().markdown(None))
     with open(os.path.join(ROOT, "Makefile")) as f:  # make gpu-check is this function's tool
         assert "gpu-check: install\n\t$(PY) -m tools.gpu_check" in f.read()
+
+
+def test_gpu_md_names_the_build_keys_this_tensorflow_has(monkeypatch):
+    """tf-nightly's build info has no cuda_version or cudnn_version: GPU.md says what there
+    is, and asks for no key."""
+    nightly = {"is_cuda_build": True, "is_rocm_build": False, "is_tensorrt_build": False}
+    monkeypatch.setattr(tf.sysconfig, "get_build_info", lambda: dict(nightly))
+    text = gpu_check.render([], bench_device.Device(), None, [], "python -m tools.gpu_check",
+                            1.0)
+    assert ("TensorFlow's build (`tf.sysconfig.get_build_info()`): is_cuda_build=True, "
+            "is_rocm_build=False, is_tensorrt_build=False.") in text
 
 
 def test_memory_probes_cover_every_averager_and_the_tf2_window_against_their_own_engine():
