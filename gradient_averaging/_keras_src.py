@@ -6,7 +6,7 @@ flat losses, Loss's reduction) and two private Model methods, and replaces a thi
 on BatchNormalization's `_moments`; the weighting of activity regularizers on how this
 Keras adds their losses; a pass's losses without the weights' regularization on the
 order of Layer.losses; every TF2 path's apply on Keras calling `update_step` once per
-variable (window_step.one_variable_at_a_time). Keras exports none of them and may change
+variable (one_variable_at_a_time). Keras exports none of them and may change
 any in a release: this module is the one place that touches them. INTERNALS lists each,
 with the paths that need it and what it must be; all are checked once, at import, by
 reading Keras's classes and code (the only objects made are a Model, a Loss, a
@@ -174,13 +174,13 @@ INTERNALS = (
     exists((FIT,), "keras.src.tree", "flatten", "map_structure"),
     exists((FIT,), "keras.src.ops", "convert_to_tensor"),
     has((FIT,), "keras.callbacks:BackupAndRestore", lambda cls: cls(_PROBE), *_BACKUP_PATHS),
-    # Every TF2 path's apply (window_step.one_variable_at_a_time): Keras's TensorFlow
+    # Every TF2 path's apply (one_variable_at_a_time): Keras's TensorFlow
     # optimizer calls update_step(gradient, variable, learning_rate), once per variable,
     # through the attribute, so an instance's own update_step is the one called.
     takes((APPLY, FIT), "keras:optimizers.Optimizer.update_step", None, None, None, None),
     mentions((APPLY, FIT),
              "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
-             "update_step", why="window_step.one_variable_at_a_time orders its calls"),
+             "update_step", why="one_variable_at_a_time orders its calls"),
     # The layers of a model, nested ones each once.
     takes((BATCH_NORM, BN_UPDATE, ACTIVITY), f"{_LAYERS}._flatten_layers", None,
           include_self=False),
@@ -587,3 +587,44 @@ def log_window(model, loss, part_values, samples):
             weight = tf.cast(entry.loss_weights, value.dtype)
             value = tf.where(tf.equal(weight, 0), tf.zeros_like(value), value / weight)
         metric.update_state(value)
+
+
+@contextlib.contextmanager
+def one_variable_at_a_time(optimizer):
+    """Within the block, `optimizer` (a LossScaleOptimizer's inner one) updates its
+    variables one after another: each variable's gradient waits for the previous
+    variable's updated value (a read, which the function's automatic control
+    dependencies order after the update's writes).
+
+    A window's gradients all exist when its apply starts, so without this the executor
+    runs several variables' updates at once, each with temporaries the size of its
+    variable (Adam's: two or three), where B alone's backward pass spreads them.
+    Keras calls `update_step` once per variable, through the attribute, so an instance's
+    own update_step is the one called (INTERNALS checks both). A strategy's replicas
+    enter at once, each in a thread, and Keras updates the variables once, in a merge
+    call they all wait in: the first to enter puts the wrapper on, the last to leave
+    takes it off."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    with _ORDERED:
+        if not _ORDERED_DEPTH.get(id(inner)):
+            own, written = inner.update_step, []
+
+            def update_step(gradient, variable, learning_rate):
+                with tf.control_dependencies(written):
+                    gradient = tf.identity(gradient)
+                own(gradient, variable, learning_rate)
+                written[:] = [tf.convert_to_tensor(variable)]
+
+            inner.__dict__["update_step"] = update_step  # past Keras's attribute tracking
+        _ORDERED_DEPTH[id(inner)] = _ORDERED_DEPTH.get(id(inner), 0) + 1
+    try:
+        yield
+    finally:
+        with _ORDERED:
+            _ORDERED_DEPTH[id(inner)] -= 1
+            if not _ORDERED_DEPTH[id(inner)]:
+                del _ORDERED_DEPTH[id(inner)], inner.__dict__["update_step"]
+
+
+_ORDERED = threading.Lock()
+_ORDERED_DEPTH = {}  # id(optimizer) -> the blocks it is in

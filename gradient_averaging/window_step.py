@@ -27,7 +27,6 @@ first): the optimizer does not step, so its `iterations`, and an LR schedule, st
 import collections
 import contextlib
 import functools
-import threading
 
 import keras
 import tensorflow as tf
@@ -93,51 +92,9 @@ def data_losses(model, losses):
     window differentiates once, at the apply (WindowStep._shares)."""
     if not any(getattr(v, "regularizer", None) is not None for v in model.trainable_weights):
         return list(losses)
-    from gradient_averaging import _keras_src  # Keras's layout of a layer's losses
     return _keras_src.without_weight_regularization(model, losses)
 
 
-@contextlib.contextmanager
-def one_variable_at_a_time(optimizer):
-    """Within the block, `optimizer` (a LossScaleOptimizer's inner one) updates its
-    variables one after another, each once the one before is written.
-
-    A window's shares all exist when its apply starts, so the executor ran the
-    optimizer's updates of several variables at once, each with its temporaries the
-    size of its variable (Adam: two or three): the language model's accumulate path
-    peaked there, with three 31 MiB temporaries of its two tables alive. B alone's
-    gradients come one by one out of the backward pass, which spreads its updates.
-    Keras calls `update_step` once per variable (its TensorFlow optimizer's
-    _distributed_tf_update_step); each call's gradient is made to wait for the
-    previous variable's value after its update (a read, ordered after the update's
-    writes by the function's automatic control dependencies; it shares the buffer)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    # A strategy's replicas enter the block at once, in threads of their own, and Keras
-    # updates the variables once, in a merge call that all of them wait in: the
-    # wrapper is put on as the first enters and taken off as the last leaves.
-    with _ORDERED:
-        depth = inner.__dict__.get(_DEPTH, 0)
-        if not depth:
-            own, written = inner.update_step, []
-
-            def update_step(gradient, variable, learning_rate):
-                with tf.control_dependencies(written):
-                    gradient = tf.identity(gradient)
-                own(gradient, variable, learning_rate)
-                written[:] = [tf.convert_to_tensor(variable)]
-
-            inner.__dict__["update_step"] = update_step
-        inner.__dict__[_DEPTH] = depth + 1
-    try:
-        yield
-    finally:
-        with _ORDERED:
-            inner.__dict__[_DEPTH] -= 1
-            if not inner.__dict__[_DEPTH]:
-                del inner.__dict__["update_step"], inner.__dict__[_DEPTH]
-
-
-_ORDERED = threading.Lock()
 _DEPTH = "_gradient_averaging_ordered_depth"
 
 
@@ -282,7 +239,7 @@ class WindowStep:
         context as a window closes, given the window's loss as the direct batch's logs
         count it, each part's value (float64 [parts]), and the samples of the window's
         finite mini-batches on this replica and on all."""
-        # The apply orders Keras's update_step calls (one_variable_at_a_time).
+        # The apply orders Keras's update_step calls (_keras_src.one_variable_at_a_time).
         _keras_src.require(_keras_src.APPLY)
         self.strategy = strategy
         self.optimizer = optimizer
@@ -562,7 +519,7 @@ class WindowStep:
         variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
 
         def apply_shares(shares):
-            with one_variable_at_a_time(optimizer):
+            with _keras_src.one_variable_at_a_time(optimizer):
                 optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
                                            for share, v in zip(shares, variables)])
 
