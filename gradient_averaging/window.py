@@ -8,7 +8,6 @@ lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes be
 
 import collections
 import numbers
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -109,13 +108,6 @@ def stack_padded(mini_batches, alignment=None):
         return out
 
     return tf.nest.map_structure(stack, *mini_batches), sizes
-
-
-def stack_window(mini_batches, alignment=None):
-    """Deprecated: the old name of stack_padded (tf2.stack_window is the other)."""
-    warnings.warn("gradient_averaging.window.stack_window is now stack_padded",
-                  DeprecationWarning, stacklevel=2)
-    return stack_padded(mini_batches, alignment)
 
 
 def _arrays(batch):
