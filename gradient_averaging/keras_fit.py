@@ -594,7 +594,6 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             return parts, (y_pred, non_trainable_values)
 
         step = window.mini_batch_gradients(self, weights, non_trainable, x, objective)
-        window.no_gradient = step.no_gradient
         y_pred, non_trainable_values = step.extra
         metrics = self.metrics_variables
         with keras.StatelessScope(state_mapping=list(zip(metrics, metrics_values))) as scope:

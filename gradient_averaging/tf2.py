@@ -183,7 +183,6 @@ class _Accumulator:
             return _loss_parts(self.loss_fn, y, outputs, pass_losses, n_local), None
 
         step = self.step.mini_batch_gradients(self.model, weights, state, x, objective)
-        self.step.no_gradient = step.no_gradient
         return (step.gradients, step.state, step.parts,
                 step_lib.pass_moments(self.statistics, step))
 

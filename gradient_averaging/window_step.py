@@ -36,7 +36,7 @@ from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
 MiniBatch = collections.namedtuple(
-    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments", "parts"])
+    "MiniBatch", ["gradients", "state", "extra", "moments", "parts"])
 
 
 
@@ -93,9 +93,6 @@ def data_losses(model, losses):
     if not any(getattr(v, "regularizer", None) is not None for v in model.trainable_weights):
         return list(losses)
     return _keras_src.without_weight_regularization(model, losses)
-
-
-_DEPTH = "_gradient_averaging_ordered_depth"
 
 
 def pass_moments(statistics, step):
@@ -226,7 +223,7 @@ class WindowStep:
         holds the direct batch's magnitudes (float16's range; float8's histories); its
         gradients are taken back to the numerator's, so the value changes no result.
       statistics_sums: the window's batch-norm sums (made by `build_statistics`).
-      no_gradient: per term, which variables it does not reach (known once traced).
+      no_gradient: per term, which variables it does not reach (learn_layout's).
       summed_activity: where this Keras adds activity regularizers' losses as raw sums
         over the batch (before 3.14; _keras_src.summed_activity): records -> a context
         manager under which the forward pass records them apart (a part divided by
@@ -275,14 +272,14 @@ class WindowStep:
         any other. Idempotent."""
         if self.layout is not None:
             return
-        self._discovered = []
+        self._discovered = {}
         try:
             with self.strategy.scope():
                 trace()
-            layout = self._discovered
+            discovered = self._discovered
         finally:
             self._discovered = None
-        self.layout = tuple(layout)
+        self.layout, self.no_gradient = discovered["layout"], discovered["no_gradient"]
         self.terms = tuple(dict.fromkeys(self.layout))
         with self.strategy.scope():
             self.sums = [self._accumulators(f"window_sum{'_' + str(t) if t else ''}")
@@ -310,11 +307,11 @@ class WindowStep:
 
         Returns:
           MiniBatch(gradients: per term, a tensor, rows (tf.IndexedSlices: an
-          embedding's, added as rows, window.add_rows) or None per weight, no_gradient:
-          per term, which are None, state: the model's other state after the pass
-          (batch norm's moving statistics as they were, where they step once per
-          update), extra: what `objective` returned beside its parts, moments: the
-          batch-norm moments of the pass, parts: the parts' values (part_values)).
+          embedding's, added as rows, window.add_rows) or None per weight; state: the
+          model's other state after the pass (batch norm's moving statistics as they
+          were, where they step once per update); extra: what `objective` returned
+          beside its parts; moments: the pass's batch-norm moments; parts: the parts'
+          values (part_values)).
         """
         moments, records = [], []
         statistics = self.statistics or None
@@ -341,13 +338,15 @@ class WindowStep:
         no_gradient = [[g is None for g in term] for term in gradients]
         if all(all(term) for term in zip(*no_gradient)):
             raise ValueError("no variable receives a gradient from the loss")
-        return MiniBatch(gradients, no_gradient, after, extra, moments, part_values(parts))
+        if self._discovered is not None:
+            self._discovered["no_gradient"] = no_gradient
+        return MiniBatch(gradients, after, extra, moments, part_values(parts))
 
     def _checked_layout(self, parts):
         """The terms of `parts`, which must be laid out as learn_layout learned them."""
         layout = tuple(part.term for part in parts)
         if self._discovered is not None:
-            self._discovered[:] = layout
+            self._discovered["layout"] = layout
             return tuple(dict.fromkeys(layout))
         if layout != self.layout:
             raise ValueError(f"the loss's parts changed from {self.layout} to {layout}: "
