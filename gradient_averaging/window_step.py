@@ -112,21 +112,11 @@ def _times(gradient, factor):
 
 
 def run_passes(run, batches, weight_variables, state_variables):
-    """Replica context: the passes of a group of mini-batches, all on the weights read
-    once, each on the model's other state as the pass before left it (values, not
-    variables), so that nothing orders one pass's ops after another's but their data: a
-    group's passes may run at once (the window loop's in-place additions run its
-    iterations one after another). The state is written back once, after the last.
-
-    Args:
-      run: (batch, weight values, state values) -> (result, state values after the pass).
-      batches: the group's mini-batches, in order.
-      weight_variables: the variables the passes differentiate by (read, never written).
-      state_variables: the variables `run`'s state values are read from and written to.
-
-    Returns:
-      Each pass's result, in order.
-    """
+    """Replica context: each pass's result, in order, of `run` (batch, weight values,
+    state values) -> (result, state after) over a group's `batches`: all on the weights
+    read once, each on the other state as the pass before left it (values), so nothing
+    but their data orders one pass after another and a group's passes may run at once.
+    The state is written back to `state_variables` once, after the last."""
     weights = [tf.convert_to_tensor(v) for v in weight_variables]
     state = [tf.convert_to_tensor(v) for v in state_variables]
     results = []
@@ -203,31 +193,23 @@ class WindowStep:
     other) learns the parts the objective returns and makes the sums, one per term.
 
     Attributes:
-      layout: each part's term, in the order the objective returns them (None before
-        learn_layout); terms: the distinct terms, in that order.
-      sums: per term, replica-local gradient sums, one per trainable variable, in its
-        accumulation type (where the variable is marked overwrite_with_gradient, as
-        float8's scales and histories are, the window's elementwise maximum of what
-        the passes give it, which the optimizer writes as it is, as Keras's own
-        accumulation does).
-      mini_batches: mini-batches added to the open window.
-      samples: the open window's samples on this replica (its shares' samples).
-      parts: the open window's sums, on this replica, of each part's weighted numerator
-        then of its divisor (float64 [2 x parts]), over its finite mini-batches.
-      nonfinite: mini-batches of the open window whose loss was not finite, on this
-        replica (the sums are checked when the window closes: a sum is finite only if
-        every term was).
-      expected: mini-batches a window is expected to hold (set by the window loop):
-        under loss scaling or with float8 layers, each pass differentiates its share of
-        the window's mean, numerator / (expected x divisor), so that its backward pass
-        holds the direct batch's magnitudes (float16's range; float8's histories); its
-        gradients are taken back to the numerator's, so the value changes no result.
-      statistics_sums: the window's batch-norm sums (made by `build_statistics`).
-      no_gradient: per term, which variables it does not reach (learn_layout's).
-      summed_activity: where this Keras adds activity regularizers' losses as raw sums
-        over the batch (before 3.14; _keras_src.summed_activity): records -> a context
-        manager under which the forward pass records them apart (a part divided by
-        nothing: the direct batch of the window's samples adds the sum over all of them).
+      layout: each part's term, in the objective's order (learn_layout's); terms: the
+        distinct terms; no_gradient: per term, which variables it does not reach.
+      sums: per term, a replica-local sum per trainable variable, in its accumulation
+        type (a variable marked overwrite_with_gradient, float8's scales and histories,
+        keeps the window's elementwise maximum instead, as Keras's accumulation does).
+      mini_batches, samples, nonfinite: the open window's mini-batches, samples and
+        non-finite mini-batches on this replica (a sum is finite only if every addend
+        was, so the sums are checked once, as the window closes).
+      parts: float64 [2 x parts], the open window's sums of each part's weighted
+        numerator, then of its divisor, over its finite mini-batches.
+      expected: the mini-batches a window is expected to hold (set by the window loop):
+        under loss scaling or float8, a pass differentiates numerator / (expected x
+        divisor), the direct batch's magnitudes, and its gradients are taken back to
+        the numerator's, so the value changes no result.
+      statistics_sums: the window's batch-norm sums (`build_statistics`).
+      summed_activity: None, or records -> a context manager under which a forward pass
+        records activity regularizers' summed losses apart (Keras before 3.14).
     """
 
     def __init__(self, strategy, optimizer, variables, statistics, check_finite,
