@@ -141,7 +141,7 @@ class KerasPlain(Section):
 
     def measure(self, run):
         s = self.settings
-        contenders = [bc.KerasContender(label, s["n"], s["b"], run.datasets, per_call)
+        contenders = [bc.keras_contender(label, s["n"], s["b"], run.datasets, per_call)
                       for label, per_call in (("train_on_batch", None),
                                               ("fit, steps_per_execution=1", 1),
                                               ("fit, steps_per_execution=N", s["n"]))]

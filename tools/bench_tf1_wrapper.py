@@ -20,6 +20,7 @@ from gradient_averaging import tf1
 from tools.bench_contenders import interleaved
 from tools.bench_contenders import paired_ratio
 from tools.bench_section import Section
+from tools.bench_section import quartiles
 from tools.bench_section import table
 from tools.bench_section import worst
 
@@ -130,18 +131,15 @@ class Wrapper(Section):
                 for name, row in result.items()]
 
     def markdown(self, result):
-        def fmt(r):
-            return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
-
-        return [f"## {self.title}", "",
-                "Per mini-batch run at the same B: the ConvNet with Adam (dense gradients) and "
-                f"a {ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per "
-                "run; ratios paired per round (median, quartiles). `unlocked`: without the "
-                "lock that makes concurrent runs atomic.", ""] + table(
+        return self.heading(
+            "Per mini-batch run at the same B: the ConvNet with Adam (dense gradients) and "
+            f"a {ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per "
+            "run; ratios paired per round (median, quartiles). `unlocked`: without the "
+            "lock that makes concurrent runs atomic.") + table(
             ("model", "N x B", "plain ms", "wrapped ms", "wrapped / plain", "unlocked / plain",
              "N=1 / plain", "the lock: wrapped / unlocked"),
             [(name, f"{row['n']} x {row['b']}", f"{row['ms']['plain']:.2f}",
-              f"{row['ms']['wrapped']:.2f}", *(fmt(row["vs_plain"][k]) for k in (
-                  "wrapped", "unlocked", "wrapped N=1")), fmt(row["lock"]))
+              f"{row['ms']['wrapped']:.2f}", *(quartiles(row["vs_plain"][k]) for k in (
+                  "wrapped", "unlocked", "wrapped N=1")), quartiles(row["lock"]))
              for name, row in result.items()])
 
