@@ -50,12 +50,10 @@ class MicroBatch(Section):
 
     def _row(self, model, effective, limit, log, xla=False, search_repeats=None):
         """One model and limit: the direct batch, the found B, then the bisection up from
-        it (from it, not from 1: the OOM edge need not be monotone in B), its first
-        trial the smallest size the search ran out of memory at, where it did; `xla`:
-        every probe of the accumulate path compiled with jit_compile=True (the direct
-        batch's is not: on the CPU, Keras's XLA step that runs out of memory aborts the
-        process, TensorFlow's `Check failed: h != kInvalidChunkHandle` in
-        bfc_allocator.cc); `search_repeats`: the row's own (None: the section's)."""
+        it (from it, not from 1: the OOM edge need not be monotone in B); `xla`: every
+        probe of the accumulate path compiled with jit_compile=True (the direct batch's
+        is not: on the CPU, Keras's XLA step that runs out of memory aborts the process);
+        `search_repeats`: the row's own (None: the section's)."""
         def probe(path, micro_batch=None, timed=0):
             compiled = {"jit_compile": True} if xla and path != "direct" else {}
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
@@ -68,37 +66,18 @@ class MicroBatch(Section):
                                        f"{r['peak_mb']:.1f} MiB, {r['update_ms']:.0f} ms)")))
             return r
 
-        row = dict(model=model, effective=effective, limit_mb=limit, probes=0, error=None)
-        if xla:
-            row["xla"] = True
+        row = dict(model=model, effective=effective, limit_mb=limit, probes=0, error=None,
+                   **({"xla": True} if xla else {}))
         direct = probe("direct")
-        row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
-                         else "fits")
-        def b_found(found):  # the B it began training at (before any halving)
-            return (found.get("halved") or [found["micro_batch_size"]])[0]
-
-        def search():
-            """(the search's probe, the fresh process given its B, the seconds it added),
-            or an error's line."""
-            found = probe("accumulate", "auto", self.settings["timed"])
-            if found.get("error") or "micro_batch_size" not in found:
-                return found.get("error") or "OOM in the search"
-            # The found B given to a fresh process: whether it fits without the search's
-            # history in the allocator, and its time as the bisection's trials are timed.
-            given = probe("accumulate", b_found(found), self.settings["timed"])
-            if given.get("error"):
-                return given["error"]
-            return found, given, search_seconds(found, None if given["oom"] else given)
-
+        row["direct"] = "error" if direct.get("error") else "OOM" if direct["oom"] else "fits"
         searches = []
         for _ in range(search_repeats or self.settings["search_repeats"]):
-            searches.append(search())
+            searches.append(self._search(probe))
             if isinstance(searches[-1], str):  # no more probes after a failure
                 return dict(row, error=searches[-1])
         found, given, _ = searches[0]
-        lo = b_found(found)
         found_ms = (found if given["oom"] else given)["update_ms"]
-        row.update(found=lo, given="OOM" if given["oom"] else "fits",
+        row.update(found=b_found(found), given="OOM" if given["oom"] else "fits",
                    search_s=statistics.median(seconds for *_, seconds in searches),
                    searches=[seconds for *_, seconds in searches],
                    searched_b=[b_found(f) for f, *_ in searches],
@@ -106,10 +85,29 @@ class MicroBatch(Section):
                    search_trials=len(found["trials"]),
                    found_ms=found_ms, largest_ms=found_ms,
                    epoch_s=math.ceil(EPOCH / effective) * found_ms / 1e3)
+        return self._bisect(row, found, probe)
+
+    def _search(self, probe):
+        """(the search's probe, the fresh process given its B, the seconds it added), or
+        an error's line."""
+        found = probe("accumulate", "auto", self.settings["timed"])
+        if found.get("error") or "micro_batch_size" not in found:
+            return found.get("error") or "OOM in the search"
+        # The found B given to a fresh process: whether it fits without the search's
+        # history in the allocator, and its time as the bisection's trials are timed.
+        given = probe("accumulate", b_found(found), self.settings["timed"])
+        if given.get("error"):
+            return given["error"]
+        return found, given, search_seconds(found, None if given["oom"] else given)
+
+    def _bisect(self, row, found, probe):
+        """`row` with the largest B that fits, by bisection up from the found B, its first
+        trial the smallest size the search ran out of memory at, where it did (a fresh
+        process likely does too)."""
+        effective, lo = row["effective"], row["found"]
         # B = E holds the direct batch's activations and the accumulators: where the
         # direct batch runs out of memory, so does it.
         hi = effective if row["direct"] == "OOM" else effective + 1
-        # The search's process ran out of memory there: a fresh one likely does too.
         ran_out = min((size for size, peak in found["trials"]
                        if peak is None and lo < size < hi), default=None)
         while hi - lo > max(1, TOLERANCE * lo):
@@ -216,6 +214,11 @@ def search_seconds(found, given):
         return found["search_s"] - windows * found["update_ms"] / 1e3
     return (found["warmup_ms"] - given["warmup_ms"]
             - (windows - 1) * given["update_ms"]) / 1e3
+
+
+def b_found(found):
+    """The B a search began training at (before any halving)."""
+    return (found.get("halved") or [found["micro_batch_size"]])[0]
 
 
 def _name(model, xla):
