@@ -206,9 +206,9 @@ def race_probe(spec):
 # ---------------------------------------------------------------- timing
 
 
-def interleaved(contenders, updates, repeats, cpu=None):
+def interleaved(contenders, updates, repeats, cpu=None, warmups=1):
     """Seconds per update of each contender, `repeats` rounds, turns rotating per round,
-    so that drift of a shared machine hits them alike.
+    so that drift of a shared machine hits them alike, after `warmups` untimed blocks.
 
     Args:
       cpu: a dict, or None: filled as the result is, with this process's CPU seconds
@@ -218,7 +218,8 @@ def interleaved(contenders, updates, repeats, cpu=None):
       {label: [seconds per update, one per round]}.
     """
     for c in contenders:
-        c.train(updates)  # warm-up: graph optimisation, allocator, oneDNN primitives
+        for _ in range(warmups):  # graph optimisation, allocator, oneDNN primitives
+            c.train(updates)
     times = collections.defaultdict(list)
     for r in range(repeats):
         shift = r % len(contenders)

@@ -22,14 +22,12 @@ class MicroBatch(Section):
     name, title = "micro_batch", "The micro-batch found against the largest that fits"
     # (model, E, limits in MiB[, options]): E prime, so that no B divides it. The
     # convnet's limits are under its direct batch's peak; the mlp's just over the least
-    # at which the finder's margin leaves its update room, and a step above. Options:
-    # xla, every probe of the row compiled with jit_compile=True; search_repeats, the
-    # row's own. The language model (lm: V=32,000, sequences of 32 tokens; E in
-    # sequences): a limit whose largest B is about 31 sequences (a fixed B of 31 fits in
-    # 600 MiB, 33 does not); its probes take a minute or two each, so one search.
-    # The search's seconds are the median of search_repeats searches, each beside a fresh
-    # process given its B: one process's first call (it traces) took seconds more than
-    # another's, and the mlp's search of 3 windows read 0.6 s in one run, 8.9 in the next.
+    # at which the finder's margin leaves its update room, and a step above; the language
+    # model's (E in sequences) one whose largest B is about 31 sequences, its probes a
+    # minute or two each, so one search. Options: xla, every probe of the row compiled
+    # with jit_compile=True; search_repeats, the row's own. The search's seconds are the
+    # median of search_repeats searches, each beside a fresh process given its B: a
+    # process's first call (it traces) varies by seconds from another's.
     FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800)),
                       ("convnet", 257, (150,), {"xla": True}),
                       ("lm", 131, (600,), {"search_repeats": 1})),

@@ -117,16 +117,20 @@ def targets_table(targets):
     return ["## Targets", ""] + table(Target._fields, targets)
 
 
-def trace_events(logdir):
-    """(line, name, ms) of every event of the tf.profiler traces under `logdir`: a line's
-    name says what ran on it (tf_Compute...: ops), an op's name is "NAME:TYPE"."""
+def xplanes(logdir):
+    """The planes (XPlane) of every tf.profiler trace under `logdir`."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
         with open(path, "rb") as f:
-            space = xplane_pb2.XSpace.FromString(f.read())
-        for plane in space.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    yield (line.name, plane.event_metadata[event.metadata_id].name,
-                           event.duration_ps / 1e9)
+            yield from xplane_pb2.XSpace.FromString(f.read()).planes
+
+
+def trace_events(logdir):
+    """(line, name, ms) of every event of the tf.profiler traces under `logdir`: a line's
+    name says what ran on it (tf_Compute...: ops), an op's name is "NAME:TYPE"."""
+    for plane in xplanes(logdir):
+        for line in plane.lines:
+            for event in line.events:
+                yield (line.name, plane.event_metadata[event.metadata_id].name,
+                       event.duration_ps / 1e9)

@@ -13,14 +13,11 @@ depends on the order ops run in); oneDNN off, so that an OOM in a convolution ra
 instead of crashing. The probe first makes the CPU's allocator one region
 (micro_batch.reserve_cpu_memory: its limit's, or RESERVE_MB without one), as TensorFlow
 holds a GPU's memory by default: an allocator that grows region by region runs out of
-memory well before its limit, and placed the same update's chunks apart, its peaks in
-four or five modes 50 to 83 MiB (convnet, accumulate, N=2 x B=32); in one region, two
-to four (49 to 69 MiB, the same at N=2 as at N=32). The peak still varies
-from process to process, fixed in each by its warm-up: the BFC allocator hands out a
-free chunk of up to twice the request whole, and counts it whole, so the order ops ran
-in moves it; a figure is the median of several probes, and the growth in N compares the
-peaks most of them landed on (usual_peak). With a GPU visible (--gpu) the probe reads
-the GPU's allocator instead.
+memory well before its limit and scatters an update's chunks. The peak still varies from
+process to process, fixed in each by its warm-up: the BFC allocator hands out a free
+chunk of up to twice the request whole, and counts it whole; so a figure is the median of
+several probes, and the growth in N compares the peaks most of them landed on
+(usual_peak). With a GPU visible (--gpu) the probe reads the GPU's allocator instead.
 
 The parent imports no TensorFlow: only the probes do.
 """
@@ -41,6 +38,7 @@ from experiment import cli
 from tools import bench_probe
 from tools import common
 from tools import models
+from tools.bench_section import xplanes
 
 FLAGS = flags.FLAGS
 
@@ -365,10 +363,9 @@ def _compiled(model, optimizer=None, jit_compile="auto"):
 
 def _fit(model, x, y, batch_size, samples):
     """One update: `fit` on a tf.data dataset built once, before the warm-up, as a run
-    that fits many updates pays its pipeline's set-up once. `fit` on numpy arrays builds
-    Keras's pipeline again in each call (the arrays converted, sliced and batched), all of
-    it counted on the CPU's allocator, which a GPU's does not see: its peak landed in
-    modes 7 to 20 MiB apart from process to process. _dataset keeps the arrays out."""
+    that fits many updates pays its pipeline's set-up once (`fit` on numpy arrays builds
+    Keras's pipeline again in each call, counted on the CPU's allocator, which a GPU's
+    does not see)."""
     dataset = _dataset(x, y, batch_size, samples)
     return lambda: model.fit(dataset, epochs=1, verbose=0)
 
@@ -434,13 +431,9 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compil
 def _dataset(x, y, b, samples):
     """The first `samples` of x and y in batches of b. Arrays stay on the host, as a
     GPU's input pipeline keeps them, and each batch becomes a tensor as the pipeline
-    runs: the steps' input is a batch at a time. A dataset of slices of the arrays
-    copied them whole into the CPU's allocator, the one measured, in some processes and
-    not in others, after the model's initializers had freed their temporaries: the mlp's
-    inputs (12 MiB) then took part of a hole the second layer's left, and one of Adam's
-    slots (64 MiB) was handed the rest whole (116 MiB; the allocator splits no chunk
-    under twice the request): in those processes every peak 64 MiB higher. The device
-    tensors a probe holds (`held`) are sliced as they are."""
+    runs: a dataset of slices of the arrays copied them whole into the measured
+    allocator in some processes only, and moved every later chunk. The device tensors a
+    probe holds (`held`) are sliced as they are."""
     import tensorflow as tf
     if not isinstance(x, np.ndarray):
         return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
@@ -567,23 +560,18 @@ def _profiled(update, top=PROFILE_TOP):
     allocated it, its shape, MiB], ...]: `top` of them, and one row summing the rest,
     {an op's name without its scopes and number: the largest allocation ops so named
     made in the update, MiB})."""
-    import glob
     import tempfile
 
     import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         try:
             times = [_milliseconds(update)]
         finally:
             tf.profiler.experimental.stop()
-        space = xplane_pb2.XSpace()
-        for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
-            with open(path, "rb") as f:
-                space.MergeFromString(f.read())
+        planes = list(xplanes(logdir))
     events = []
-    for plane in space.planes:
+    for plane in planes:
         names = {key: m.name for key, m in plane.event_metadata.items()}
         stat_names = {key: m.name for key, m in plane.stat_metadata.items()}
         for line in plane.lines:
@@ -650,7 +638,7 @@ def run_probe(spec):
             # Held on the device before the warm-up, the same samples at every N, read a
             # batch at a time: the peak's growth in N is then the path's, not its input's.
             # Copied: a constant made from an array landed in the measured allocator in
-            # some processes and not in others (the convnet's 12 MiB: peaks 49 or 61).
+            # some processes and not in others.
             x, y = (tf.raw_ops.DeepCopy(x=tf.constant(a)) for a in (x, y))
         update, weights, trainable, values, *more = _PATHS[spec["path"]](
             spec["model"], spec["n"], spec["b"], x, y, **cut)
