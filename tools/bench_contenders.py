@@ -79,6 +79,28 @@ class Fit:
             self.net.train_on_batch(*next(self.batches))
 
 
+class TrainOp:
+    """A TF1 train op in its own graph and session, run once per mini-batch on a few
+    fixed feeds, in turn: `build()`, in the graph, makes (train op, [feed dict])."""
+
+    def __init__(self, label, build):
+        self.label, self.graph, self.k = label, tf.Graph(), 0
+        with self.graph.as_default():
+            self.train_op, self.feeds = build()
+            init = tf.compat.v1.global_variables_initializer()
+        self.graph.finalize()
+        self.sess = tf.compat.v1.Session(graph=self.graph)
+        self.sess.run(init)
+
+    def train(self, runs):
+        for _ in range(runs):
+            self.sess.run(self.train_op, self.feeds[self.k % len(self.feeds)])
+            self.k += 1
+
+    def close(self):
+        self.sess.close()
+
+
 def keras_contender(label, n, b, datasets, per_call=1, accumulate=False, parallel=1):
     """Keras 3's Adam(gradient_accumulation_steps=N) on the post's ConvNet, or with
     `accumulate` our accumulate(model, N) with plain Adam (`parallel` mini-batches' passes
