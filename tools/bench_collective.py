@@ -384,31 +384,31 @@ class Collective(Section):
         ]
 
     def markdown(self, result):
-        lines = [f"## {self.title}", "",
-                 "Two worker processes on 127.0.0.1 (MultiWorkerMirroredStrategy, one CPU "
-                 f"replica each), the {self.settings['model']}, global mini-batches of "
-                 f"B={self.settings['b']}, the same window on every path, each path driven "
-                 "by its own step function, one call per update: `accumulate + fit` is "
-                 "`accumulate(model, N)`'s train function (fit's) on an iterator of the "
-                 "dataset distributed as fit distributes it; `fit_accumulated` is the "
-                 "window step that `fit_accumulated`'s loop calls, on an iterator of the "
-                 "dataset; `command line` is the tf2 engine's window step on the window "
-                 "stacked in memory (WindowAccumulator.apply_stacked); `per mini-batch`, "
-                 "built in tools/bench_collective.py on the stacked window, all-reduces "
-                 "each mini-batch's gradients as they come and Adam exchanges their sums "
-                 "once more (N + 1 exchanges). The collectives are those a profiler trace "
-                 "of a window saw run, each as often as it ran (the most any of "
-                 f"{self.settings['traces']} traced windows saw), and the ms in them (the "
-                 "median of those windows', the wait for the other worker included); bytes "
-                 "are an op's input in the traced graph, as reduced (a ring sends about as "
-                 "much again over the wire). Every op of more than "
-                 f"{4 * SMALL} bytes is an exchange of the gradients; the small ones are "
-                 "the window's samples and its non-finite vote (the window step's two), "
-                 "and in Keras's train function the loss tracker's total and count, read "
-                 "across the replicas for fit's logs (`Cast_2/`, `div_no_nan/`). ms per "
-                 f"update are the median of {self.settings['windows']} windows, the four "
-                 "paths' windows interleaved in rounds, and `/ per mini-batch` the median "
-                 "of the per-round ratios.", ""]
+        lines = self.heading(
+            "Two worker processes on 127.0.0.1 (MultiWorkerMirroredStrategy, one CPU "
+            f"replica each), the {self.settings['model']}, global mini-batches of "
+            f"B={self.settings['b']}, the same window on every path, each path driven "
+            "by its own step function, one call per update: `accumulate + fit` is "
+            "`accumulate(model, N)`'s train function (fit's) on an iterator of the "
+            "dataset distributed as fit distributes it; `fit_accumulated` is the "
+            "window step that `fit_accumulated`'s loop calls, on an iterator of the "
+            "dataset; `command line` is the tf2 engine's window step on the window "
+            "stacked in memory (WindowAccumulator.apply_stacked); `per mini-batch`, "
+            "built in tools/bench_collective.py on the stacked window, all-reduces "
+            "each mini-batch's gradients as they come and Adam exchanges their sums "
+            "once more (N + 1 exchanges). The collectives are those a profiler trace "
+            "of a window saw run, each as often as it ran (the most any of "
+            f"{self.settings['traces']} traced windows saw), and the ms in them (the "
+            "median of those windows', the wait for the other worker included); bytes "
+            "are an op's input in the traced graph, as reduced (a ring sends about as "
+            "much again over the wire). Every op of more than "
+            f"{4 * SMALL} bytes is an exchange of the gradients; the small ones are "
+            "the window's samples and its non-finite vote (the window step's two), "
+            "and in Keras's train function the loss tracker's total and count, read "
+            "across the replicas for fit's logs (`Cast_2/`, `div_no_nan/`). ms per "
+            f"update are the median of {self.settings['windows']} windows, the four "
+            "paths' windows interleaved in rounds, and `/ per mini-batch` the median "
+            "of the per-round ratios.")
         if "error" in result:
             return lines + [f"The probe failed: {result['error']}"]
         body = []

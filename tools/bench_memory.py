@@ -110,10 +110,10 @@ class HostGrowth(Section):
                 p.get("error") or f"{p['peak_mb']:.0f}")
 
         slopes = [(a, host_slope(h, a)) for a in h["averagers"]]
-        return [f"## {self.title}", "",
-                f"`--model={self.settings['model']}` (one gradient is {h['grad_mb']:.0f} MB), "
-                f"B={self.settings['b']}, one update; peak RSS in MB of a probe while it trains "
-                "(at N=1 every averager is `minimize`).", ""] + table(
+        return self.heading(
+            f"`--model={self.settings['model']}` (one gradient is {h['grad_mb']:.0f} MB), "
+            f"B={self.settings['b']}, one update; peak RSS in MB of a probe while it trains "
+            "(at N=1 every averager is `minimize`).") + table(
             ("N", *h["averagers"]), [(n, *(cell(a, n) for a in h["averagers"])) for n in h["ns"]]
         ) + ["", "Least-squares growth per added mini-batch, over N > 1: " + ", ".join(
             f"{a} {m:+.1f} MB ({m / h['grad_mb']:+.3f} gradients)" for a, m in slopes

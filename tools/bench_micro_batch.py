@@ -155,46 +155,45 @@ class MicroBatch(Section):
                          f"{r['epoch_s']:.0f}",
                          f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
                          f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"])
-        return [f"## {self.title}", "",
-                "Each update is one effective batch of E samples under a CPU device of the "
-                "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
-                "process each). `B found`: the micro-batch `accumulate(model, "
-                "micro_batch_size=\"auto\")` finds in fit's first windows, with the default "
-                "margin, and in brackets whether a fresh process given that B fits; `search "
-                "s`: the seconds the search added to training (the fit calls of its windows, "
-                "whose mini-batches were its trials, one window a call, less as many of the "
-                "fresh process given the B found: its first, which traces too, then its "
-                f"fastest), the median of {self.settings['search_repeats']} searches (a row's "
-                "own number where set: the language model's one), each in a fresh process "
-                "beside its own given one (a process's first call varies by "
-                "seconds from another's); in brackets each search's, then the first one's "
-                "trials and windows (its B is the one found), then each search's B where "
-                "they differ; `largest "
-                "B`: the largest B whose fit of E runs two updates without an OOM (training "
-                "that halved B after one counts as one), by "
-                f"bisection up from the found B to {TOLERANCE:.0%} of it, its first trial the "
-                "smallest size the search ran out of memory at where one did (one fresh "
-                "process per trial; the OOM edge moves from process to process, and need not be "
-                "monotone in B). The epoch is estimated: "
-                f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
-                "shortest). Times per update: "
-                f"the fastest of {self.settings['timed'] + 1} updates of a fresh process given "
-                "B (of the finder's own process where that ran out of memory). "
-                "Where the direct batch fits (a model whose own memory, its weights, "
-                "optimizer slots, accumulators and update, outweighs a batch's activations, "
-                "so that the finder's margin needs a limit the direct batch fits in), a row "
-                "measures what that margin costs. `(XLA)`: the row's probes of accumulate "
-                "compiled with `jit_compile=True`, as Keras compiles by default on a GPU (its "
-                "direct batch's not: on this CPU Keras's XLA step that runs out of memory "
-                "aborts the process, in TensorFlow's BFC allocator): each "
-                "mini-batch size is an XLA program compiled, so the search tries sizes on a "
-                "grid and its seconds include its programs' compilations (less the given "
-                "process's own, of B and the last mini-batch; docs/effective-batch.md).", "",
-                *table(["model", "E", "limit MiB", "direct batch", "B found (fresh)",
-                        "largest B", "found / largest", "search s (each; trials, windows)",
-                        "epoch s",
-                        "search / epoch", "ms per update at found", "at largest",
-                        "found / largest"], rows)]
+        return self.heading(
+            "Each update is one effective batch of E samples under a CPU device of the "
+            "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
+            "process each). `B found`: the micro-batch `accumulate(model, "
+            "micro_batch_size=\"auto\")` finds in fit's first windows, with the default "
+            "margin, and in brackets whether a fresh process given that B fits; `search "
+            "s`: the seconds the search added to training (the fit calls of its windows, "
+            "whose mini-batches were its trials, one window a call, less as many of the "
+            "fresh process given the B found: its first, which traces too, then its "
+            f"fastest), the median of {self.settings['search_repeats']} searches (a row's "
+            "own number where set: the language model's one), each in a fresh process "
+            "beside its own given one (a process's first call varies by "
+            "seconds from another's); in brackets each search's, then the first one's "
+            "trials and windows (its B is the one found), then each search's B where "
+            "they differ; `largest "
+            "B`: the largest B whose fit of E runs two updates without an OOM (training "
+            "that halved B after one counts as one), by "
+            f"bisection up from the found B to {TOLERANCE:.0%} of it, its first trial the "
+            "smallest size the search ran out of memory at where one did (one fresh "
+            "process per trial; the OOM edge moves from process to process, and need not be "
+            "monotone in B). The epoch is estimated: "
+            f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
+            "shortest). Times per update: "
+            f"the fastest of {self.settings['timed'] + 1} updates of a fresh process given "
+            "B (of the finder's own process where that ran out of memory). "
+            "Where the direct batch fits (a model whose own memory, its weights, "
+            "optimizer slots, accumulators and update, outweighs a batch's activations, "
+            "so that the finder's margin needs a limit the direct batch fits in), a row "
+            "measures what that margin costs. `(XLA)`: the row's probes of accumulate "
+            "compiled with `jit_compile=True`, as Keras compiles by default on a GPU (its "
+            "direct batch's not: on this CPU Keras's XLA step that runs out of memory "
+            "aborts the process, in TensorFlow's BFC allocator): each "
+            "mini-batch size is an XLA program compiled, so the search tries sizes on a "
+            "grid and its seconds include its programs' compilations (less the given "
+            "process's own, of B and the last mini-batch; docs/effective-batch.md).") + table(
+            ["model", "E", "limit MiB", "direct batch", "B found (fresh)", "largest B",
+             "found / largest", "search s (each; trials, windows)", "epoch s",
+             "search / epoch", "ms per update at found", "at largest", "found / largest"],
+            rows)
 
 
 def search_seconds(found, given):
