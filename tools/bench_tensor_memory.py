@@ -27,8 +27,7 @@ class TensorMemory(Section):
     # whole, so a path's peak falls in one of a few modes from process to process; the
     # median of three landed on another mode from run to run.
     FULL = dict(models=models.MODELS, paths=memory.PATHS + memory.TF1_REFERENCES, n=8, b=32,
-                repeats=5,
-                growth_model="convnet", growth_repeats=7,
+                repeats=5, growth_model="convnet", growth_repeats=7,
                 growth_ns=(2, 32), growth_paths=("accumulate", "window", "mini_batch"),
                 jobs=2)
     QUICK = dict(models=("convnet",), paths=("alone", "direct", "accumulate"), n=4, b=16,
