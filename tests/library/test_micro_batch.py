@@ -373,6 +373,7 @@ def adam():
     return keras.optimizers.Adam(0.05, epsilon=models.ADAM_EPSILON)
 
 
+@pytest.mark.slow
 def test_a_given_micro_batch_trains_to_the_direct_batchs_weights():
     """Keras fit and both TF2 accumulators, each batch of 37 (a prime) one update cut
     into mini-batches of 8 (4 x 8 + 5), against plain Keras on batches of 37; no
