@@ -11,7 +11,11 @@ added and freed; the peak is that one (the profile: the output kernel's gradient
 logits alive at it), so the two peaks differ by far less than a quarter of the table.
 The test guards the peak's ratio to B alone's instead, and, from the same profile, that
 no op made a table dense in the update (UnsortedSegmentSum, tf.convert_to_tensor of an
-IndexedSlices): it fails on the code that made the rows dense.
+IndexedSlices): it fails on the code that made the rows dense. Both peaks are measured
+without the limit, as what each needs: under a limit near a peak the BFC allocator may
+hand a request a whole free chunk of up to twice its size (a chunk is split only where
+that leaves half), so a peak read there varies run to run (B alone's on tf-nightly 2.23:
+327 to 383 MiB under 400, 347 without).
 """
 
 import concurrent.futures
@@ -30,20 +34,20 @@ def _minor(version):
     return tuple(int(part) for part in version.split(".")[:2])
 
 
-# Six language-model probes, a minute or two each. The limit lies between peaks measured on
-# requirements.txt's TensorFlow 2.21 and Keras 3.15: on the oldest supported (2.20, 3.12:
-# make test-low) B alone's own warm-up runs out of memory under it.
+# Seven language-model probes, a minute or two each. The limit lies between peaks measured
+# on requirements.txt's TensorFlow 2.21 and Keras 3.15: the oldest supported (2.20, 3.12:
+# make test-low) need more.
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     _minor(tf.__version__) < (2, 21) or _minor(keras.__version__) < (3, 15),
     reason="the limit is set between peaks measured on TensorFlow 2.21 and Keras 3.15")]
 
 MODEL, N, B = "lm", 8, 4
-# Between the accumulating paths' peaks (about 360 MiB; B alone's 311) and the direct
-# batch's of N*B sequences (438 MiB).
+# Between the accumulating paths' peaks (362 MiB without a limit; B alone's 311) and the
+# direct batch's of N*B sequences (438 MiB).
 LIMIT_MB = 400
 PATHS = ("accumulate", "window")
-# accumulate's peak over B alone's, measured 1.16 (B alone + the sums, less the
-# gradients B alone holds at its own peak, plus the output layer's gradient in flight).
+# accumulate's peak over B alone's: B alone + the sums, less the gradients B alone holds
+# at its own peak, plus the output layer's gradient in flight.
 RATIO = 1.2
 TABLE_MB = models.VOCABULARIES[MODEL] * models.WIDTH * 4 / memory.MIB
 
@@ -51,14 +55,14 @@ TABLE_MB = models.VOCABULARIES[MODEL] * models.WIDTH * 4 / memory.MIB
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory):
     base = tmp_path_factory.mktemp("memory_lm")
-    specs = [("dense_direct", None), ("direct", LIMIT_MB), ("alone", LIMIT_MB)] + [
-        (path, LIMIT_MB) for path in PATHS]
+    specs = [("dense_direct", None), ("direct", LIMIT_MB), ("alone", None)] + [
+        (path, limit) for path in PATHS for limit in (LIMIT_MB, None)]
 
     def run(spec):
         path, limit = spec
         save = base / f"{path}-{limit}.npz"
         return memory.probe(MODEL, path, N, B, limit_mb=limit, save=save,
-                            profile=path in PATHS), save
+                            profile=path in PATHS and limit is None), save
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return dict(zip(specs, pool.map(run, specs)))
@@ -79,15 +83,11 @@ def test_the_accumulated_run_fits_and_trains_to_the_direct_batchs_weights(probed
 
 @pytest.mark.parametrize("path", PATHS)
 def test_the_rows_are_never_made_dense_and_the_peak_stays_near_b_alone(probed, path):
-    alone, _ = probed[("alone", LIMIT_MB)]
-    result, _ = probed[(path, LIMIT_MB)]
+    alone, _ = probed[("alone", None)]
+    result, _ = probed[(path, None)]
+    assert "peak_mb" in alone and "peak_mb" in result, (alone, result)
     dense = result["largest_by_op"].get("UnsortedSegmentSum", 0.0)
     assert dense < TABLE_MB / 4, (dense, result["at_peak"])
-    if (_minor(tf.__version__) > (2, 21)
-            and result["peak_mb"] > RATIO * alone["peak_mb"]):
-        pytest.xfail("tf-nightly 2.23 with keras-nightly 3.16 (make test-next): one run "
-                     "392.9 MiB against B alone's 326.0, 1.205x, another under 1.2x; TF "
-                     "2.21's 1.16x sets the bound (the rows still never dense)")
     assert result["peak_mb"] <= RATIO * alone["peak_mb"], (result, alone["peak_mb"])
 
 
