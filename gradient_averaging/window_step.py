@@ -269,7 +269,7 @@ class WindowStep:
         holds the direct batch's magnitudes (float16's range; float8's histories); its
         gradients are taken back to the numerator's, so the value changes no result.
       statistics_sums: the window's batch-norm sums (made by `build_statistics`).
-      no_gradient: per term, which variables it does not reach (known once traced).
+      no_gradient: per term, which variables it does not reach (learn_layout's).
       summed_activity: where this Keras adds activity regularizers' losses as raw sums
         over the batch (before 3.14; _keras_src.summed_activity): records -> a context
         manager under which the forward pass records them apart (a part divided by
@@ -313,19 +313,19 @@ class WindowStep:
                                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def learn_layout(self, trace):
-        """Learns the parts a pass returns and makes the window's sums: `trace()` traces
-        one pass (a tf.function's get_concrete_function: nothing runs), once, before
-        any other. Idempotent."""
+        """Learns the parts a pass returns and the variables it reaches, and makes the
+        window's sums: `trace()` traces one pass (a tf.function's get_concrete_function:
+        nothing runs), once, before any other, which alone records them. Idempotent."""
         if self.layout is not None:
             return
-        self._discovered = []
+        self._discovered = {}
         try:
             with self.strategy.scope():
                 trace()
-            layout = self._discovered
+            discovered = self._discovered
         finally:
             self._discovered = None
-        self.layout = tuple(layout)
+        self.layout, self.no_gradient = tuple(discovered["layout"]), discovered["no_gradient"]
         self.terms = tuple(dict.fromkeys(self.layout))
         with self.strategy.scope():
             self.sums = [self._accumulators(f"window_sum{'_' + str(t) if t else ''}")
@@ -384,13 +384,15 @@ class WindowStep:
         no_gradient = [[g is None for g in term] for term in gradients]
         if all(all(term) for term in zip(*no_gradient)):
             raise ValueError("no variable receives a gradient from the loss")
+        if self._discovered is not None:
+            self._discovered["no_gradient"] = no_gradient
         return MiniBatch(gradients, no_gradient, after, extra, moments, part_values(parts))
 
     def _checked_layout(self, parts):
         """The terms of `parts`, which must be laid out as learn_layout learned them."""
         layout = tuple(part.term for part in parts)
         if self._discovered is not None:
-            self._discovered[:] = layout
+            self._discovered["layout"] = layout
             return tuple(dict.fromkeys(layout))
         if layout != self.layout:
             raise ValueError(f"the loss's parts changed from {self.layout} to {layout}: "
