@@ -182,24 +182,45 @@ def largest_difference(a, b, which=lambda name: True):
     return max(float(np.abs(a[k] - b[k]).max()) for k in b if which(k))
 
 
-def main():
-    if not hasattr(v1.layers, "conv2d"):  # Keras 3's tf.compat.v1 has no layers
-        sys.exit("tf.compat.v1.layers needs the tf-keras package and TF_USE_LEGACY_KERAS=1 "
-                 "set before TensorFlow is first imported")
-    rng = np.random.RandomState(0)  # images of unit scale, each channel its own mean
+LAYERS = ("bn_input", "bn_conv1", "bn_conv2")
+
+
+def weights(name):
+    return "/moving_" not in name
+
+
+def statistics(layer):
+    return lambda name: name.startswith(layer + "/moving_")
+
+
+def data():
+    """The mini-batches (images of unit scale, each channel its own mean) and the direct
+    batches of their windows: 80, 80 and 40 samples."""
+    rng = np.random.RandomState(0)
     minibatches = [((rng.normal(size=(B, *IMAGE_SHAPE)) * [1.0, 0.5, 2.0] + [0.5, -1.0, 0.0])
                     .astype(np.float32), rng.randint(CLASSES, size=B))
                    for _ in range(MINIBATCHES)]
     direct = [tuple(np.concatenate(part) for part in zip(*minibatches[k:k + N]))
-              for k in range(0, MINIBATCHES, N)]                       # 80, 80, 40 samples
+              for k in range(0, MINIBATCHES, N)]
+    return minibatches, direct
+
+
+def print_statistics(reference, runs):
+    print(f"training=True, momentum m = {MOMENTUM}: largest difference of the moving "
+          "statistics from the direct batch's")
+    print(f"  {'':50}" + "".join(f"{layer:>10}" for layer in LAYERS))
+    for name, run in runs:
+        print(f"  {name:50}" + "".join(
+            f"{largest_difference(run, reference, statistics(layer)):10.1e}"
+            for layer in LAYERS))
+
+
+def main():
+    if not hasattr(v1.layers, "conv2d"):  # Keras 3's tf.compat.v1 has no layers
+        sys.exit("tf.compat.v1.layers needs the tf-keras package and TF_USE_LEGACY_KERAS=1 "
+                 "set before TensorFlow is first imported")
+    minibatches, direct = data()
     nan_window = [(np.full_like(xb, np.nan), yb) for xb, yb in minibatches[:N]]
-    def weights(name):
-        return "/moving_" not in name
-
-    def statistics(layer):
-        return lambda name: name.startswith(layer + "/moving_")
-
-    layers = ("bn_input", "bn_conv1", "bn_conv2")
     failures = []
 
     def check(claim, holds):
@@ -221,15 +242,9 @@ def main():
           off < TOLERANCE)
 
     # 2. and 3. Batch norm training: UPDATE_OPS per mini-batch, or per update.
-    print(f"training=True, momentum m = {MOMENTUM}: largest difference of the moving "
-          "statistics from the direct batch's")
-    print(f"  {'':50}" + "".join(f"{layer:>10}" for layer in layers))
-    for name, run in (("UPDATE_OPS per mini-batch, momentum m", per_batch),
-                      ("UPDATE_OPS per mini-batch, momentum m ** (1 / N)", decayed),
-                      ("per update (after_update=)", per_update)):
-        print(f"  {name:50}" + "".join(
-            f"{largest_difference(run, reference, statistics(layer)):10.1e}"
-            for layer in layers))
+    print_statistics(reference, (("UPDATE_OPS per mini-batch, momentum m", per_batch),
+                                 ("UPDATE_OPS per mini-batch, momentum m ** (1 / N)", decayed),
+                                 ("per update (after_update=)", per_update)))
     exact, exact_whole = input_statistics(direct), input_statistics(direct[:2])
     off = largest_difference(per_batch, exact)
     check(f"per mini-batch at m, BN on the inputs: {off:.1e} off the direct batch's "
@@ -252,7 +267,7 @@ def main():
     check("per update, BN after the convolutions is not the direct batch's (its inputs "
           "differ: the layers before normalize each mini-batch by its own statistics)",
           all(largest_difference(per_update, reference, statistics(layer)) > TOLERANCE
-              for layer in layers[1:]))
+              for layer in LAYERS[1:]))
     off = largest_difference(per_update, reference, weights)
     check(f"training=True: weights {off:.1e} from the direct batch's (BN normalizes each "
           "mini-batch by its own statistics; dropout draws other masks)", off > TOLERANCE)

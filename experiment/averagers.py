@@ -184,18 +184,10 @@ class FusedAverager(Averager):
 
     def __init__(self, loss_fn, inputs, optimizer, average_gradients, var_list=None,
                  global_step=None, check_finite=True):
-        """Builds the ops in the default graph.
-
-        Args:
-          loss_fn: maps tensors shaped like `inputs` (one mini-batch) to a scalar loss,
-            building the model again: variables it creates with tf.Variable are the
-            model's existing ones, handed out in creation order; get_variable must reuse
-            (e.g. AUTO_REUSE).
-          inputs: the per-mini-batch placeholders that `step`'s feed_dict fills; those
-            with an unknown leading dimension hold the samples (counted for the weights);
-            other keys of the feed_dict (e.g. a `training` flag) are passed through.
-          optimizer, average_gradients, var_list, global_step, check_finite: as for
-            trainer.GradientAverager.
+        """Builds the ops in the default graph. `loss_fn` maps tensors like `inputs` (one
+        mini-batch's placeholders; those with an unknown leading dimension hold samples)
+        to a scalar loss, building the model again on its existing variables (handed out
+        in creation order; get_variable must reuse). The rest as trainer.GradientAverager's.
         """
         super().__init__(average_gradients)
         _check_window(average_gradients)

@@ -285,39 +285,18 @@ def is_chief(config):
 def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
                checkpoint_dir=None, checkpoint_every=CHECKPOINT_EVERY, should_stop=None,
                run_index=1, runs=1, clock=None, read_losses=False):
-    """Trains one run with config.engine (resuming it from `checkpoint_dir`) and tests it.
+    """Trains one run with config.engine (resuming it from `checkpoint_dir`) and tests it,
+    every `config.eval_every` mini-batches (or `eval_every_updates` updates) and at the end,
+    with a progress bar on stderr where that is a terminal.
 
-    Evaluates every `config.eval_every` iterations (mini-batches), or every
-    `config.eval_every_updates` applied updates, and once at the end. While it trains,
-    a progress bar (progress.RunProgress) is shown on stderr when that is a terminal.
+    logdir: this run's TensorBoard events (`train/loss`, `test/accuracy`, against updates);
+    checkpoint_dir: saved every `checkpoint_every` updates, when stopped and when done;
+    should_stop: called after every mini-batch, a non-empty return ("SIGTERM") saves and
+    raises Stopped; run_index, runs, clock: for the bar; read_losses: read the loss totals
+    after each window without `logdir` too (a multi_worker worker: the read is a collective).
 
-    Args:
-      logdir: if set, this run's TensorBoard event files go there: `train/loss` (the
-        mean loss of each update's mini-batches) and `test/accuracy` (each evaluation),
-        both against the number of updates applied, which every N shares.
-      checkpoint_dir: this run's checkpoint directory: saved every `checkpoint_every`
-        updates, when stopped, and when finished; resumed from when present.
-      should_stop: called after every mini-batch; a non-empty return (e.g. "SIGTERM")
-        saves a checkpoint and raises Stopped.
-      run_index, runs: this run's number (from 1) and how many there are, for the bar.
-      clock: the progress.RunsClock of all the runs, for the bar's ETA of all of them.
-      read_losses: read the loss totals after each window without `logdir` too: a
-        multi_worker worker whose chief writes events (the read is a collective).
-
-    Returns:
-      dict with seed, best_accuracy, best_iteration, final_accuracy, updates,
-      skipped_windows, train_seconds (evaluation excluded), eval_seconds,
-      weights_sha256, evaluations: [{"iteration", "updates", "accuracy"}, ...], and
-      out_of_memory: the mini-batch sizes that ran out of memory, each then halved (the
-      tf2 engine with an effective batch, on one replica).
-
-    Raises:
-      Stopped: by `should_stop` or by non-finite windows (see Config.on_nonfinite);
-        WorkerLost: a multi_worker peer is lost.
-      checkpoint.CheckpointError: the checkpoint is unusable or of another configuration
-        (WorkersDiffer: the workers do not read the same checkpoint).
-      results.WriteError: a checkpoint could not be written (the message names the one
-        in force).
+    Returns the result dict (results.py lists its keys). Raises Stopped, WorkerLost,
+    checkpoint.CheckpointError (WorkersDiffer), results.WriteError (naming the one in force).
     """
     log = log or _print
     module = engine_module(config.engine)

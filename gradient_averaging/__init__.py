@@ -24,12 +24,11 @@ import importlib
 
 from gradient_averaging import _saving
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _EXPORTS = {
     "AveragingOptimizer": "tf1", "FLUSH_OPS": "tf1",
     "WindowAccumulator": "tf2", "MiniBatchAccumulator": "tf2", "fit_accumulated": "tf2",
-    "GradientAccumulator": "tf2",  # deprecated: MiniBatchAccumulator
     "FitSummary": "tf2",
     "accumulate": "keras_fit", "AccumulatingModel": "keras_fit",
     "find_micro_batch": "micro_batch", "MicroBatch": "micro_batch",

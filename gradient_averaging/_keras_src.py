@@ -1,20 +1,12 @@
-"""Every use of Keras's internals, each checked at import.
+"""Every use of Keras's internals and every patch of a Keras object, each checked at import.
 
-`accumulate` builds on Keras's data adapters, its compiled loss taken apart (CompileLoss's
-flat losses, Loss's reduction) and two private Model methods, and replaces a third
-(SpecBuilt: Keras's build, which fails under several workers); the batch-norm statistics
-on BatchNormalization's `_moments`; the weighting of activity regularizers on how this
-Keras adds their losses; a pass's losses without the weights' regularization on the
-order of Layer.losses; every TF2 path's apply on Keras calling `update_step` once per
-variable (window_step.one_variable_at_a_time). Keras exports none of them and may change
-any in a release: this module is the one place that touches them. INTERNALS lists each,
-with the paths that need it and what it must be; all are checked once, at import, by
-reading Keras's classes and code (the only objects made are a Model, a Loss, a
-BatchNormalization and a BackupAndRestore, named and without variables: milliseconds).
-A path whose internal is missing or changed is refused where it starts (`require`), in
-one line naming the internal and the Keras version; every other path runs. The version
-number refuses nothing: a release the tests do not pin warns once, naming the tested
-ones (TESTED), and runs.
+Keras exports none of them and may change any in a release, so this module is the one
+place that touches them. INTERNALS lists each with the paths that need it; all are
+checked once, at import, by reading Keras's classes and code (milliseconds; the objects
+made are named and hold no variables). A path whose internal is missing or changed is
+refused where it starts (`require`), in one line naming the internal and the Keras
+version; every other path runs. The version number refuses nothing: a release the
+tests do not pin warns once, naming the tested ones (TESTED), and runs.
 """
 
 # ruff: noqa: SLF001 (Keras's internals are this module's purpose, each checked in INTERNALS)
@@ -174,13 +166,13 @@ INTERNALS = (
     exists((FIT,), "keras.src.tree", "flatten", "map_structure"),
     exists((FIT,), "keras.src.ops", "convert_to_tensor"),
     has((FIT,), "keras.callbacks:BackupAndRestore", lambda cls: cls(_PROBE), *_BACKUP_PATHS),
-    # Every TF2 path's apply (window_step.one_variable_at_a_time): Keras's TensorFlow
+    # Every TF2 path's apply (one_variable_at_a_time): Keras's TensorFlow
     # optimizer calls update_step(gradient, variable, learning_rate), once per variable,
     # through the attribute, so an instance's own update_step is the one called.
     takes((APPLY, FIT), "keras:optimizers.Optimizer.update_step", None, None, None, None),
     mentions((APPLY, FIT),
              "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
-             "update_step", why="window_step.one_variable_at_a_time orders its calls"),
+             "update_step", why="one_variable_at_a_time orders its calls"),
     # The layers of a model, nested ones each once.
     takes((BATCH_NORM, BN_UPDATE, ACTIVITY), f"{_LAYERS}._flatten_layers", None,
           include_self=False),
@@ -260,13 +252,6 @@ tree = _internal("keras.src.tree")
 get_keras_mask = _internal("keras.src.backend.common.masking:get_keras_mask")
 loss_module = _internal("keras.src.losses.loss")
 
-__all__ = ["DataAdapter", "SpecBuilt", "activity_losses_apart", "batch_norm_layers",
-           "captured_moments", "check_internals", "check_release", "data_adapters",
-           "elsewhere", "log_window", "loss_parts", "loss_tracker", "require",
-           "summed_activity", "summed_activity_layers", "symbolic_build",
-           "train_validation_split", "without_weight_regularization"]
-
-
 def symbolic_build(model, data_batch):
     """Builds a model's metrics and optimizer variables from one batch's spec, as fit
     does from its first batch (Model._symbolic_build), in the model's strategy scope."""
@@ -275,10 +260,8 @@ def symbolic_build(model, data_batch):
 
 
 class SpecBuilt:
-    """Mixin for a keras.Model: fit and evaluate build it from their data's element spec
-    (its shapes and types), never from a batch. Keras's own build (the TensorFlow
-    trainer's _maybe_symbolic_build), for a model made in a strategy's scope, takes the
-    first distributed batch and reduces it eagerly with strategy.reduce("MEAN", ...),
+    """Mixin for a keras.Model: fit and evaluate build it from their data's element spec,
+    never from a batch. Keras's own build reduces the first distributed batch eagerly,
     which fails under a MultiWorkerMirroredStrategy of several workers
     (keras-team/keras#20585)."""
 
@@ -299,10 +282,9 @@ _WRITES = {keras.callbacks.ModelCheckpoint: ("filepath",),
 @contextlib.contextmanager
 def elsewhere(callbacks, directory):
     """While the block runs, Keras's callbacks that write (ModelCheckpoint, TensorBoard,
-    BackupAndRestore) write under `directory` (made, and removed after) instead: what a
-    worker that is not the chief writes. A BackupAndRestore's directory is copied there
-    first, so that it restores what the chief's saved. Their paths are put back after.
-    Other callbacks are left as they are."""
+    BackupAndRestore) write under `directory` (made, and removed after): a worker that is
+    not the chief. A BackupAndRestore's directory is copied there first, so it restores
+    what the chief saved."""
     saved = []
     for callback in callbacks:
         for kind, names in _WRITES.items():
@@ -338,16 +320,10 @@ def loss_tracker(model):
 
 
 def batch_norm_layers(model, per_update):
-    """The model's BatchNormalization layers whose moments the window captures (nested
-    ones included, each once): all of them where the statistics step once per update,
-    none otherwise.
-
-    Raises:
-      ValueError: a layer the window cannot train: synchronized=True (its forward pass
-        all-reduces every mini-batch, which the window's replicas do not do in step),
-        or, where its moments are captured, renorm=True (its corrections depend on each
-        batch's spread) or a subclass with its own `call` or `_moments`.
-    """
+    """The model's BatchNormalization layers (nested ones each once) whose moments the
+    window captures: all where the statistics step once per update, none otherwise.
+    ValueError for a layer the window cannot train: synchronized=True, or, where its
+    moments are captured, renorm=True or a subclass with its own `call` or `_moments`."""
     require(BN_UPDATE if per_update else BATCH_NORM)
     base = keras.layers.BatchNormalization
     found = []
@@ -437,12 +413,10 @@ def summed_activity(model):
 
 
 def summed_activity_layers(model):
-    """The layers of `model` (nested ones too, each once) whose activity regularizer this
-    Keras adds as a raw sum over the batch's rows: all that have one before 3.14, none
-    from 3.14 on, where the loss is a per-sample mean that every path weighs as it weighs
-    any loss. The direct batch of a window's E samples adds the sum over all of them, so a
-    mini-batch's activity term must weigh E times its loss's, and E is known only when
-    the window closes: the window step sums these gradients apart (window_step)."""
+    """The layers of `model` (nested ones each once) whose activity regularizer this Keras
+    adds as a raw sum over the batch (before 3.14; from 3.14 a per-sample mean, weighed
+    as any loss): the direct batch adds the sum over all the window's samples, so the
+    window step sums these apart, a part divided by nothing."""
     if _activity_losses_are_means():
         return []
     require(ACTIVITY)
@@ -587,3 +561,37 @@ def log_window(model, loss, part_values, samples):
             weight = tf.cast(entry.loss_weights, value.dtype)
             value = tf.where(tf.equal(weight, 0), tf.zeros_like(value), value / weight)
         metric.update_state(value)
+
+
+@contextlib.contextmanager
+def one_variable_at_a_time(optimizer):
+    """Within the block, `optimizer` (a LossScaleOptimizer's inner one) updates its
+    variables one after another: each gradient waits for the previous variable's new
+    value. A window's gradients all exist as its apply starts, so otherwise several
+    updates run at once, each with temporaries the size of its variable. A strategy's
+    replicas enter at once, in threads, and Keras updates once, in a merge call they
+    all wait in: the first to enter patches, the last to leave restores."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    with _ORDERED:
+        if not _ORDERED_DEPTH.get(id(inner)):
+            own, written = inner.update_step, []
+
+            def update_step(gradient, variable, learning_rate):
+                with tf.control_dependencies(written):
+                    gradient = tf.identity(gradient)
+                own(gradient, variable, learning_rate)
+                written[:] = [tf.convert_to_tensor(variable)]
+
+            inner.__dict__["update_step"] = update_step  # past Keras's attribute tracking
+        _ORDERED_DEPTH[id(inner)] = _ORDERED_DEPTH.get(id(inner), 0) + 1
+    try:
+        yield
+    finally:
+        with _ORDERED:
+            _ORDERED_DEPTH[id(inner)] -= 1
+            if not _ORDERED_DEPTH[id(inner)]:
+                del _ORDERED_DEPTH[id(inner)], inner.__dict__["update_step"]
+
+
+_ORDERED = threading.Lock()
+_ORDERED_DEPTH = {}  # id(optimizer) -> the blocks it is in

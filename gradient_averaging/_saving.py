@@ -10,6 +10,7 @@ once where it already is, else by a one-shot import hook that runs after Keras's
 when Keras is imported), nothing of Keras, TensorFlow or the TF2 path.
 """
 
+import importlib
 import sys
 
 # keras_fit's registration (package "tf2_accumulator", the first release's name, so that
@@ -22,8 +23,9 @@ class AccumulatingModelStandIn:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        from gradient_averaging import keras_fit
-
+        # By name, on first load, as the package's own exports load (no import edge
+        # from the package's start-up to the Keras path).
+        keras_fit = importlib.import_module(f"{__package__}.keras_fit")
         return keras_fit.AccumulatingModel.from_config(config, custom_objects)
 
 

@@ -33,7 +33,6 @@ the mean.
 import collections
 import itertools
 import logging
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -326,20 +325,12 @@ class _Accumulator:
         return float(self.loss_total.read_value()), float(self.samples_total.read_value())
 
 
-def _window_size(accumulator, average_gradients):
-    """N for a fit: the accumulator's, or (the old spelling, deprecated) fit's own."""
-    if average_gradients is None:
-        if accumulator.average_gradients is None:
-            raise ValueError(f"{type(accumulator).__name__} has no average_gradients: make "
-                             "it with average_gradients=N")
-        return accumulator.average_gradients
-    warnings.warn("fit(dataset, average_gradients) is deprecated: make the accumulator with "
-                  "average_gradients=N and call fit(dataset)", DeprecationWarning, stacklevel=3)
-    average_gradients = window_lib.check_average_gradients(average_gradients)
-    if accumulator.average_gradients not in (None, average_gradients):
-        raise ValueError(f"fit's average_gradients={average_gradients} contradicts the "
-                         f"accumulator's average_gradients={accumulator.average_gradients}")
-    return average_gradients
+def _window_size(accumulator):
+    """N for a fit: the accumulator's."""
+    if accumulator.average_gradients is None:
+        raise ValueError(f"{type(accumulator).__name__} has no average_gradients: make "
+                         "it with average_gradients=N")
+    return accumulator.average_gradients
 
 
 class _FitCounts:
@@ -490,7 +481,7 @@ class WindowAccumulator(_Accumulator):
             self._iterator_steps[average_gradients] = window_from
         return self._iterator_steps[average_gradients]
 
-    def fit(self, dataset, average_gradients=None, callback=None, warn_partial=True):
+    def fit(self, dataset, *, callback=None, warn_partial=True):
         """One pass over `dataset`, one compiled call per N mini-batches.
 
         The call takes the window's mini-batches from the dataset's iterator one at a
@@ -502,7 +493,6 @@ class WindowAccumulator(_Accumulator):
           dataset: a tf.data.Dataset of (x, y) global mini-batches, or any iterable of
             them (made a dataset here). Under a multi-worker strategy every worker must
             yield the same batches.
-          average_gradients: deprecated: N, where the accumulator was made without it.
           callback: called as callback(mini_batch) for each mini-batch (1-based),
             after its window's update.
           warn_partial: log a warning when a partial window is applied.
@@ -512,7 +502,7 @@ class WindowAccumulator(_Accumulator):
           partial_window is the number of mini-batches in the trailing partial window
           (0 if none).
         """
-        counts = _FitCounts(self, _window_size(self, average_gradients))
+        counts = _FitCounts(self, _window_size(self))
         dataset = _as_dataset(dataset)
         applied = False
         if dataset is None:  # nothing to train on
@@ -640,13 +630,13 @@ class MiniBatchAccumulator(_Accumulator):
 
         return add
 
-    def fit(self, dataset, average_gradients=None, callback=None, warn_partial=True):
+    def fit(self, dataset, *, callback=None, warn_partial=True):
         """One pass over `dataset`, one call per mini-batch, an update every N.
 
         As WindowAccumulator.fit; callback(mini_batch) runs after each mini-batch,
         after the update it completed, if any.
         """
-        counts = _FitCounts(self, _window_size(self, average_gradients))
+        counts = _FitCounts(self, _window_size(self))
         for x, y in dataset:
             self.accumulate(x, y)
             counts.mini_batches += 1
@@ -657,16 +647,6 @@ class MiniBatchAccumulator(_Accumulator):
         counts.partial = self.window
         applied = bool(counts.partial) and counts.window(self.apply(), counts.partial)
         return counts.summary(warn_partial, applied)
-
-
-class GradientAccumulator(MiniBatchAccumulator):
-    """Deprecated: the old name of MiniBatchAccumulator (its name was too near the post's
-    GradientAverager, an unrelated TF1 class)."""
-
-    def __init__(self, *args, **kwargs):
-        warnings.warn("gradient_averaging.GradientAccumulator is now MiniBatchAccumulator",
-                      DeprecationWarning, stacklevel=2)
-        super().__init__(*args, **kwargs)
 
 
 def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, strategy=None,

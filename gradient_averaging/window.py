@@ -8,7 +8,6 @@ lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes be
 
 import collections
 import numbers
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -17,8 +16,7 @@ import tensorflow as tf
 LOW_PRECISION = (tf.float16, tf.bfloat16)
 # Iterations a window loop runs at once. One: a mini-batch's activations are freed
 # before the next one's forward pass, so the window holds one mini-batch's, as B alone
-# does. (The TF2 loops add in place, which runs their iterations one after another
-# whatever this says: their overlap is parallel_mini_batches, in_groups.)
+# does (the TF2 loops overlap passes only as parallel_mini_batches asks: in_groups).
 PARALLEL_ITERATIONS = 1
 # TensorFlow feeds a numpy array to a session without copying it when its data is this
 # aligned.
@@ -40,19 +38,8 @@ SAMPLES = "samples"  # the term of the parts divided by their mini-batch's sampl
 
 
 def check_average_gradients(value, name="average_gradients"):
-    """N, mini-batches per update, checked once for every caller (library, flags, engines).
-
-    Args:
-      value: the N given; an int >= 1 (a numpy integer too; not a bool, not a float).
-      name: the argument's name, for the error message.
-
-    Returns:
-      `value` as a Python int.
-
-    Raises:
-      TypeError: `value` is not an integer (None, a bool, a float, a string...).
-      ValueError: `value` < 1.
-    """
+    """N, mini-batches per update, as a Python int, checked once for every caller: an
+    integer (numpy's too; not a bool or a float: TypeError) >= 1 (ValueError)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= 1 (mini-batches per update), "
                         f"got {value!r} ({type(value).__name__})")
@@ -109,13 +96,6 @@ def stack_padded(mini_batches, alignment=None):
         return out
 
     return tf.nest.map_structure(stack, *mini_batches), sizes
-
-
-def stack_window(mini_batches, alignment=None):
-    """Deprecated: the old name of stack_padded (tf2.stack_window is the other)."""
-    warnings.warn("gradient_averaging.window.stack_window is now stack_padded",
-                  DeprecationWarning, stacklevel=2)
-    return stack_padded(mini_batches, alignment)
 
 
 def _arrays(batch):
@@ -186,12 +166,11 @@ def check_parallel_mini_batches(value):
 
 
 def in_groups(count, add, parallel=1):
-    """Hands `add` the indices 0 .. count-1 (an int32 scalar tensor), in order, in a
-    list: `parallel` consecutive ones at a time while as many are left, then the rest
-    one at a time. The loop runs its iterations one after another (the sums are added
-    in place); the passes of one group may run at once, for one more mini-batch's
-    activations and gradients each (window_step.run_passes). Returns the count, a tensor
-    that exists once the last is added (what `add` returns is waited for)."""
+    """Hands `add` the indices 0 .. count-1 (an int32 scalar tensor), in order, in lists
+    of `parallel` while as many are left, then one at a time. Iterations run one after
+    another (the sums are added in place); a group's passes may run at once, for one
+    more mini-batch's activations each. Returns the count, a tensor that exists once
+    what `add` returned for the last is done."""
     def loop(start, group):
         def body(i):
             added = add([i + j for j in range(group)])
@@ -212,9 +191,9 @@ def cut(batch, size, add, parallel=1):
     """Hands `add` the mini-batches of `size` samples of `batch` (a nested structure of
     tensors), in order, in lists (in_groups: `parallel` at a time): the last one shorter
     where `size` does not divide the batch, one empty mini-batch where the batch is empty
-    (so every replica counts a mini-batch: the first replica's count says whether the
-    window holds any, window_step.WindowStep.apply). Returns the
-    mini-batches, an int32 scalar tensor that exists once the last is added."""
+    (every replica counts one, so the first replica's count says whether the window holds
+    any). Returns the mini-batches, an int32 scalar tensor that exists once the last is
+    added."""
     samples = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
     count = tf.maximum((samples + size - 1) // size, 1)
 
@@ -238,9 +217,8 @@ def add_rows(total, rows):
     """Adds `rows` (tf.IndexedSlices, ids repeated or not) into the dense sum variable
     `total`, row by row, in its own buffer: no table-sized temporary, no pass over the
     table. A scatter switches TensorFlow's variable to copy-on-read (every later read
-    and dense add then copies it: the mlp's peak once rose 435 -> 499 MiB so, 3ac8db3);
-    the switch is turned off again at once, so that the window's close reads the sum
-    without a copy. Returns the op."""
+    and dense add would copy it), so the switch is turned off again at once. Returns
+    the op."""
     handle = total.handle  # a replica-local variable's: this replica's (replica context)
     scatter = tf.raw_ops.ResourceScatterAdd(
         resource=handle, indices=rows.indices, updates=tf.cast(rows.values, total.dtype))
@@ -250,12 +228,10 @@ def add_rows(total, rows):
 
 def assign_in_place(variable, value):
     """Writes `value` into the buffer `variable` holds, and turns off the copy-on-read
-    switch that the write sets (left on, every later read and add copied the variable:
-    the mlp's accumulate path peaked at 499 MiB where it had 435, 3ac8db3). An assign
-    would make the variable take value's buffer wherever the allocator had placed it:
-    the window's division moved the sums into the holes of the apply, and the language
-    model's at V=128,000 peaked with two 125 MiB temporaries handed 250 MiB chunks
-    there. Returns the op."""
+    switch that the write sets (left on, every later read and add copies the variable).
+    An assign would make the variable take value's buffer, wherever the allocator placed
+    it (amid a pass's activations, in the holes of the apply): a sum must keep its own
+    buffer for the window's memory to stay B alone's plus the sums. Returns the op."""
     rank = value.shape.rank
     if not rank:
         return variable.assign(value, read_value=False)
@@ -279,21 +255,11 @@ def zeros(shape, dtype):
 def zero_sums(sums, finite):
     """Zeroes each sum variable, one after another, for the next window.
 
-    Where `finite` (a bool scalar tensor: no NaN or Inf in any sum), in the sum's own
-    buffer, by adding its negation (x + -x is exactly 0): the sums keep their buffers
-    (the division writes into them too: assign_in_place), for one temporary the size of
-    a variable at a time. (An assign takes its value's buffer: where a window's first
-    mini-batch assigned its gradients, the sums kept buffers made amid that pass's
-    activations, and the next passes' activations were cut around them.) A NaN or Inf
-    cannot be zeroed so: elsewhere (`finite` false, or False: a discarded window), zeros
-    are written into the sum's own buffer (assign_in_place). An assign of fresh zeros
-    moved the sum to wherever the allocator put them: after a micro-batch trial that ran
-    out of memory, the discard moved a 31 MiB sum of the language model (tools/memory.py's
-    lm) into a 36.4 MiB chunk, and under a 600 MiB limit the B the search had found (31,
-    peak 507 MiB) no longer fit in that process and training halved it to 15.
-
-    Returns:
-      [the op that zeroes the last], to wait for.
+    Every sum keeps its own buffer (assign_in_place says why), with one temporary the
+    size of a variable at a time. Where `finite` (a bool scalar tensor: no NaN or Inf in
+    any sum), a sum is zeroed by adding its negation (x + -x is exactly 0); a NaN or Inf
+    cannot be so, so elsewhere (`finite` false, or False: a discarded window) zeros are
+    written into the buffer. Returns [the op that zeroes the last], to wait for.
     """
     def one_by_one(zero):
         done = []

@@ -27,7 +27,6 @@ first): the optimizer does not step, so its `iterations`, and an LR schedule, st
 import collections
 import contextlib
 import functools
-import threading
 
 import keras
 import tensorflow as tf
@@ -37,7 +36,7 @@ from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
 MiniBatch = collections.namedtuple(
-    "MiniBatch", ["gradients", "no_gradient", "state", "extra", "moments", "parts"])
+    "MiniBatch", ["gradients", "state", "extra", "moments", "parts"])
 
 
 
@@ -93,52 +92,7 @@ def data_losses(model, losses):
     window differentiates once, at the apply (WindowStep._shares)."""
     if not any(getattr(v, "regularizer", None) is not None for v in model.trainable_weights):
         return list(losses)
-    from gradient_averaging import _keras_src  # Keras's layout of a layer's losses
     return _keras_src.without_weight_regularization(model, losses)
-
-
-@contextlib.contextmanager
-def one_variable_at_a_time(optimizer):
-    """Within the block, `optimizer` (a LossScaleOptimizer's inner one) updates its
-    variables one after another, each once the one before is written.
-
-    A window's shares all exist when its apply starts, so the executor ran the
-    optimizer's updates of several variables at once, each with its temporaries the
-    size of its variable (Adam: two or three): the language model's accumulate path
-    peaked there, with three 31 MiB temporaries of its two tables alive. B alone's
-    gradients come one by one out of the backward pass, which spreads its updates.
-    Keras calls `update_step` once per variable (its TensorFlow optimizer's
-    _distributed_tf_update_step); each call's gradient is made to wait for the
-    previous variable's value after its update (a read, ordered after the update's
-    writes by the function's automatic control dependencies; it shares the buffer)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    # A strategy's replicas enter the block at once, in threads of their own, and Keras
-    # updates the variables once, in a merge call that all of them wait in: the
-    # wrapper is put on as the first enters and taken off as the last leaves.
-    with _ORDERED:
-        depth = inner.__dict__.get(_DEPTH, 0)
-        if not depth:
-            own, written = inner.update_step, []
-
-            def update_step(gradient, variable, learning_rate):
-                with tf.control_dependencies(written):
-                    gradient = tf.identity(gradient)
-                own(gradient, variable, learning_rate)
-                written[:] = [tf.convert_to_tensor(variable)]
-
-            inner.__dict__["update_step"] = update_step
-        inner.__dict__[_DEPTH] = depth + 1
-    try:
-        yield
-    finally:
-        with _ORDERED:
-            inner.__dict__[_DEPTH] -= 1
-            if not inner.__dict__[_DEPTH]:
-                del inner.__dict__["update_step"], inner.__dict__[_DEPTH]
-
-
-_ORDERED = threading.Lock()
-_DEPTH = "_gradient_averaging_ordered_depth"
 
 
 def pass_moments(statistics, step):
@@ -158,21 +112,11 @@ def _times(gradient, factor):
 
 
 def run_passes(run, batches, weight_variables, state_variables):
-    """Replica context: the passes of a group of mini-batches, all on the weights read
-    once, each on the model's other state as the pass before left it (values, not
-    variables), so that nothing orders one pass's ops after another's but their data: a
-    group's passes may run at once (the window loop's in-place additions run its
-    iterations one after another). The state is written back once, after the last.
-
-    Args:
-      run: (batch, weight values, state values) -> (result, state values after the pass).
-      batches: the group's mini-batches, in order.
-      weight_variables: the variables the passes differentiate by (read, never written).
-      state_variables: the variables `run`'s state values are read from and written to.
-
-    Returns:
-      Each pass's result, in order.
-    """
+    """Replica context: each pass's result, in order, of `run` (batch, weight values,
+    state values) -> (result, state after) over a group's `batches`: all on the weights
+    read once, each on the other state as the pass before left it (values), so nothing
+    but their data orders one pass after another and a group's passes may run at once.
+    The state is written back to `state_variables` once, after the last."""
     weights = [tf.convert_to_tensor(v) for v in weight_variables]
     state = [tf.convert_to_tensor(v) for v in state_variables]
     results = []
@@ -249,31 +193,23 @@ class WindowStep:
     other) learns the parts the objective returns and makes the sums, one per term.
 
     Attributes:
-      layout: each part's term, in the order the objective returns them (None before
-        learn_layout); terms: the distinct terms, in that order.
-      sums: per term, replica-local gradient sums, one per trainable variable, in its
-        accumulation type (where the variable is marked overwrite_with_gradient, as
-        float8's scales and histories are, the window's elementwise maximum of what
-        the passes give it, which the optimizer writes as it is, as Keras's own
-        accumulation does).
-      mini_batches: mini-batches added to the open window.
-      samples: the open window's samples on this replica (its shares' samples).
-      parts: the open window's sums, on this replica, of each part's weighted numerator
-        then of its divisor (float64 [2 x parts]), over its finite mini-batches.
-      nonfinite: mini-batches of the open window whose loss was not finite, on this
-        replica (the sums are checked when the window closes: a sum is finite only if
-        every term was).
-      expected: mini-batches a window is expected to hold (set by the window loop):
-        under loss scaling or with float8 layers, each pass differentiates its share of
-        the window's mean, numerator / (expected x divisor), so that its backward pass
-        holds the direct batch's magnitudes (float16's range; float8's histories); its
-        gradients are taken back to the numerator's, so the value changes no result.
-      statistics_sums: the window's batch-norm sums (made by `build_statistics`).
-      no_gradient: per term, which variables it does not reach (learn_layout's).
-      summed_activity: where this Keras adds activity regularizers' losses as raw sums
-        over the batch (before 3.14; _keras_src.summed_activity): records -> a context
-        manager under which the forward pass records them apart (a part divided by
-        nothing: the direct batch of the window's samples adds the sum over all of them).
+      layout: each part's term, in the objective's order (learn_layout's); terms: the
+        distinct terms; no_gradient: per term, which variables it does not reach.
+      sums: per term, a replica-local sum per trainable variable, in its accumulation
+        type (a variable marked overwrite_with_gradient, float8's scales and histories,
+        keeps the window's elementwise maximum instead, as Keras's accumulation does).
+      mini_batches, samples, nonfinite: the open window's mini-batches, samples and
+        non-finite mini-batches on this replica (a sum is finite only if every addend
+        was, so the sums are checked once, as the window closes).
+      parts: float64 [2 x parts], the open window's sums of each part's weighted
+        numerator, then of its divisor, over its finite mini-batches.
+      expected: the mini-batches a window is expected to hold (set by the window loop):
+        under loss scaling or float8, a pass differentiates numerator / (expected x
+        divisor), the direct batch's magnitudes, and its gradients are taken back to
+        the numerator's, so the value changes no result.
+      statistics_sums: the window's batch-norm sums (`build_statistics`).
+      summed_activity: None, or records -> a context manager under which a forward pass
+        records activity regularizers' summed losses apart (Keras before 3.14).
     """
 
     def __init__(self, strategy, optimizer, variables, statistics, check_finite,
@@ -282,7 +218,7 @@ class WindowStep:
         context as a window closes, given the window's loss as the direct batch's logs
         count it, each part's value (float64 [parts]), and the samples of the window's
         finite mini-batches on this replica and on all."""
-        # The apply orders Keras's update_step calls (one_variable_at_a_time).
+        # The apply orders Keras's update_step calls (_keras_src.one_variable_at_a_time).
         _keras_src.require(_keras_src.APPLY)
         self.strategy = strategy
         self.optimizer = optimizer
@@ -313,9 +249,9 @@ class WindowStep:
                                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def learn_layout(self, trace):
-        """Learns the parts a pass returns and the variables it reaches, and makes the
-        window's sums: `trace()` traces one pass (a tf.function's get_concrete_function:
-        nothing runs), once, before any other, which alone records them. Idempotent."""
+        """Learns the parts a pass returns and makes the window's sums: `trace()` traces
+        one pass (a tf.function's get_concrete_function: nothing runs), once, before
+        any other. Idempotent."""
         if self.layout is not None:
             return
         self._discovered = {}
@@ -325,7 +261,7 @@ class WindowStep:
             discovered = self._discovered
         finally:
             self._discovered = None
-        self.layout, self.no_gradient = tuple(discovered["layout"]), discovered["no_gradient"]
+        self.layout, self.no_gradient = discovered["layout"], discovered["no_gradient"]
         self.terms = tuple(dict.fromkeys(self.layout))
         with self.strategy.scope():
             self.sums = [self._accumulators(f"window_sum{'_' + str(t) if t else ''}")
@@ -353,11 +289,11 @@ class WindowStep:
 
         Returns:
           MiniBatch(gradients: per term, a tensor, rows (tf.IndexedSlices: an
-          embedding's, added as rows, window.add_rows) or None per weight, no_gradient:
-          per term, which are None, state: the model's other state after the pass
-          (batch norm's moving statistics as they were, where they step once per
-          update), extra: what `objective` returned beside its parts, moments: the
-          batch-norm moments of the pass, parts: the parts' values (part_values)).
+          embedding's, added as rows, window.add_rows) or None per weight; state: the
+          model's other state after the pass (batch norm's moving statistics as they
+          were, where they step once per update); extra: what `objective` returned
+          beside its parts; moments: the pass's batch-norm moments; parts: the parts'
+          values (part_values)).
         """
         moments, records = [], []
         statistics = self.statistics or None
@@ -386,7 +322,7 @@ class WindowStep:
             raise ValueError("no variable receives a gradient from the loss")
         if self._discovered is not None:
             self._discovered["no_gradient"] = no_gradient
-        return MiniBatch(gradients, no_gradient, after, extra, moments, part_values(parts))
+        return MiniBatch(gradients, after, extra, moments, part_values(parts))
 
     def _checked_layout(self, parts):
         """The terms of `parts`, which must be laid out as learn_layout learned them."""
@@ -564,7 +500,7 @@ class WindowStep:
         variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
 
         def apply_shares(shares):
-            with one_variable_at_a_time(optimizer):
+            with _keras_src.one_variable_at_a_time(optimizer):
                 optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
                                            for share, v in zip(shares, variables)])
 

@@ -47,10 +47,13 @@ def repository_files():
     return set(os.listdir(ROOT)) | {os.path.join("examples", name) for name in
                                     os.listdir(os.path.join(ROOT, "examples"))}
 
+SEARCHES = {"keras_effective_batch.py"}
+
 
 def _marked(path):
-    """An example that starts tf-keras (legacy Keras) in a process of its own is slow."""
-    slow = "TF_USE_LEGACY_KERAS" in source(path)
+    """An example that starts tf-keras (legacy Keras) in a process of its own, or searches
+    for its micro-batch (SEARCHES), is slow."""
+    slow = "TF_USE_LEGACY_KERAS" in source(path) or os.path.basename(path) in SEARCHES
     return pytest.param(path, id=os.path.basename(path), marks=[pytest.mark.slow] if slow else [])
 
 

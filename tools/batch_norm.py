@@ -30,10 +30,11 @@ from experiment import data
 from experiment import results
 from gradient_averaging import accumulate
 from tools import common
+from tools import models
 
 FLAGS = flags.FLAGS
 
-SEED, UPDATES, WINDOW = 0, 300, 100  # updates of WINDOW samples each
+UPDATES, WINDOW = 300, 100  # updates of WINDOW samples each
 CONFIGS = ((1, 100), (20, 5), (100, 1))  # (N, B): the direct batch first
 BEGIN, END = "<!-- table: python -m tools.batch_norm -->", "<!-- end of table -->"
 
@@ -43,13 +44,13 @@ def conv_net(norm):
     init = keras.initializers.GlorotUniform
     return keras.Sequential([
         keras.Input(data.IMAGE_SHAPE),
-        keras.layers.Conv2D(6, 5, kernel_initializer=init(SEED + 1)), norm(6),
+        keras.layers.Conv2D(6, 5, kernel_initializer=init(models.SEED + 1)), norm(6),
         keras.layers.ReLU(), keras.layers.MaxPool2D(2),
-        keras.layers.Conv2D(16, 5, kernel_initializer=init(SEED + 2)), norm(16),
+        keras.layers.Conv2D(16, 5, kernel_initializer=init(models.SEED + 2)), norm(16),
         keras.layers.ReLU(), keras.layers.MaxPool2D(2), keras.layers.Flatten(),
-        keras.layers.Dense(120, kernel_initializer=init(SEED + 3)), norm(120),
+        keras.layers.Dense(120, kernel_initializer=init(models.SEED + 3)), norm(120),
         keras.layers.ReLU(), keras.layers.Dense(data.NUM_CLASSES,
-                                                kernel_initializer=init(SEED + 4))])
+                                                kernel_initializer=init(models.SEED + 4))])
 
 
 NORMS = {"BatchNormalization": lambda channels: keras.layers.BatchNormalization(),
@@ -65,12 +66,10 @@ def statistics(model):
 
 def train(norm, n, b, bn_statistics, x, y, datasets):
     """One configuration: (test accuracy %, its model, seconds)."""
-    keras.utils.set_random_seed(SEED)
+    keras.utils.set_random_seed(models.SEED)
     model = conv_net(NORMS[norm])
     fitted = model if n == 1 else accumulate(model, n, bn_statistics=bn_statistics)
-    fitted.compile(optimizer=keras.optimizers.Adam(1e-3),
-                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                   metrics=["accuracy"])
+    fitted.compile(optimizer=models.adam(), loss=models.loss(), metrics=["accuracy"])
     start = time.perf_counter()
     fitted.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
     seconds = time.perf_counter() - start
@@ -81,7 +80,7 @@ def train(norm, n, b, bn_statistics, x, y, datasets):
 
 def measure(updates, log=print):
     datasets = data.load_mnist()
-    x, y = next(data.batches(datasets.train, SEED, updates * WINDOW, 0, 1))
+    x, y = next(data.batches(datasets.train, models.SEED, updates * WINDOW, 0, 1))
     rows = []
     for norm in NORMS:
         reference = None

@@ -1,35 +1,14 @@
 """The bench's collective section: one exchange of the gradients per update, on two workers.
 
-Two local worker processes (MultiWorkerMirroredStrategy, one CPU replica each, their own
-TF_CONFIG) train the same windows four ways, at N in {1, 4, 16} mini-batches per update:
-three of the library's paths, whose gradients are summed on each replica and exchanged
-once, by the optimizer, when the window is applied, each driven by its own step function
-(one call, one update):
-
-  * `accumulate + fit`: `accumulate(model, N)`'s AccumulatingModel, compiled and fit once
-    (which makes its train function), then its `train_function` on an iterator of the
-    dataset distributed as Keras's fit distributes it;
-  * `fit_accumulated`: the WindowAccumulator fit_accumulated makes, its window step on an
-    iterator of the dataset as `fit` iterates it;
-  * `command line`: the command line's tf2 engine, WindowAccumulator.apply_stacked on
-    the window stacked in memory;
-
-and one the library's paths are measured against:
-
-  * `per mini-batch`: built here, the way a training step written for a strategy
-    accumulates after the exchange: each mini-batch's gradients are all-reduced at once
-    (inside a tf.range loop: one op in the graph, run N times) and summed, then applied
-    once; Keras's Adam all-reduces what it is given under a strategy, so the apply adds
-    one exchange (of the sums divided by the replicas, which it sums back): N + 1.
-
-The collectives are counted as they run: a profiler trace of a window names each
-collective op executed, as many times as it ran (the most any of a few traced windows
-saw); its bytes are those of its input in the traced graph (a Keras path's: the graph of
-the tf.function its train function calls). The gradients' exchange (every op of more than
-SMALL elements) is listed apart from the small counts and votes (the samples, the
-non-finite vote; under Keras's fit, the loss read across the replicas for its logs).
-`python -m tools.bench_collective --ops` shows where each path's traced windows spend
-their time, by kind of event.
+Two local worker processes (MultiWorkerMirroredStrategy, one CPU replica each) train the
+same windows at N in {1, 4, 16} on four paths, each driven by its own step function, one
+call per update: three of the library's (`accumulate + fit`, `fit_accumulated`, the
+`command line`'s tf2 engine), which sum the gradients on each replica and exchange them
+once, when the window is applied; and `per mini-batch`, built here, which all-reduces each
+mini-batch's gradients as they come (N + 1 exchanges with Adam's own). The collectives
+are counted from profiler traces of a window, their bytes read from the traced graph
+(Collective.markdown says how). `python -m tools.bench_collective --ops` shows where each
+path's traced windows spend their time, by kind of event.
 """
 
 import concurrent.futures
@@ -39,9 +18,10 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 
 from tools import bench_probe
+from tools import models
+from tools.bench_contenders import interleaved
 from tools.bench_section import Section
 from tools.bench_section import Target
 from tools.bench_section import status
@@ -68,32 +48,37 @@ def collective_probe(spec):
     results = {}
     for n in spec["n"]:
         built = {path: _build(strategy, path, n, spec, index) for path in PATHS}
-        for window, _ in built.values():
-            for _ in range(spec["warmup"]):
-                window()
-        times = {path: [] for path in PATHS}
-        for _ in range(spec["windows"]):  # in rounds: the machine's load falls on every path
-            for path, (window, _) in built.items():
-                start = time.perf_counter()
-                window()
-                times[path].append(1e3 * (time.perf_counter() - start))
+        # In rounds, as every race: the machine's load falls on every path alike.
+        times = interleaved([_Windows(path, window) for path, (window, _) in built.items()],
+                            1, spec["windows"], warmups=spec["warmup"])
         results[str(n)] = {}
         for path in PATHS:
             collectives, ops = _profile(*built[path], traced=index == 0,
                                         traces=spec["traces"])
-            results[str(n)][path] = dict(ms=times[path], collectives=collectives,
+            results[str(n)][path] = dict(ms=[1e3 * t for t in times[path]],
+                                         collectives=collectives,
                                          **({"ops": ops} if spec.get("ops") else {}))
     return results
+
+
+class _Windows:
+    """A path's windows as a contender: `train(updates)` trains that many."""
+
+    def __init__(self, label, window):
+        self.label, self.window = label, window
+
+    def train(self, updates):
+        for _ in range(updates):
+            self.window()
 
 
 def _profile(window, function, traced, traces):
     """[{"name", "runs", "bytes", "ms"}] of the collectives one window runs, from `traces`
     windows traced one at a time: the most runs any trace saw (a window runs the same
-    collectives each time; the profiler was once seen to miss one run, 4 of the
-    per-mini-batch exchange's 5 at N=4, on a loaded machine), and the median of the
-    traces' ms in it, its wait for the other worker included. Traced on worker 0 alone
-    (every worker runs the same; a worker other than the chief was seen to crash in the
-    profiler's teardown, twice in six pairs); the others only train the windows."""
+    collectives each time, and a loaded machine's profiler can miss one), and the median
+    of the traces' ms in it, its wait for the other worker included. Traced on worker 0
+    alone (every worker runs the same, and another worker's profiler teardown can crash);
+    the others only train the windows."""
     import tensorflow as tf
 
     if not traced:
@@ -121,7 +106,6 @@ def _profile(window, function, traced, traces):
 
 def _build(strategy, path, n, spec, index):
     """(a function that trains one window of `path`, its traced tf.function)."""
-    import keras
     import numpy as np
 
     import model
@@ -134,7 +118,7 @@ def _build(strategy, path, n, spec, index):
     ys = rng.integers(0, 10, (n, b)).astype(np.int64)
     with strategy.scope():
         net = model.keras_model(spec["model"], 0.0, 0)
-        optimizer = keras.optimizers.Adam(1e-3)
+        optimizer = models.adam()
     if path in ("accumulate + fit", "fit_accumulated"):
         # The window's N global mini-batches, again and again: each call takes the next N.
         import tensorflow as tf
@@ -170,14 +154,12 @@ def _keras_fit(strategy, net, optimizer, dataset, n):
     """accumulate(net, n), compiled and fit for one update (which makes its train
     function), then a function that trains the next window by Keras's train function on
     an iterator of `dataset` distributed as fit's own (Keras's TFEpochIterator)."""
-    import keras
 
     from gradient_averaging import keras_fit
 
     with strategy.scope():
         accumulating = keras_fit.accumulate(net, n)
-        accumulating.compile(optimizer=optimizer, jit_compile=False,
-                             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        accumulating.compile(optimizer=optimizer, jit_compile=False, loss=models.loss())
     accumulating.fit(dataset, epochs=1, steps_per_epoch=n, verbose=0)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     train_function = accumulating.train_function
@@ -402,31 +384,31 @@ class Collective(Section):
         ]
 
     def markdown(self, result):
-        lines = [f"## {self.title}", "",
-                 "Two worker processes on 127.0.0.1 (MultiWorkerMirroredStrategy, one CPU "
-                 f"replica each), the {self.settings['model']}, global mini-batches of "
-                 f"B={self.settings['b']}, the same window on every path, each path driven "
-                 "by its own step function, one call per update: `accumulate + fit` is "
-                 "`accumulate(model, N)`'s train function (fit's) on an iterator of the "
-                 "dataset distributed as fit distributes it; `fit_accumulated` is the "
-                 "window step that `fit_accumulated`'s loop calls, on an iterator of the "
-                 "dataset; `command line` is the tf2 engine's window step on the window "
-                 "stacked in memory (WindowAccumulator.apply_stacked); `per mini-batch`, "
-                 "built in tools/bench_collective.py on the stacked window, all-reduces "
-                 "each mini-batch's gradients as they come and Adam exchanges their sums "
-                 "once more (N + 1 exchanges). The collectives are those a profiler trace "
-                 "of a window saw run, each as often as it ran (the most any of "
-                 f"{self.settings['traces']} traced windows saw), and the ms in them (the "
-                 "median of those windows', the wait for the other worker included); bytes "
-                 "are an op's input in the traced graph, as reduced (a ring sends about as "
-                 "much again over the wire). Every op of more than "
-                 f"{4 * SMALL} bytes is an exchange of the gradients; the small ones are "
-                 "the window's samples and its non-finite vote (the window step's two), "
-                 "and in Keras's train function the loss tracker's total and count, read "
-                 "across the replicas for fit's logs (`Cast_2/`, `div_no_nan/`). ms per "
-                 f"update are the median of {self.settings['windows']} windows, the four "
-                 "paths' windows interleaved in rounds, and `/ per mini-batch` the median "
-                 "of the per-round ratios.", ""]
+        lines = self.heading(
+            "Two worker processes on 127.0.0.1 (MultiWorkerMirroredStrategy, one CPU "
+            f"replica each), the {self.settings['model']}, global mini-batches of "
+            f"B={self.settings['b']}, the same window on every path, each path driven "
+            "by its own step function, one call per update: `accumulate + fit` is "
+            "`accumulate(model, N)`'s train function (fit's) on an iterator of the "
+            "dataset distributed as fit distributes it; `fit_accumulated` is the "
+            "window step that `fit_accumulated`'s loop calls, on an iterator of the "
+            "dataset; `command line` is the tf2 engine's window step on the window "
+            "stacked in memory (WindowAccumulator.apply_stacked); `per mini-batch`, "
+            "built in tools/bench_collective.py on the stacked window, all-reduces "
+            "each mini-batch's gradients as they come and Adam exchanges their sums "
+            "once more (N + 1 exchanges). The collectives are those a profiler trace "
+            "of a window saw run, each as often as it ran (the most any of "
+            f"{self.settings['traces']} traced windows saw), and the ms in them (the "
+            "median of those windows', the wait for the other worker included); bytes "
+            "are an op's input in the traced graph, as reduced (a ring sends about as "
+            "much again over the wire). Every op of more than "
+            f"{4 * SMALL} bytes is an exchange of the gradients; the small ones are "
+            "the window's samples and its non-finite vote (the window step's two), "
+            "and in Keras's train function the loss tracker's total and count, read "
+            "across the replicas for fit's logs (`Cast_2/`, `div_no_nan/`). ms per "
+            f"update are the median of {self.settings['windows']} windows, the four "
+            "paths' windows interleaved in rounds, and `/ per mini-batch` the median "
+            "of the per-round ratios.")
         if "error" in result:
             return lines + [f"The probe failed: {result['error']}"]
         body = []

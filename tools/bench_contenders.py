@@ -1,13 +1,17 @@
 """What the bench races, how they take turns against the clock, and where their time goes.
 
-Every contender trains the post's ConvNet on real MNIST through `train(updates)`. Keras
-loads only inside the Keras and tf2 contenders: a probe importing this module without
-them measures TensorFlow alone.
+A contender is an object with a `label` and `train(updates)` (and `close()` where it holds
+a session); interleaved() races any list of them. The engines' (SessionContender) and
+Keras's (keras_contender) train the post's models on real MNIST; Fit, Window, MiniBatch
+and Apply take any model of tools/models.py. Keras loads only inside the contenders that
+use it: a probe importing this module without them measures TensorFlow alone.
 """
 
 import collections
+import gc
 import re
 import statistics
+import sys
 import tempfile
 import time
 
@@ -16,9 +20,9 @@ import tensorflow as tf
 from experiment import config
 from experiment import data
 from experiment import engine_tf1
+from tools import models
 from tools.bench_section import trace_events
 
-SEED = 0
 ENDLESS = 10 ** 9  # mini-batches a contender may draw: more than any benchmark trains
 # Op classes for the profile: the first pattern that matches the op type names it.
 OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
@@ -40,10 +44,10 @@ class SessionContender:
                             parallel_mini_batches=parallel)
         if tf2:
             from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
-            self.engine = engine_tf2.Engine(cfg, SEED)
+            self.engine = engine_tf2.Engine(cfg, models.SEED)
         else:
-            self.engine = engine_tf1.Engine(cfg, SEED)
-        self.batches = data.batches(train, SEED, b, 0, ENDLESS)
+            self.engine = engine_tf1.Engine(cfg, models.SEED)
+        self.batches = data.batches(train, models.SEED, b, 0, ENDLESS)
         self.iteration = 0
 
     def train(self, updates):
@@ -55,43 +59,117 @@ class SessionContender:
         self.engine.close()
 
 
-class KerasContender:
-    """Keras 3's Adam(gradient_accumulation_steps=N) on the tf2 engine's ConvNet, or with
-    `accumulate` our accumulate(model, N) with plain Adam: `fit` on B-sized batches,
-    `steps_per_execution` mini-batches per compiled call (None: `train_on_batch`), and
-    `parallel` mini-batches' passes at once. No XLA: Keras turns it off under op
-    determinism."""
+class Fit:
+    """Keras `fit` on `net`, compiled with `optimizer`: `n` batches of `dataset` per update,
+    `per_call` of them in one compiled call (None: `train_on_batch`, one call each). No
+    XLA: Keras turns it off under op determinism."""
 
-    def __init__(self, label, n, b, datasets, steps_per_execution=1, accumulate=False,
-                 parallel=1):
-        import keras
-
-        import model  # Keras loads only where a Keras contender runs
-        from gradient_averaging import keras_fit
-        keras.utils.set_random_seed(SEED)
-        self.label, self.n, self.per_call = label, n, steps_per_execution
-        self.model = model.keras_model("convnet", 0.5, SEED)
-        if accumulate:
-            self.model = keras_fit.accumulate(self.model, average_gradients=n,
-                                              parallel_mini_batches=parallel)
-        self.model.compile(optimizer=keras.optimizers.Adam(
-            1e-3, gradient_accumulation_steps=n if n > 1 and not accumulate else None),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            jit_compile=False, steps_per_execution=steps_per_execution or 1)
-        self.dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
-                        .repeat().batch(b, drop_remainder=True).prefetch(2))
-        self.batches = iter(self.dataset)
+    def __init__(self, label, net, dataset, n, per_call, optimizer):
+        self.label, self.net, self.dataset, self.n, self.per_call = label, net, dataset, n, per_call
+        net.compile(optimizer=optimizer, loss=models.loss(), jit_compile=False,
+                    steps_per_execution=per_call or 1)
+        self.batches = None if per_call else iter(dataset)
 
     def train(self, updates):
         if self.per_call:
-            self.model.fit(self.dataset, steps_per_epoch=updates * self.n, epochs=1, verbose=0,
-                           shuffle=False)
+            self.net.fit(self.dataset, steps_per_epoch=updates * self.n, epochs=1, verbose=0,
+                         shuffle=False)
             return
         for _ in range(updates * self.n):
-            self.model.train_on_batch(*next(self.batches))
+            self.net.train_on_batch(*next(self.batches))
+
+
+class TrainOp:
+    """A TF1 train op in its own graph and session, run once per mini-batch on a few
+    fixed feeds, in turn: `build()`, in the graph, makes (train op, [feed dict])."""
+
+    def __init__(self, label, build):
+        self.label, self.graph, self.k = label, tf.Graph(), 0
+        with self.graph.as_default():
+            self.train_op, self.feeds = build()
+            init = tf.compat.v1.global_variables_initializer()
+        self.graph.finalize()
+        self.sess = tf.compat.v1.Session(graph=self.graph)
+        self.sess.run(init)
+
+    def train(self, runs):
+        for _ in range(runs):
+            self.sess.run(self.train_op, self.feeds[self.k % len(self.feeds)])
+            self.k += 1
 
     def close(self):
-        pass
+        self.sess.close()
+
+
+def keras_contender(label, n, b, datasets, per_call=1, accumulate=False, parallel=1):
+    """Keras 3's Adam(gradient_accumulation_steps=N) on the post's ConvNet, or with
+    `accumulate` our accumulate(model, N) with plain Adam (`parallel` mini-batches' passes
+    at once): a Fit on MNIST's training set in batches of B."""
+    import keras
+
+    from gradient_averaging import keras_fit
+    keras.utils.set_random_seed(models.SEED)
+    net = models.post_model("convnet")()
+    if accumulate:
+        net = keras_fit.accumulate(net, average_gradients=n, parallel_mini_batches=parallel)
+    dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
+               .repeat().batch(b, drop_remainder=True).prefetch(2))
+    steps = n if n > 1 and not accumulate else None
+    return Fit(label, net, dataset, n, per_call, models.adam(gradient_accumulation_steps=steps))
+
+
+class Window:
+    """fit_accumulated's default path: a WindowAccumulator's fit, N mini-batches a call,
+    on one dataset per block length, made once: each new dataset's first iterator costs
+    as much as a few updates, where a run's one dataset pays it once."""
+
+    def __init__(self, label, net, dataset, n):
+        from gradient_averaging.tf2 import WindowAccumulator
+        self.label, self.dataset, self.n, self.blocks = label, dataset, n, {}
+        self.accumulator = WindowAccumulator(net, models.adam(), models.loss(None),
+                                             average_gradients=n)
+
+    def train(self, updates):
+        if updates not in self.blocks:
+            self.blocks[updates] = self.dataset.take(updates * self.n)
+        self.accumulator.fit(self.blocks[updates])
+
+
+class MiniBatch:
+    """A MiniBatchAccumulator: accumulate per mini-batch, apply per N."""
+
+    def __init__(self, label, net, dataset, n):
+        from gradient_averaging.tf2 import MiniBatchAccumulator
+        self.label, self.n, self.batches = label, n, iter(dataset)
+        self.accumulator = MiniBatchAccumulator(net, models.adam(), models.loss(None))
+
+    def train(self, updates):
+        for _ in range(updates):
+            for _ in range(self.n):
+                self.accumulator.accumulate(*next(self.batches))
+            self.accumulator.apply()
+
+
+class Apply:
+    """The optimizer's apply alone: Adam on constant gradients, N - 1 applies per update,
+    in one call (a loop inside it), as a step's apply runs inside its call."""
+
+    def __init__(self, label, net, n):
+        self.label, self.n = label, n
+        optimizer, variables = models.adam(), net.trainable_variables
+        optimizer.build(variables)
+        gradients = [tf.fill(v.shape, tf.constant(1e-3, v.dtype)) for v in variables]
+
+        @tf.function
+        def applies(count):
+            for _ in tf.range(count):
+                optimizer.apply_gradients(zip(gradients, variables))
+
+        self.applies = applies
+        applies(tf.constant(1))  # traced
+
+    def train(self, updates):
+        self.applies(tf.constant(updates * (self.n - 1)))
 
 
 def contender(label, n, b, datasets, updates=1):
@@ -102,10 +180,10 @@ def contender(label, n, b, datasets, updates=1):
     if label == "tf2_direct":
         return SessionContender(label, 1, n * b, datasets.train, "tf2")
     if label in ("keras", "keras_long"):
-        return KerasContender(label, n, b, datasets, n * updates if label == "keras_long" else n)
+        return keras_contender(label, n, b, datasets, n * updates if label == "keras_long" else n)
     if label in ("keras_fit", "keras_fit_p2"):
-        return KerasContender(label, n, b, datasets, accumulate=True,
-                              parallel=2 if label.endswith("_p2") else 1)
+        return keras_contender(label, n, b, datasets, accumulate=True,
+                               parallel=2 if label.endswith("_p2") else 1)
     if label == "tf2_p2":
         return SessionContender(label, n, b, datasets.train, "tf2", parallel=2)
     return SessionContender(label, n, b, datasets.train, label)
@@ -123,11 +201,22 @@ def race(labels, n, b, datasets, updates, repeats, profiled=False):
         times = interleaved(contenders, updates, repeats)
         profiles = {c.label: profile(c, updates) for c in contenders} if profiled else None
     finally:
-        for c in contenders:
-            c.close()
+        release(contenders)
     return dict(n=n, b=b, times=times, profiles=profiles,
                 median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
                 vs_direct={k: paired_ratio(times, k, "direct") for k in times})
+
+
+def release(contenders):
+    """Closes the contenders' sessions and frees their models (the list is emptied), before
+    the next race builds its own."""
+    for c in contenders:
+        if hasattr(c, "close"):
+            c.close()
+    contenders.clear()
+    if "keras" in sys.modules:
+        sys.modules["keras"].utils.clear_session()
+    gc.collect()
 
 
 def race_probe(spec):
@@ -139,9 +228,9 @@ def race_probe(spec):
 # ---------------------------------------------------------------- timing
 
 
-def interleaved(contenders, updates, repeats, cpu=None):
+def interleaved(contenders, updates, repeats, cpu=None, warmups=1):
     """Seconds per update of each contender, `repeats` rounds, turns rotating per round,
-    so that drift of a shared machine hits them alike.
+    so that drift of a shared machine hits them alike, after `warmups` untimed blocks.
 
     Args:
       cpu: a dict, or None: filled as the result is, with this process's CPU seconds
@@ -151,7 +240,8 @@ def interleaved(contenders, updates, repeats, cpu=None):
       {label: [seconds per update, one per round]}.
     """
     for c in contenders:
-        c.train(updates)  # warm-up: graph optimisation, allocator, oneDNN primitives
+        for _ in range(warmups):  # graph optimisation, allocator, oneDNN primitives
+            c.train(updates)
     times = collections.defaultdict(list)
     for r in range(repeats):
         shift = r % len(contenders)

@@ -17,30 +17,21 @@ A model is one entry of WORKLOADS; another (a language model, say) is one more e
 """
 
 import collections
-import gc
 import os
 import statistics
 
 import tensorflow as tf
 
 from tools import bench_contenders as bc
+from tools import models
 from tools.bench_section import Section
+from tools.bench_section import quartiles
 from tools.bench_section import table
 from tools.bench_section import worst
-
-SEED = 0
-LEARNING_RATE = 1e-3
 
 
 def _mnist(datasets):
     return tuple(datasets.train)
-
-
-def _post_model(name):
-    def build():
-        import model  # Keras loads only where a contender is built
-        return model.keras_model(name, 0.5, SEED)
-    return build
 
 
 # One model the section measures. build: () -> a fresh Keras model (seeded); data:
@@ -49,9 +40,9 @@ def _post_model(name):
 # update), so that a block is long against a call's overhead; repeats: rounds.
 Workload = collections.namedtuple("Workload", "name build data limit mini_batches repeats words")
 WORKLOADS = (
-    Workload("convnet", _post_model("convnet"), _mnist, 1.05, 64, 7,
+    Workload("convnet", models.post_model("convnet"), _mnist, 1.05, 64, 7,
              "the post's ConvNet (44,426 weights, dropout on)"),
-    Workload("mlp", _post_model("mlp"), _mnist, 1.15, 4, 3,
+    Workload("mlp", models.post_model("mlp"), _mnist, 1.15, 4, 3,
              "the mlp (two dense layers of 4096, 20.0M weights, dropout on): adding its "
              "gradients into the sums each mini-batch is a real share of the work"),
 )
@@ -80,105 +71,28 @@ OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
                               r"Relu|ReluGrad|Cast|Select|SelectV2|Pow|Identity)$"))
 
 
-def _loss(reduction="sum_over_batch_size"):
-    import keras
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
-
-
-def _adam(**kwargs):
-    import keras
-    return keras.optimizers.Adam(LEARNING_RATE, **kwargs)
-
-
-class Fit:
-    """Keras `fit` on the model: `n` batches per update (steps_per_epoch), `per_call` of
-    them in one compiled call."""
-
-    def __init__(self, label, net, dataset, n, per_call, optimizer):
-        self.label, self.net, self.dataset, self.n = label, net, dataset, n
-        net.compile(optimizer=optimizer, loss=_loss(), jit_compile=False,
-                    steps_per_execution=per_call)
-
-    def train(self, updates):
-        self.net.fit(self.dataset, steps_per_epoch=updates * self.n, epochs=1, verbose=0,
-                     shuffle=False)
-
-
-class Window:
-    """fit_accumulated's default path: a WindowAccumulator's fit, N mini-batches a call,
-    on a dataset of a block's mini-batches made once: each new dataset's first iterator
-    costs as much as a few updates (its graph made, the samples' constant in it: 65 ms
-    for MNIST), where a run's one dataset pays it once."""
-
-    def __init__(self, label, net, dataset, n):
-        from gradient_averaging.tf2 import WindowAccumulator
-        self.label, self.dataset, self.n, self.blocks = label, dataset, n, {}
-        self.accumulator = WindowAccumulator(net, _adam(), _loss(None), average_gradients=n)
-
-    def train(self, updates):
-        if updates not in self.blocks:
-            self.blocks[updates] = self.dataset.take(updates * self.n)
-        self.accumulator.fit(self.blocks[updates])
-
-
-class MiniBatch:
-    """A MiniBatchAccumulator: accumulate per mini-batch, apply per N."""
-
-    def __init__(self, label, net, dataset, n):
-        from gradient_averaging.tf2 import MiniBatchAccumulator
-        self.label, self.n, self.batches = label, n, iter(dataset)
-        self.accumulator = MiniBatchAccumulator(net, _adam(), _loss(None))
-
-    def train(self, updates):
-        for _ in range(updates):
-            for _ in range(self.n):
-                self.accumulator.accumulate(*next(self.batches))
-            self.accumulator.apply()
-
-
-class Apply:
-    """The optimizer's apply alone: Adam on constant gradients, N - 1 applies per update,
-    in one call (a loop inside it), as a step's apply runs inside its call."""
-
-    def __init__(self, label, net, n):
-        self.label, self.n = label, n
-        optimizer, variables = _adam(), net.trainable_variables
-        optimizer.build(variables)
-        gradients = [tf.fill(v.shape, tf.constant(1e-3, v.dtype)) for v in variables]
-
-        @tf.function
-        def applies(count):
-            for _ in tf.range(count):
-                optimizer.apply_gradients(zip(gradients, variables))
-
-        self.applies = applies
-        applies(tf.constant(1))  # traced
-
-    def train(self, updates):
-        self.applies(tf.constant(updates * (self.n - 1)))
-
-
 def contenders(workload, n, b, base, noise=False):
     """The floor's terms, the references and the paths at N x B, each on its own model;
     `base`: the workload's samples as an endless dataset; `noise`: one more `alone`."""
     from gradient_averaging.keras_fit import accumulate
     batches = base.batch(b, drop_remainder=True).prefetch(2)
-    out = [Fit("alone", workload.build(), batches, n, n, _adam()),
-           Apply("apply", workload.build(), n),
-           Fit("direct", workload.build(), base.batch(n * b, drop_remainder=True).prefetch(2),
-               1, 1, _adam()),
-           Fit("keras", workload.build(), batches, n, n, _adam(gradient_accumulation_steps=n)),
-           Window("window", workload.build(), batches, n),
-           MiniBatch("mini_batch", workload.build(), batches, n),
-           Fit("accumulate", accumulate(workload.build(), n), batches, n, 1, _adam())]
+    out = [*_floor_terms(workload.build, base, n, b),
+           bc.Fit("keras", workload.build(), batches, n, n,
+                  models.adam(gradient_accumulation_steps=n)),
+           bc.Window("window", workload.build(), batches, n),
+           bc.MiniBatch("mini_batch", workload.build(), batches, n),
+           bc.Fit("accumulate", accumulate(workload.build(), n), batches, n, 1, models.adam())]
     if noise:
-        out.append(Fit(NOISE, workload.build(), batches, n, n, _adam()))
+        out.append(bc.Fit(NOISE, workload.build(), batches, n, n, models.adam()))
     return out
 
 
-def with_floor(times):
-    """`times` (interleaved's) with each round's floor: alone - apply (N - 1 applies)."""
-    return dict(times, floor=[a - p for a, p in zip(times["alone"], times["apply"])])
+def _floor_terms(build, base, n, b):
+    """The floor's two terms (alone, apply) and the direct batch, each on build()'s model."""
+    return [bc.Fit("alone", build(), base.batch(b, drop_remainder=True).prefetch(2), n, n,
+                   models.adam()), bc.Apply("apply", build(), n),
+            bc.Fit("direct", build(), base.batch(n * b, drop_remainder=True).prefetch(2), 1, 1,
+                   models.adam())]
 
 
 def missing(vs_floor, limit):
@@ -186,16 +100,23 @@ def missing(vs_floor, limit):
     return [k for k in PATHS if vs_floor[k]["ratio"] > limit]
 
 
+def with_floor(times, noise=None, **ratios):
+    """What one clock's `times` (interleaved's) say: {"times" (with each round's floor,
+    alone - apply), "median_ms", "noise": |noise's (label, base) ratio - 1| where both
+    were raced, else None} and each of `ratios`, {name: (labels, base)}: {name: {label:
+    paired ratio to base}}."""
+    times = dict(times, floor=[a - p for a, p in zip(times["alone"], times["apply"])])
+    return dict(times=times, median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                noise=abs(bc.paired_ratio(times, *noise)["ratio"] - 1)
+                if noise and noise[0] in times else None,
+                **{name: {k: bc.paired_ratio(times, k, base) for k in labels}
+                   for name, (labels, base) in ratios.items()})
+
+
 def clock(times):
-    """What one clock's `times` (interleaved's; a second `alone`, NOISE, where it was
-    raced) say: {"times" (with "floor"), "median_ms", "vs_floor", "vs_keras": paired
-    ratios, "noise": |alone_again / alone - 1| or None}."""
-    times = with_floor(times)
-    return dict(times=times, noise=(abs(bc.paired_ratio(times, NOISE, "alone")["ratio"] - 1)
-                                    if NOISE in times else None),
-                median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
-                vs_floor={k: bc.paired_ratio(times, k, "floor") for k in (*REFERENCES, *PATHS)},
-                vs_keras={k: bc.paired_ratio(times, k, "keras") for k in PATHS})
+    """with_floor's for the floor section: vs_floor, vs_keras, noise alone_again / alone."""
+    return with_floor(times, (NOISE, "alone"), vs_floor=((*REFERENCES, *PATHS), "floor"),
+                      vs_keras=(PATHS, "keras"))
 
 
 def summary(model, n, b, updates, cpu, wall=None, profiles=None):
@@ -211,7 +132,6 @@ def race(workload, n, b, base, noise=False, profiled=()):
     """One (N, B) of a workload, interleaved; where a path misses the limit (and is not
     in `profiled`, the paths traced at an earlier (N, B)), it and the floor's terms traced
     after (bench_contenders.profile). Returns its summary()."""
-    import keras
     updates = max(1, workload.mini_batches // n)
     racing = contenders(workload, n, b, base, noise)
     try:
@@ -222,9 +142,7 @@ def race(workload, n, b, base, noise=False, profiled=()):
         profiles = {c.label: bc.profile(c, updates, OP_CLASSES) for c in racing
                     if over and c.label in ("alone", "apply", *over)}
     finally:
-        del racing
-        keras.utils.clear_session()
-        gc.collect()
+        bc.release(racing)
     return dict(summary(workload.name, n, b, updates, cpu, wall, profiles),
                 load=os.getloadavg()[0])
 
@@ -292,22 +210,22 @@ class Floor(Section):
 
     def markdown(self, rows):
         s = self.settings
-        lines = [f"## {self.title}", "",
-                 "What accumulation itself costs: each path's time per update of N "
-                 "mini-batches of B against the floor `N x (one step at B alone) - (N - 1) "
-                 "x (the optimizer's apply alone)`: N passes are unavoidable, one apply "
-                 "instead of N is the gain. Real MNIST, Adam 1e-3, every contender on its "
-                 "own model, built once, trained one untimed block, then timed in rounds in "
-                 "which each trains a block of updates, the order rotating every round; each "
-                 "round's floor is that round's `alone` less its `apply`, each ratio the "
-                 "median of the per-round ratios (quartiles in brackets). Under op "
-                 "determinism, as `main.py` runs, so no XLA.", "",
-                 "Time is this process's CPU time (all its threads), which the targets judge: "
-                 "on a machine that other work loads, the wall-clock time of a block waits "
-                 "for that work as much as for its own (its ratios are the `wall` columns, "
-                 "their quartiles several times as wide). On an idle machine the two agree "
-                 "but for what leaves a core idle (a path's time spent waiting), which CPU "
-                 "time leaves out and the wall-clock counts.", ""]
+        lines = self.heading(
+            "What accumulation itself costs: each path's time per update of N "
+            "mini-batches of B against the floor `N x (one step at B alone) - (N - 1) "
+            "x (the optimizer's apply alone)`: N passes are unavoidable, one apply "
+            "instead of N is the gain. Real MNIST, Adam 1e-3, every contender on its "
+            "own model, built once, trained one untimed block, then timed in rounds in "
+            "which each trains a block of updates, the order rotating every round; each "
+            "round's floor is that round's `alone` less its `apply`, each ratio the "
+            "median of the per-round ratios (quartiles in brackets). Under op "
+            "determinism, as `main.py` runs, so no XLA.",
+            "Time is this process's CPU time (all its threads), which the targets judge: "
+            "on a machine that other work loads, the wall-clock time of a block waits "
+            "for that work as much as for its own (its ratios are the `wall` columns, "
+            "their quartiles several times as wide). On an idle machine the two agree "
+            "but for what leaves a core idle (a path's time spent waiting), which CPU "
+            "time leaves out and the wall-clock counts.")
         lines += [f"- `{k}`: {v}" for k, v in {**FLOOR, **REFERENCES, **PATHS}.items()]
         for w in s["workloads"]:
             mine = [r for r in rows if r["model"] == w.name]
@@ -331,10 +249,10 @@ class Floor(Section):
                  f"{r['median_ms']['alone'] / r['n']:.1f} ms",
                  f"{r['median_ms']['apply'] / (r['n'] - 1):.2f} ms",
                  f"{r['median_ms']['floor']:.1f} ms",
-                 *(f"{r['median_ms'][k]:.1f} ms, {_ratio(r['vs_floor'][k])}"
+                 *(f"{r['median_ms'][k]:.1f} ms, {quartiles(r['vs_floor'][k])}"
                    for k in (*REFERENCES, *PATHS)),
-                 *(_ratio(r["vs_keras"][k]) for k in PATHS),
-                 *(_ratio(r["wall"]["vs_floor"][k]) for k in PATHS),
+                 *(quartiles(r["vs_keras"][k]) for k in PATHS),
+                 *(quartiles(r["wall"]["vs_floor"][k]) for k in PATHS),
                  f"{r['load']:.1f}" if "load" in r else "") for r in mine])
             lines += self._profiles(w, mine)
         return lines
@@ -377,19 +295,13 @@ class Floor(Section):
         return lines
 
 
-def _ratio(r):
-    return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
-
-
 # ---------------------------------------------------------------- the language model
 
-# The decoder of the tensor-memory section (tools/memory.py: a token Embedding of V x 256,
-# two causal attention blocks, an untied Dense(V)); N x B sequences of 32 tokens. Its
-# Embedding's gradient arrives as rows (tf.IndexedSlices), which the library adds into
-# its sum as rows. `dense_rows` is the same model with that gradient made dense inside
-# it (an UnsortedSegmentSum into a V x 256 zero table, the op tf.convert_to_tensor makes
-# of rows): the library then adds a dense gradient, as it did for every embedding before
-# 957cad7, a pass over the table per mini-batch. `again`: a second `rows`, this run's noise.
+# The decoder of the tensor-memory section (models.language_model); N x B sequences of
+# SEQUENCE tokens. Its Embedding's gradient arrives as rows (tf.IndexedSlices), which the
+# library adds into its sum as rows; `dense_rows` makes that gradient dense inside the
+# model, so that the library adds a dense gradient: a pass over the table per mini-batch.
+# `again`: a second `rows`, this run's noise.
 LanguageModel = collections.namedtuple("LanguageModel", "name vocabulary n b repeats")
 LANGUAGE_MODELS = (LanguageModel("lm", 32_000, 8, 4, 7),
                    LanguageModel("lm_128k", 128_000, 8, 4, 5))
@@ -400,64 +312,42 @@ LM_LABELS = {
                   "added dense, a pass over the table per mini-batch (before 957cad7)",
     "again": "a second `rows`: this run's noise",
 }
-
-
-def lm_tokens(vocabulary, samples=512):
-    """Random token sequences of the vocabulary and the same shifted by one (the next
-    tokens), as the tensor-memory probes train the language model on."""
-    import numpy as np
-
-    from tools import memory
-    tokens = np.random.default_rng(SEED).integers(
-        0, vocabulary, (samples, memory.SEQUENCE + 1)).astype(np.int32)
-    return tokens[:, :-1], tokens[:, 1:]
+LM_SAMPLES = 512  # the token sequences a language model's batches are cut from
 
 
 def lm_contenders(lm, base):
     """The floor's terms, the direct batch, and accumulate + fit with rows and rows made
     dense (and `rows` again), each on its own language model."""
     from gradient_averaging.keras_fit import accumulate
-    from tools import memory
 
     def build(dense_rows=False):
         import keras
-        keras.utils.set_random_seed(SEED)
-        return memory.language_model(lm.vocabulary, dense_rows)
+        keras.utils.set_random_seed(models.SEED)
+        return models.language_model(lm.vocabulary, dense_rows)
 
-    n, b = lm.n, lm.b
-    batches = base.batch(b, drop_remainder=True).prefetch(2)
-    return [Fit("alone", build(), batches, n, n, _adam()), Apply("apply", build(), n),
-            Fit("direct", build(), base.batch(n * b, drop_remainder=True).prefetch(2), 1, 1,
-                _adam()),
-            Fit("rows", accumulate(build(), n), batches, n, 1, _adam()),
-            Fit("dense_rows", accumulate(build(dense_rows=True), n), batches, n, 1, _adam()),
-            Fit("again", accumulate(build(), n), batches, n, 1, _adam())]
+    batches = base.batch(lm.b, drop_remainder=True).prefetch(2)
+    return [*_floor_terms(build, base, lm.n, lm.b)] + [
+        bc.Fit(label, accumulate(build(dense_rows=label == "dense_rows"), lm.n), batches, lm.n,
+               1, models.adam()) for label in ("rows", "dense_rows", "again")]
 
 
 def lm_clock(times):
-    """What one clock's `times` (interleaved's) say of the language model: {"times"
-    (with "floor"), "median_ms", "vs_dense": rows / dense_rows, "noise": |again / rows -
-    1|, "vs_floor": each accumulating contender's ratio to the floor}, paired ratios."""
-    times = with_floor(times)
-    return dict(times=times, median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
-                vs_dense=bc.paired_ratio(times, "rows", "dense_rows"),
-                noise=abs(bc.paired_ratio(times, "again", "rows")["ratio"] - 1),
-                vs_floor={k: bc.paired_ratio(times, k, "floor")
-                          for k in ("direct", "rows", "dense_rows")})
+    """with_floor's for a language model: vs_dense, rows / dense_rows; noise, again /
+    rows; vs_floor, each accumulating contender's ratio to the floor."""
+    clocked = with_floor(times, ("again", "rows"),
+                         vs_floor=(("direct", "rows", "dense_rows"), "floor"))
+    return dict(clocked, vs_dense=bc.paired_ratio(clocked["times"], "rows", "dense_rows"))
 
 
 def lm_race(lm):
     """One language model's contenders, interleaved: its lm_summary, with "load"."""
-    import keras
-    base = tf.data.Dataset.from_tensor_slices(lm_tokens(lm.vocabulary)).repeat()
+    base = tf.data.Dataset.from_tensor_slices(models.tokens(lm.vocabulary, LM_SAMPLES)).repeat()
     racing = lm_contenders(lm, base)
     try:
         cpu = {}
         wall = bc.interleaved(racing, 1, lm.repeats, cpu=cpu)
     finally:
-        del racing
-        keras.utils.clear_session()
-        gc.collect()
+        bc.release(racing)
     return dict(lm_summary(lm, cpu, wall), load=os.getloadavg()[0])
 
 
@@ -483,7 +373,7 @@ class LanguageModelSpeed(Section):
             run.log(f"Language model speed: V={lm.vocabulary:,}, N={lm.n} x B={lm.b}")
             row = lm_race(lm)
             run.log("  " + ", ".join(f"{k}: {row['median_ms'][k]:.0f} ms" for k in row["times"])
-                    + f"; rows / dense_rows {_ratio(row['vs_dense'])}, noise {row['noise']:.1%}")
+                    + f"; rows / dense_rows {quartiles(row['vs_dense'])}, noise {row['noise']:.1%}")
             rows.append(row)
             run.step()
         return rows
@@ -499,19 +389,19 @@ class LanguageModelSpeed(Section):
     def markdown(self, rows):
         if not rows:
             return []
-        lines = [f"## {self.title}", "",
-                 "What adding the Embedding's gradient as rows saves in time: the decoder "
-                 "language model of the tensor-memory section (tools/memory.py; an untied "
-                 "Dense(V) output) on random token sequences of 32, Adam 1e-3, its time per "
-                 "update of N mini-batches of B sequences, timed as the floor section "
-                 "times its paths (each contender on its own model, one untimed update, "
-                 "then rounds of one update each, the order rotating; each ratio the median "
-                 "of the per-round ratios, quartiles in brackets; the process's CPU time, "
-                 "the wall-clock ratio beside). `dense_rows` makes the gradient dense inside "
-                 "the model, with the op `tf.convert_to_tensor` makes of rows, so that the "
-                 "library adds it dense: the computation every embedding's gradient went "
-                 "through before 957cad7, beside today's in one run. Under op determinism, "
-                 "no XLA.", ""]
+        lines = self.heading(
+            "What adding the Embedding's gradient as rows saves in time: the decoder "
+            "language model of the tensor-memory section (tools/memory.py; an untied "
+            "Dense(V) output) on random token sequences of 32, Adam 1e-3, its time per "
+            "update of N mini-batches of B sequences, timed as the floor section "
+            "times its paths (each contender on its own model, one untimed update, "
+            "then rounds of one update each, the order rotating; each ratio the median "
+            "of the per-round ratios, quartiles in brackets; the process's CPU time, "
+            "the wall-clock ratio beside). `dense_rows` makes the gradient dense inside "
+            "the model, with the op `tf.convert_to_tensor` makes of rows, so that the "
+            "library adds it dense: the computation every embedding's gradient went "
+            "through before 957cad7, beside today's in one run. Under op determinism, "
+            "no XLA.")
         lines += [f"- `{k}`: {v}" for k, v in LM_LABELS.items()]
         lines += [""] + table(
             ("model", "N x B", "alone / N", "apply / (N - 1)", "floor", "direct",
@@ -522,8 +412,8 @@ class LanguageModelSpeed(Section):
               f"{r['median_ms']['apply'] / (r['n'] - 1):.1f} ms",
               f"{r['median_ms']['floor']:.0f} ms",
               *(f"{r['median_ms'][k]:.0f} ms" for k in ("direct", "rows", "dense_rows")),
-              _ratio(r["vs_dense"]), _ratio(r["wall"]["vs_dense"]), f"{r['noise']:.1%}",
-              _ratio(r["vs_floor"]["rows"]), _ratio(r["vs_floor"]["dense_rows"]),
+              quartiles(r["vs_dense"]), quartiles(r["wall"]["vs_dense"]), f"{r['noise']:.1%}",
+              quartiles(r["vs_floor"]["rows"]), quartiles(r["vs_floor"]["dense_rows"]),
               f"{r['load']:.1f}" if "load" in r else "") for r in rows])
         lines += ["", f"CPU ms per update (median); {', '.join(str(r['repeats']) for r in rows)}"
                   " rounds; `noise`: `again` against `rows`, in CPU time. `load`: the "

@@ -10,7 +10,7 @@ import model
 from experiment import averagers
 from experiment import data
 from tools import bench_probe
-from tools.bench_contenders import SEED
+from tools import models
 from tools.bench_contenders import SessionContender
 from tools.bench_section import Section
 from tools.bench_section import Target
@@ -34,7 +34,7 @@ def rss_probe(spec):
     """Peak RSS in this probe process while it trains `updates` updates, against its RSS
     just before; only the samples it trains on kept (MNIST's 170 MB would hide them)."""
     datasets = data.load_mnist()
-    idx = data.SampleStream(len(datasets.train.labels), SEED).next_indices(
+    idx = data.SampleStream(len(datasets.train.labels), models.SEED).next_indices(
         spec["n"] * spec["b"] * spec["updates"])
     train = data.Split(datasets.train.images[idx], datasets.train.labels[idx])
     del datasets  # the full MNIST must not count in the peak
@@ -110,10 +110,10 @@ class HostGrowth(Section):
                 p.get("error") or f"{p['peak_mb']:.0f}")
 
         slopes = [(a, host_slope(h, a)) for a in h["averagers"]]
-        return [f"## {self.title}", "",
-                f"`--model={self.settings['model']}` (one gradient is {h['grad_mb']:.0f} MB), "
-                f"B={self.settings['b']}, one update; peak RSS in MB of a probe while it trains "
-                "(at N=1 every averager is `minimize`).", ""] + table(
+        return self.heading(
+            f"`--model={self.settings['model']}` (one gradient is {h['grad_mb']:.0f} MB), "
+            f"B={self.settings['b']}, one update; peak RSS in MB of a probe while it trains "
+            "(at N=1 every averager is `minimize`).") + table(
             ("N", *h["averagers"]), [(n, *(cell(a, n) for a in h["averagers"])) for n in h["ns"]]
         ) + ["", "Least-squares growth per added mini-batch, over N > 1: " + ", ".join(
             f"{a} {m:+.1f} MB ({m / h['grad_mb']:+.3f} gradients)" for a, m in slopes

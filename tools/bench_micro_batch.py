@@ -22,14 +22,12 @@ class MicroBatch(Section):
     name, title = "micro_batch", "The micro-batch found against the largest that fits"
     # (model, E, limits in MiB[, options]): E prime, so that no B divides it. The
     # convnet's limits are under its direct batch's peak; the mlp's just over the least
-    # at which the finder's margin leaves its update room, and a step above. Options:
-    # xla, every probe of the row compiled with jit_compile=True; search_repeats, the
-    # row's own. The language model (lm: V=32,000, sequences of 32 tokens; E in
-    # sequences): a limit whose largest B is about 31 sequences (a fixed B of 31 fits in
-    # 600 MiB, 33 does not); its probes take a minute or two each, so one search.
-    # The search's seconds are the median of search_repeats searches, each beside a fresh
-    # process given its B: one process's first call (it traces) took seconds more than
-    # another's, and the mlp's search of 3 windows read 0.6 s in one run, 8.9 in the next.
+    # at which the finder's margin leaves its update room, and a step above; the language
+    # model's (E in sequences) one whose largest B is about 31 sequences, its probes a
+    # minute or two each, so one search. Options: xla, every probe of the row compiled
+    # with jit_compile=True; search_repeats, the row's own. The search's seconds are the
+    # median of search_repeats searches, each beside a fresh process given its B: a
+    # process's first call (it traces) varies by seconds from another's.
     FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800)),
                       ("convnet", 257, (150,), {"xla": True}),
                       ("lm", 131, (600,), {"search_repeats": 1})),
@@ -50,12 +48,10 @@ class MicroBatch(Section):
 
     def _row(self, model, effective, limit, log, xla=False, search_repeats=None):
         """One model and limit: the direct batch, the found B, then the bisection up from
-        it (from it, not from 1: the OOM edge need not be monotone in B), its first
-        trial the smallest size the search ran out of memory at, where it did; `xla`:
-        every probe of the accumulate path compiled with jit_compile=True (the direct
-        batch's is not: on the CPU, Keras's XLA step that runs out of memory aborts the
-        process, TensorFlow's `Check failed: h != kInvalidChunkHandle` in
-        bfc_allocator.cc); `search_repeats`: the row's own (None: the section's)."""
+        it (from it, not from 1: the OOM edge need not be monotone in B); `xla`: every
+        probe of the accumulate path compiled with jit_compile=True (the direct batch's
+        is not: on the CPU, Keras's XLA step that runs out of memory aborts the process);
+        `search_repeats`: the row's own (None: the section's)."""
         def probe(path, micro_batch=None, timed=0):
             compiled = {"jit_compile": True} if xla and path != "direct" else {}
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
@@ -68,37 +64,18 @@ class MicroBatch(Section):
                                        f"{r['peak_mb']:.1f} MiB, {r['update_ms']:.0f} ms)")))
             return r
 
-        row = dict(model=model, effective=effective, limit_mb=limit, probes=0, error=None)
-        if xla:
-            row["xla"] = True
+        row = dict(model=model, effective=effective, limit_mb=limit, probes=0, error=None,
+                   **({"xla": True} if xla else {}))
         direct = probe("direct")
-        row["direct"] = ("error" if direct.get("error") else "OOM" if direct["oom"]
-                         else "fits")
-        def b_found(found):  # the B it began training at (before any halving)
-            return (found.get("halved") or [found["micro_batch_size"]])[0]
-
-        def search():
-            """(the search's probe, the fresh process given its B, the seconds it added),
-            or an error's line."""
-            found = probe("accumulate", "auto", self.settings["timed"])
-            if found.get("error") or "micro_batch_size" not in found:
-                return found.get("error") or "OOM in the search"
-            # The found B given to a fresh process: whether it fits without the search's
-            # history in the allocator, and its time as the bisection's trials are timed.
-            given = probe("accumulate", b_found(found), self.settings["timed"])
-            if given.get("error"):
-                return given["error"]
-            return found, given, search_seconds(found, None if given["oom"] else given)
-
+        row["direct"] = "error" if direct.get("error") else "OOM" if direct["oom"] else "fits"
         searches = []
         for _ in range(search_repeats or self.settings["search_repeats"]):
-            searches.append(search())
+            searches.append(self._search(probe))
             if isinstance(searches[-1], str):  # no more probes after a failure
                 return dict(row, error=searches[-1])
         found, given, _ = searches[0]
-        lo = b_found(found)
         found_ms = (found if given["oom"] else given)["update_ms"]
-        row.update(found=lo, given="OOM" if given["oom"] else "fits",
+        row.update(found=b_found(found), given="OOM" if given["oom"] else "fits",
                    search_s=statistics.median(seconds for *_, seconds in searches),
                    searches=[seconds for *_, seconds in searches],
                    searched_b=[b_found(f) for f, *_ in searches],
@@ -106,10 +83,29 @@ class MicroBatch(Section):
                    search_trials=len(found["trials"]),
                    found_ms=found_ms, largest_ms=found_ms,
                    epoch_s=math.ceil(EPOCH / effective) * found_ms / 1e3)
+        return self._bisect(row, found, probe)
+
+    def _search(self, probe):
+        """(the search's probe, the fresh process given its B, the seconds it added), or
+        an error's line."""
+        found = probe("accumulate", "auto", self.settings["timed"])
+        if found.get("error") or "micro_batch_size" not in found:
+            return found.get("error") or "OOM in the search"
+        # The found B given to a fresh process: whether it fits without the search's
+        # history in the allocator, and its time as the bisection's trials are timed.
+        given = probe("accumulate", b_found(found), self.settings["timed"])
+        if given.get("error"):
+            return given["error"]
+        return found, given, search_seconds(found, None if given["oom"] else given)
+
+    def _bisect(self, row, found, probe):
+        """`row` with the largest B that fits, by bisection up from the found B, its first
+        trial the smallest size the search ran out of memory at, where it did (a fresh
+        process likely does too)."""
+        effective, lo = row["effective"], row["found"]
         # B = E holds the direct batch's activations and the accumulators: where the
         # direct batch runs out of memory, so does it.
         hi = effective if row["direct"] == "OOM" else effective + 1
-        # The search's process ran out of memory there: a fresh one likely does too.
         ran_out = min((size for size, peak in found["trials"]
                        if peak is None and lo < size < hi), default=None)
         while hi - lo > max(1, TOLERANCE * lo):
@@ -159,46 +155,45 @@ class MicroBatch(Section):
                          f"{r['epoch_s']:.0f}",
                          f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
                          f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"])
-        return [f"## {self.title}", "",
-                "Each update is one effective batch of E samples under a CPU device of the "
-                "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
-                "process each). `B found`: the micro-batch `accumulate(model, "
-                "micro_batch_size=\"auto\")` finds in fit's first windows, with the default "
-                "margin, and in brackets whether a fresh process given that B fits; `search "
-                "s`: the seconds the search added to training (the fit calls of its windows, "
-                "whose mini-batches were its trials, one window a call, less as many of the "
-                "fresh process given the B found: its first, which traces too, then its "
-                f"fastest), the median of {self.settings['search_repeats']} searches (a row's "
-                "own number where set: the language model's one), each in a fresh process "
-                "beside its own given one (a process's first call varies by "
-                "seconds from another's); in brackets each search's, then the first one's "
-                "trials and windows (its B is the one found), then each search's B where "
-                "they differ; `largest "
-                "B`: the largest B whose fit of E runs two updates without an OOM (training "
-                "that halved B after one counts as one), by "
-                f"bisection up from the found B to {TOLERANCE:.0%} of it, its first trial the "
-                "smallest size the search ran out of memory at where one did (one fresh "
-                "process per trial; the OOM edge moves from process to process, and need not be "
-                "monotone in B). The epoch is estimated: "
-                f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
-                "shortest). Times per update: "
-                f"the fastest of {self.settings['timed'] + 1} updates of a fresh process given "
-                "B (of the finder's own process where that ran out of memory). "
-                "Where the direct batch fits (a model whose own memory, its weights, "
-                "optimizer slots, accumulators and update, outweighs a batch's activations, "
-                "so that the finder's margin needs a limit the direct batch fits in), a row "
-                "measures what that margin costs. `(XLA)`: the row's probes of accumulate "
-                "compiled with `jit_compile=True`, as Keras compiles by default on a GPU (its "
-                "direct batch's not: on this CPU Keras's XLA step that runs out of memory "
-                "aborts the process, in TensorFlow's BFC allocator): each "
-                "mini-batch size is an XLA program compiled, so the search tries sizes on a "
-                "grid and its seconds include its programs' compilations (less the given "
-                "process's own, of B and the last mini-batch; docs/effective-batch.md).", "",
-                *table(["model", "E", "limit MiB", "direct batch", "B found (fresh)",
-                        "largest B", "found / largest", "search s (each; trials, windows)",
-                        "epoch s",
-                        "search / epoch", "ms per update at found", "at largest",
-                        "found / largest"], rows)]
+        return self.heading(
+            "Each update is one effective batch of E samples under a CPU device of the "
+            "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
+            "process each). `B found`: the micro-batch `accumulate(model, "
+            "micro_batch_size=\"auto\")` finds in fit's first windows, with the default "
+            "margin, and in brackets whether a fresh process given that B fits; `search "
+            "s`: the seconds the search added to training (the fit calls of its windows, "
+            "whose mini-batches were its trials, one window a call, less as many of the "
+            "fresh process given the B found: its first, which traces too, then its "
+            f"fastest), the median of {self.settings['search_repeats']} searches (a row's "
+            "own number where set: the language model's one), each in a fresh process "
+            "beside its own given one (a process's first call varies by "
+            "seconds from another's); in brackets each search's, then the first one's "
+            "trials and windows (its B is the one found), then each search's B where "
+            "they differ; `largest "
+            "B`: the largest B whose fit of E runs two updates without an OOM (training "
+            "that halved B after one counts as one), by "
+            f"bisection up from the found B to {TOLERANCE:.0%} of it, its first trial the "
+            "smallest size the search ran out of memory at where one did (one fresh "
+            "process per trial; the OOM edge moves from process to process, and need not be "
+            "monotone in B). The epoch is estimated: "
+            f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
+            "shortest). Times per update: "
+            f"the fastest of {self.settings['timed'] + 1} updates of a fresh process given "
+            "B (of the finder's own process where that ran out of memory). "
+            "Where the direct batch fits (a model whose own memory, its weights, "
+            "optimizer slots, accumulators and update, outweighs a batch's activations, "
+            "so that the finder's margin needs a limit the direct batch fits in), a row "
+            "measures what that margin costs. `(XLA)`: the row's probes of accumulate "
+            "compiled with `jit_compile=True`, as Keras compiles by default on a GPU (its "
+            "direct batch's not: on this CPU Keras's XLA step that runs out of memory "
+            "aborts the process, in TensorFlow's BFC allocator): each "
+            "mini-batch size is an XLA program compiled, so the search tries sizes on a "
+            "grid and its seconds include its programs' compilations (less the given "
+            "process's own, of B and the last mini-batch; docs/effective-batch.md).") + table(
+            ["model", "E", "limit MiB", "direct batch", "B found (fresh)", "largest B",
+             "found / largest", "search s (each; trials, windows)", "epoch s",
+             "search / epoch", "ms per update at found", "at largest", "found / largest"],
+            rows)
 
 
 def search_seconds(found, given):
@@ -216,6 +211,11 @@ def search_seconds(found, given):
         return found["search_s"] - windows * found["update_ms"] / 1e3
     return (found["warmup_ms"] - given["warmup_ms"]
             - (windows - 1) * given["update_ms"]) / 1e3
+
+
+def b_found(found):
+    """The B a search began training at (before any halving)."""
+    return (found.get("halved") or [found["micro_batch_size"]])[0]
 
 
 def _name(model, xla):

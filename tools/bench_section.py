@@ -37,6 +37,10 @@ class Section:
         """Its lines of BENCHMARKS.md."""
         raise NotImplementedError
 
+    def heading(self, *paragraphs):
+        """Its part's opening lines: the title, then each paragraph, a blank line after each."""
+        return [f"## {self.title}", ""] + [line for p in paragraphs for line in (p, "")]
+
 
 class Run:
     """What measure() is given: MNIST (`datasets`), the results of the sections measured
@@ -84,11 +88,16 @@ def worst(target, ratios, limit, at_least=False, noise=None, failed=False):
     r = paired[where]
     ok = (r["ratio"] >= limit if at_least else r["ratio"] <= limit) and not failed
     noisy = noise is not None and "q1" in r and (r["q1"] <= limit or r["ratio"] - limit <= noise)
-    measured = f"{r['ratio']:.2f}x" + (f" ({r['q1']:.2f}-{r['q3']:.2f})" if "q1" in r else "")
+    measured = quartiles(r) if "q1" in r else f"{r['ratio']:.2f}x"
     if len(ratios) > 1:
         measured = f"worst {measured} {where}"
     return Target(target, measured + ("; a probe failed" if failed else ""),
                   status(ok, noisy and not failed))
+
+
+def quartiles(r):
+    """A paired ratio in words: its median, its quartiles in brackets."""
+    return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
 
 
 def table(header, rows):
@@ -108,16 +117,20 @@ def targets_table(targets):
     return ["## Targets", ""] + table(Target._fields, targets)
 
 
-def trace_events(logdir):
-    """(line, name, ms) of every event of the tf.profiler traces under `logdir`: a line's
-    name says what ran on it (tf_Compute...: ops), an op's name is "NAME:TYPE"."""
+def xplanes(logdir):
+    """The planes (XPlane) of every tf.profiler trace under `logdir`."""
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
         with open(path, "rb") as f:
-            space = xplane_pb2.XSpace.FromString(f.read())
-        for plane in space.planes:
-            for line in plane.lines:
-                for event in line.events:
-                    yield (line.name, plane.event_metadata[event.metadata_id].name,
-                           event.duration_ps / 1e9)
+            yield from xplane_pb2.XSpace.FromString(f.read()).planes
+
+
+def trace_events(logdir):
+    """(line, name, ms) of every event of the tf.profiler traces under `logdir`: a line's
+    name says what ran on it (tf_Compute...: ops), an op's name is "NAME:TYPE"."""
+    for plane in xplanes(logdir):
+        for line in plane.lines:
+            for event in line.events:
+                yield (line.name, plane.event_metadata[event.metadata_id].name,
+                       event.duration_ps / 1e9)

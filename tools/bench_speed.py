@@ -113,7 +113,7 @@ class Speed(Section):
         def cell(r, k):
             return f"{r['median_ms'][k]:.1f} ms, {r['vs_direct'][k]['ratio']:.2f}x"
 
-        lines = [f"## {self.title}", "", ABOUT.format(**self.settings), ""]
+        lines = self.heading(ABOUT.format(**self.settings))
         lines += [f"- `{k}`: {CONTENDERS[k]}" for k in LABELS] + [""]
         lines += table(("N x B", *LABELS, "faster Keras / fused"), [
             (f"{r['n']} x {r['b']}", *(cell(r, k) for k in LABELS),
@@ -141,7 +141,7 @@ class KerasPlain(Section):
 
     def measure(self, run):
         s = self.settings
-        contenders = [bc.KerasContender(label, s["n"], s["b"], run.datasets, per_call)
+        contenders = [bc.keras_contender(label, s["n"], s["b"], run.datasets, per_call)
                       for label, per_call in (("train_on_batch", None),
                                               ("fit, steps_per_execution=1", 1),
                                               ("fit, steps_per_execution=N", s["n"]))]
@@ -185,9 +185,9 @@ class Kernels(Section):
             body.append((f"{one['n']} x {one['b']}", *([eigen["error"]] if "error" in eigen else [
                 f"{x['median_ms'][k]:.1f} ms" for k in ("direct", "fused") for x in (one, eigen)]
                 + [f"{x['vs_direct']['fused']['ratio']:.2f}x" for x in (one, eigen)])))
-        return [f"## {self.title}", "",
-                "`direct` and `fused` again, interleaved as above, in a probe process with "
-                "`TF_ENABLE_ONEDNN_OPTS=0` (`main.py` keeps oneDNN on): a gap that closes here "
-                "is oneDNN's cost per kernel call.", ""] + table(
+        return self.heading(
+            "`direct` and `fused` again, interleaved as above, in a probe process with "
+            "`TF_ENABLE_ONEDNN_OPTS=0` (`main.py` keeps oneDNN on): a gap that closes here "
+            "is oneDNN's cost per kernel call.") + table(
             ("N x B", "direct, oneDNN", "direct, Eigen", "fused, oneDNN", "fused, Eigen",
              "fused / direct, oneDNN", "fused / direct, Eigen"), body)

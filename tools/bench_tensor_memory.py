@@ -5,6 +5,7 @@ peak grows with N.
 """
 
 from tools import memory
+from tools import models
 from tools.bench_section import Section
 from tools.bench_section import Target
 from tools.bench_section import status
@@ -25,9 +26,8 @@ class TensorMemory(Section):
     # Five probes a figure: the BFC allocator counts a chunk of up to twice a request
     # whole, so a path's peak falls in one of a few modes from process to process; the
     # median of three landed on another mode from run to run.
-    FULL = dict(models=memory.MODELS, paths=memory.PATHS + memory.TF1_REFERENCES, n=8, b=32,
-                repeats=5,
-                growth_model="convnet", growth_repeats=7,
+    FULL = dict(models=models.MODELS, paths=memory.PATHS + memory.TF1_REFERENCES, n=8, b=32,
+                repeats=5, growth_model="convnet", growth_repeats=7,
                 growth_ns=(2, 32), growth_paths=("accumulate", "window", "mini_batch"),
                 jobs=2)
     QUICK = dict(models=("convnet",), paths=("alone", "direct", "accumulate"), n=4, b=16,
@@ -48,11 +48,11 @@ class TensorMemory(Section):
             n, b = SHAPES.get(model, (s["n"], s["b"]))
             run.log(f"Tensor memory: {model}, N={n} x B={b}")
             paths = [p for p in s["paths"]
-                     if not p.startswith("tf1") or model in memory.TF1_MODELS]
+                     if not p.startswith("tf1") or model in models.TF1_MODELS]
             repeats = s["repeats"]
             if model == "lm_128k":
                 paths, repeats = LM_128K_PATHS, LM_128K_REPEATS
-            elif model in memory.VOCABULARIES:
+            elif model in models.VOCABULARIES:
                 repeats = min(repeats, LM_REPEATS)
             tables[model] = memory.table(model, n, b, paths, repeats=repeats,
                                          jobs=s["jobs"], gpu=self.gpu, log=run.log)
@@ -115,43 +115,43 @@ class TensorMemory(Section):
 
     def markdown(self, result):
         s = self.settings
-        lines = [f"## {self.title}", "",
-                 "Peak bytes of live tensors during one update (after a warm-up update), "
-                 "read from TensorFlow's BFC allocator, which the CPU runs as a GPU does with "
-                 "`TF_CPU_ALLOCATOR_USE_BFC=true`, its memory taken as one region first as "
-                 "TensorFlow takes a GPU's; one inter-op thread, oneDNN off, each "
-                 "figure the median of fresh processes (tools/memory.py). Host RSS would hide "
-                 "it under TensorFlow's own floor. `alone` is plain fit at batch B over the "
-                 "same N*B samples, `direct` the direct batch of N*B, `keras` Keras 3's "
-                 "`gradient_accumulation_steps`, "
-                 "`accumulate` Keras fit, `window` and `mini_batch` the TF2 accumulators, "
-                 "`tf1` AveragingOptimizer, `tf1_alone` and `tf1_direct` the TF1 graph's "
-                 "own B alone and direct batch (plain Adam in a session); `accumulate_p2` "
-                 "and `window_p2` the same with two mini-batches' passes at once "
-                 "(`parallel_mini_batches=2`, faster at small B: the speed section), "
-                 "for the option's price: one more mini-batch's activations and "
-                 "gradients. `lm` is a decoder language model in plain Keras (a token "
-                 f"Embedding of V={memory.VOCABULARIES['lm']:,} x {memory.WIDTH}, "
-                 f"{memory.BLOCKS} pre-norm blocks of causal MultiHeadAttention and a GELU "
-                 f"feed-forward of {memory.FEED_FORWARD}, an untied Dense(V) output; "
-                 f"sequences of {memory.SEQUENCE} tokens, Adam), at N x B = "
-                 f"{SHAPES['lm'][0]} x {SHAPES['lm'][1]}, {LM_REPEATS} probes a figure; "
-                 f"`lm_128k` the same at V={memory.VOCABULARIES['lm_128k']:,}, for the "
-                 f"growth in V ({LM_128K_REPEATS} probe a figure). The TF2 paths at "
-                 "`parallel_mini_batches=1` are held to B alone + the largest variable + "
-                 "5%: their sums stand in for the gradient set B alone holds; where one "
-                 "misses, a profiled probe lists what is alive at its peak. On the language "
-                 "models that premise does not hold: Keras's Adam applies B alone's "
-                 "variables one after another and makes the table's rows dense for its own "
-                 "update only, so B alone's peak holds one table-sized gradient, one of "
-                 "Adam's temporaries and the logits' gradient, never its gradient set; the "
-                 "accumulating paths hold every sum, the table's kept dense (its rows differ "
-                 "from mini-batch to mini-batch), both at the backward pass's peak (the "
-                 "output layer's gradient and the logits' beside them) and at the apply's "
-                 "(Adam's two table-sized temporaries). What they hold over the bound is the "
-                 "second table's sum and the small ones, less the logits' gradient and the "
-                 "margin: only the "
-                 "embedding's sum kept as rows would remove it, which is not built.", ""]
+        lines = self.heading(
+            "Peak bytes of live tensors during one update (after a warm-up update), "
+            "read from TensorFlow's BFC allocator, which the CPU runs as a GPU does with "
+            "`TF_CPU_ALLOCATOR_USE_BFC=true`, its memory taken as one region first as "
+            "TensorFlow takes a GPU's; one inter-op thread, oneDNN off, each "
+            "figure the median of fresh processes (tools/memory.py). Host RSS would hide "
+            "it under TensorFlow's own floor. `alone` is plain fit at batch B over the "
+            "same N*B samples, `direct` the direct batch of N*B, `keras` Keras 3's "
+            "`gradient_accumulation_steps`, "
+            "`accumulate` Keras fit, `window` and `mini_batch` the TF2 accumulators, "
+            "`tf1` AveragingOptimizer, `tf1_alone` and `tf1_direct` the TF1 graph's "
+            "own B alone and direct batch (plain Adam in a session); `accumulate_p2` "
+            "and `window_p2` the same with two mini-batches' passes at once "
+            "(`parallel_mini_batches=2`, faster at small B: the speed section), "
+            "for the option's price: one more mini-batch's activations and "
+            "gradients. `lm` is a decoder language model in plain Keras (a token "
+            f"Embedding of V={models.VOCABULARIES['lm']:,} x {models.WIDTH}, "
+            f"{models.BLOCKS} pre-norm blocks of causal MultiHeadAttention and a GELU "
+            f"feed-forward of {models.FEED_FORWARD}, an untied Dense(V) output; "
+            f"sequences of {models.SEQUENCE} tokens, Adam), at N x B = "
+            f"{SHAPES['lm'][0]} x {SHAPES['lm'][1]}, {LM_REPEATS} probes a figure; "
+            f"`lm_128k` the same at V={models.VOCABULARIES['lm_128k']:,}, for the "
+            f"growth in V ({LM_128K_REPEATS} probe a figure). The TF2 paths at "
+            "`parallel_mini_batches=1` are held to B alone + the largest variable + "
+            "5%: their sums stand in for the gradient set B alone holds; where one "
+            "misses, a profiled probe lists what is alive at its peak. On the language "
+            "models that premise does not hold: Keras's Adam applies B alone's "
+            "variables one after another and makes the table's rows dense for its own "
+            "update only, so B alone's peak holds one table-sized gradient, one of "
+            "Adam's temporaries and the logits' gradient, never its gradient set; the "
+            "accumulating paths hold every sum, the table's kept dense (its rows differ "
+            "from mini-batch to mini-batch), both at the backward pass's peak (the "
+            "output layer's gradient and the logits' beside them) and at the apply's "
+            "(Adam's two table-sized temporaries). What they hold over the bound is the "
+            "second table's sum and the small ones, less the logits' gradient and the "
+            "margin: only the "
+            "embedding's sum kept as rows would remove it, which is not built.")
         for model, rows in result["tables"].items():
             lines += [f"### {model}", "", *memory.markdown(rows).splitlines(), ""]
         if result["growth"]:

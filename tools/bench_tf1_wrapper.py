@@ -3,8 +3,8 @@
 At the same B, one run of the wrapper's train op (add the mini-batch; every Nth run also
 apply the mean) against one of the plain optimizer's (apply every run), on the post's
 ConvNet (dense gradients, Adam) and on an embedding table (sparse gradients, Momentum);
-also the wrapper without its lock and at N=1. Each contender is its own graph and session,
-fed a few fixed random batches (these ops' speed does not depend on the values).
+also the wrapper without its lock and at N=1. Each contender is a TrainOp, its own graph
+and session, fed a few fixed random batches (these ops' speed does not depend on the values).
 """
 
 import contextlib
@@ -17,9 +17,12 @@ import tensorflow as tf
 import model
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging import tf1
+from tools.bench_contenders import TrainOp
 from tools.bench_contenders import interleaved
 from tools.bench_contenders import paired_ratio
+from tools.bench_contenders import release
 from tools.bench_section import Section
+from tools.bench_section import quartiles
 from tools.bench_section import table
 from tools.bench_section import worst
 
@@ -68,35 +71,20 @@ def _unlocked(window, after):
     held.released = tf.group(*held.ops)
 
 
-class Contender:
-    """One train op in its own graph and session, run once per mini-batch; `train(runs)`
-    as bench_contenders' contenders, a run being one mini-batch."""
-
-    def __init__(self, label, build, n, locked):
-        self.label = label
-        self.graph = tf.Graph()
-        with self.graph.as_default():
-            loss, self.feeds, make_optimizer = build()
-            optimizer = make_optimizer()
-            if n is not None:
-                optimizer = AveragingOptimizer(optimizer, n)
-            unlocked = mock.patch.object(tf1._Window, "locked",  # noqa: SLF001 (as _unlocked)
-                                         contextlib.contextmanager(_unlocked))
-            with contextlib.nullcontext() if locked else unlocked:
-                self.train_op = optimizer.minimize(loss)
-            init = v1.global_variables_initializer()
-        self.graph.finalize()
-        self.sess = v1.Session(graph=self.graph)
-        self.sess.run(init)
-        self.k = 0
-
-    def train(self, runs):
-        for _ in range(runs):
-            self.sess.run(self.train_op, self.feeds[self.k % len(self.feeds)])
-            self.k += 1
-
-    def close(self):
-        self.sess.close()
+def _train_op(build, n, locked):
+    """A bench_contenders.TrainOp's build: the model's loss and feeds, its optimizer
+    (wrapped in AveragingOptimizer(N) unless n is None; its lock taken out unless
+    `locked`), and the train op."""
+    def train_op():
+        loss, feeds, make_optimizer = build()
+        optimizer = make_optimizer()
+        if n is not None:
+            optimizer = AveragingOptimizer(optimizer, n)
+        unlocked = mock.patch.object(tf1._Window, "locked",  # noqa: SLF001 (as _unlocked)
+                                     contextlib.contextmanager(_unlocked))
+        with contextlib.nullcontext() if locked else unlocked:
+            return optimizer.minimize(loss), feeds
+    return train_op
 
 
 class Wrapper(Section):
@@ -108,12 +96,11 @@ class Wrapper(Section):
         ratio}, "lock": wrapped / unlocked}}."""
         out = {}
         for name, (build, n) in MODELS.items():
-            contenders = [Contender(label, build, n if size == "N" else size, locked)
+            contenders = [TrainOp(label, _train_op(build, n if size == "N" else size, locked))
                           for label, (size, locked) in CONTENDERS.items()]
             # Seconds per run; a block of `windows` whole windows, after one untimed block.
             times = interleaved(contenders, self.settings["windows"] * n, self.settings["rounds"])
-            for c in contenders:
-                c.close()
+            release(contenders)
             out[name] = {"n": n, "b": DENSE_B if name == "dense" else SPARSE_B,
                          "ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
                          "vs_plain": {k: paired_ratio(times, k, "plain") for k in times
@@ -130,18 +117,15 @@ class Wrapper(Section):
                 for name, row in result.items()]
 
     def markdown(self, result):
-        def fmt(r):
-            return f"{r['ratio']:.2f}x ({r['q1']:.2f}-{r['q3']:.2f})"
-
-        return [f"## {self.title}", "",
-                "Per mini-batch run at the same B: the ConvNet with Adam (dense gradients) and "
-                f"a {ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per "
-                "run; ratios paired per round (median, quartiles). `unlocked`: without the "
-                "lock that makes concurrent runs atomic.", ""] + table(
+        return self.heading(
+            "Per mini-batch run at the same B: the ConvNet with Adam (dense gradients) and "
+            f"a {ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per "
+            "run; ratios paired per round (median, quartiles). `unlocked`: without the "
+            "lock that makes concurrent runs atomic.") + table(
             ("model", "N x B", "plain ms", "wrapped ms", "wrapped / plain", "unlocked / plain",
              "N=1 / plain", "the lock: wrapped / unlocked"),
             [(name, f"{row['n']} x {row['b']}", f"{row['ms']['plain']:.2f}",
-              f"{row['ms']['wrapped']:.2f}", *(fmt(row["vs_plain"][k]) for k in (
-                  "wrapped", "unlocked", "wrapped N=1")), fmt(row["lock"]))
+              f"{row['ms']['wrapped']:.2f}", *(quartiles(row["vs_plain"][k]) for k in (
+                  "wrapped", "unlocked", "wrapped N=1")), quartiles(row["lock"]))
              for name, row in result.items()])
 

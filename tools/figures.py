@@ -89,28 +89,8 @@ def curves_figure(curves_by_n, post_accuracy):
     Raises:
       ValueError: no run has evaluations.
     """
-    panels = []
-    for n, curves in sorted(curves_by_n.items()):
-        if curves:
-            grid, values = common_grid(curves)
-            post = (post_accuracy or {}).get(n)
-            panels.append((n, len(curves), grid, np.nanmean(values, axis=0),
-                           np.nanmin(values, axis=0), np.nanmax(values, axis=0), post))
-    if not panels:
-        raise ValueError("accuracy curves: no run has evaluations to draw (runs recorded "
-                         "before evaluations were kept have none)")
-    posts = [post for *_, post in panels if post is not None]
-    late = [lo[grid >= grid[0] + CURVE_ZOOM_FROM * (grid[-1] - grid[0])]
-            for _, _, grid, _, lo, _, _ in panels]
-    upper_low = min([*(np.min(values) for values in late), *posts]) - 1.0
-    high = min(100.0, max([*(np.max(hi) for *_, hi, _ in panels), *posts]) + 0.5)
-    lowest = min(np.min(lo) for *_, lo, _, _ in panels)
-    # A break when the early points would take more of one axis than the late ones do.
-    broken = upper_low - lowest > high - upper_low
-    if not broken:
-        upper_low = min(upper_low, lowest - 0.04 * (high - lowest))
-    lower_low = lowest - 0.04 * (upper_low - lowest)
-
+    panels = _panels(curves_by_n, post_accuracy)
+    upper_low, high, lower_low, broken = _curve_limits(panels)
     columns = min(len(panels), CURVE_COLUMNS)
     rows = -(-len(panels) // columns)
     fig = _figure(rows, columns)
@@ -125,15 +105,7 @@ def curves_figure(curves_by_n, post_accuracy):
         else:
             axes = [fig.add_subplot(cell)]
         for ax in axes:
-            if runs > 1:
-                legend["band"] = ax.fill_between(grid, lo, hi, color=OURS, alpha=0.25,
-                                                 linewidth=0)
-            legend["mean"], = ax.plot(grid, mean, color=OURS, linewidth=1.5,
-                                      marker="o" if len(grid) <= MARKED_POINTS else None,
-                                      markersize=3)
-            if post is not None:
-                legend["post"] = ax.axhline(post, color=POST, linestyle="--", linewidth=1.2)
-            ax.grid(alpha=0.3)
+            _draw_curve(ax, legend, runs, grid, mean, lo, hi, post)
         axes[0].set_ylim(upper_low, high)
         axes[0].set_title(f"N={n}" + ("" if post is None else f" (post: {post:.1f}%)"))
         if broken:
@@ -156,6 +128,51 @@ def curves_figure(curves_by_n, post_accuracy):
                      "of their own" if broken else None)
     fig.suptitle("Test accuracy during training")
     return fig, axes_by_n
+
+
+def _panels(curves_by_n, post_accuracy):
+    """[(N, runs, grid, mean, lowest, highest, the post's accuracy or None)] per N with
+    evaluations."""
+    panels = []
+    for n, curves in sorted(curves_by_n.items()):
+        if curves:
+            grid, values = common_grid(curves)
+            post = (post_accuracy or {}).get(n)
+            panels.append((n, len(curves), grid, np.nanmean(values, axis=0),
+                           np.nanmin(values, axis=0), np.nanmax(values, axis=0), post))
+    if not panels:
+        raise ValueError("accuracy curves: no run has evaluations to draw (runs recorded "
+                         "before evaluations were kept have none)")
+    return panels
+
+
+def _curve_limits(panels):
+    """(the upper part's low, the top, the lower part's low, whether the axis is broken):
+    the upper part starts below the values after the first CURVE_ZOOM_FROM of the
+    updates; it breaks when the early points would take more of one axis than the late
+    ones do."""
+    posts = [post for *_, post in panels if post is not None]
+    late = [lo[grid >= grid[0] + CURVE_ZOOM_FROM * (grid[-1] - grid[0])]
+            for _, _, grid, _, lo, _, _ in panels]
+    upper_low = min([*(np.min(values) for values in late), *posts]) - 1.0
+    high = min(100.0, max([*(np.max(hi) for *_, hi, _ in panels), *posts]) + 0.5)
+    lowest = min(np.min(lo) for *_, lo, _, _ in panels)
+    broken = upper_low - lowest > high - upper_low
+    if not broken:
+        upper_low = min(upper_low, lowest - 0.04 * (high - lowest))
+    return upper_low, high, lowest - 0.04 * (upper_low - lowest), broken
+
+
+def _draw_curve(ax, legend, runs, grid, mean, lo, hi, post):
+    """One part of a panel: the band of the runs, their mean, the post's line; `legend`
+    gains each artist by its key."""
+    if runs > 1:
+        legend["band"] = ax.fill_between(grid, lo, hi, color=OURS, alpha=0.25, linewidth=0)
+    legend["mean"], = ax.plot(grid, mean, color=OURS, linewidth=1.5,
+                              marker="o" if len(grid) <= MARKED_POINTS else None, markersize=3)
+    if post is not None:
+        legend["post"] = ax.axhline(post, color=POST, linestyle="--", linewidth=1.2)
+    ax.grid(alpha=0.3)
 
 
 def _mark_break(upper, lower):

@@ -13,14 +13,11 @@ depends on the order ops run in); oneDNN off, so that an OOM in a convolution ra
 instead of crashing. The probe first makes the CPU's allocator one region
 (device.reserve_cpu_memory: its limit's, or RESERVE_MB without one), as TensorFlow
 holds a GPU's memory by default: an allocator that grows region by region runs out of
-memory well before its limit, and placed the same update's chunks apart, its peaks in
-four or five modes 50 to 83 MiB (convnet, accumulate, N=2 x B=32); in one region, two
-to four (49 to 69 MiB, the same at N=2 as at N=32). The peak still varies
-from process to process, fixed in each by its warm-up: the BFC allocator hands out a
-free chunk of up to twice the request whole, and counts it whole, so the order ops ran
-in moves it; a figure is the median of several probes, and the growth in N compares the
-peaks most of them landed on (usual_peak). With a GPU visible (--gpu) the probe reads
-the GPU's allocator instead.
+memory well before its limit and scatters an update's chunks. The peak still varies from
+process to process, fixed in each by its warm-up: the BFC allocator hands out a free
+chunk of up to twice the request whole, and counts it whole; so a figure is the median of
+several probes, and the growth in N compares the peaks most of them landed on
+(usual_peak). With a GPU visible (--gpu) the probe reads the GPU's allocator instead.
 
 The parent imports no TensorFlow: only the probes do.
 """
@@ -40,14 +37,12 @@ from absl import flags
 from experiment import cli
 from tools import bench_probe
 from tools import common
+from tools import models
+from tools.bench_section import xplanes
 
 FLAGS = flags.FLAGS
 
-SEED = 0
 MIB = 1 << 20
-# lm: a decoder language model (lm_128k: its vocabulary four times larger, for the growth
-# in V), whose embedding's gradient arrives as rows (IndexedSlices).
-MODELS = ("convnet", "mlp", "bn", "lm", "lm_128k")
 # The paths, each a small function below (_PATHS); B alone, the direct batch and Keras's
 # own accumulation are the references a path's peak is compared with; the _p2 paths run
 # two mini-batches' passes at once (parallel_mini_batches=2), for the option's price.
@@ -64,25 +59,12 @@ REFERENCES = TF1_REFERENCES + ("dense_direct",)
 # reference of the accumulating paths' weights on a language model: the window applies
 # its mean dense, and Keras's Adam applies a batch's rows otherwise where ids repeat
 # (docs/tf2-engine.md); on the other models it is the direct batch.
-TF1_MODELS = ("convnet", "mlp")  # the bn model has no hand-written TF1 graph
 # The bound's margin: 5% of it, at least 4 MiB (small models).
 MARGIN, MARGIN_MIN_MB = 0.05, 4.0
 PROBE_TIMEOUT = 600  # seconds; a probe takes 5-15 s
 PROFILE_TOP = 8  # the tensors a profiled probe lists, alive at its peak
 RESERVE_MB = 2048  # the CPU's one region where a probe has no limit (above every peak)
 SEARCH_WINDOWS = 40  # the most windows the accumulate path's warm-up trains while it searches
-# Adam's epsilon: above the float32 noise of a near-zero gradient, which the default's
-# 1e-7 turns into a step (g / (|g| + epsilon)). A window sums the gradient in another
-# order than the direct batch: on one machine (AVX-512, 2026-11-26) the paths' weights
-# were 1.2e-5 off the direct batch's with 1e-7, over the suite's 1e-5 (on earlier ones,
-# under it); with 1e-5, a toy's 1.1e-5 fell to 2e-7 (tests/library/test_micro_batch).
-ADAM_EPSILON = 1e-5
-INPUT_SHAPES = {"convnet": (32, 32, 3), "mlp": (784,), "bn": (32, 32, 3)}
-CLASSES = 10
-# The language models: vocabulary V, sequences of SEQUENCE tokens, width WIDTH, a GELU
-# feed-forward of FEED_FORWARD, BLOCKS pre-norm blocks of HEADS causal attention heads.
-VOCABULARIES = {"lm": 32_000, "lm_128k": 128_000}
-SEQUENCE, WIDTH, FEED_FORWARD, BLOCKS, HEADS = 32, 256, 1024, 2, 4
 
 
 # ---------------------------------------------------------------- the parent: probes
@@ -105,7 +87,7 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
     """One measurement in a fresh process.
 
     Args:
-      model: one of MODELS. path: one of PATHS.
+      model: one of models.MODELS. path: one of PATHS.
       n, b: N mini-batches of B samples per update.
       limit_mb: the device's memory in MiB (None: all of it).
       gpu: measure GPU:0 (the GPU visible to the probe) instead of the CPU.
@@ -133,14 +115,14 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
       ran out of memory at and halved); or oom=True, phase ("warm-up"
       or "update") and message; or `error` (a crash, a timeout: one line).
     """
-    if model not in MODELS or path not in PATHS + REFERENCES:
-        raise ValueError(f"model must be one of {MODELS} and path one of {PATHS}. "
+    if model not in models.MODELS or path not in PATHS + REFERENCES:
+        raise ValueError(f"model must be one of {models.MODELS} and path one of {PATHS}. "
                          f"Received: model={model!r}, path={path!r}")
     spec = dict(model=model, path=path, n=int(n), b=int(b), limit_mb=limit_mb, gpu=bool(gpu),
                 save=None if save is None else str(save), micro_batch=micro_batch,
                 timed=int(timed), held=held, profile=bool(profile),
                 **({"jit_compile": True} if jit_compile else {}))
-    if path.startswith("tf1") and model not in TF1_MODELS:
+    if path.startswith("tf1") and model not in models.TF1_MODELS:
         return dict(spec, error=f"no TF1 graph of the {model} model", seconds=0.0)
     return bench_probe.spawn(run_probe, spec, probe_env(limit_mb, gpu), timeout)
 
@@ -371,97 +353,19 @@ def growth_markdown(rows):
 # ---------------------------------------------------------------- the probe process
 
 
-def _data(model, samples):
-    """Random inputs and labels of the model's shapes, the same for every path (a
-    language model's: token sequences and the same shifted by one, the next tokens)."""
-    rng = np.random.default_rng(SEED)
-    if model in VOCABULARIES:
-        tokens = rng.integers(0, VOCABULARIES[model], (samples, SEQUENCE + 1)).astype(np.int32)
-        return tokens[:, :-1], tokens[:, 1:]
-    x = rng.standard_normal((samples,) + INPUT_SHAPES[model]).astype(np.float32)
-    return x, rng.integers(0, CLASSES, samples).astype(np.int32)
-
-
-def _keras_model(model, dense_rows=False):
-    """The model, seeded: convnet (activations dominate), mlp (weights dominate), bn."""
-    import keras
-    from keras import layers
-    keras.utils.set_random_seed(SEED)
-    if model in VOCABULARIES:
-        return language_model(VOCABULARIES[model], dense_rows)
-    if model == "mlp":
-        body = [layers.Dense(4096, activation="relu"), layers.Dense(4096, activation="relu")]
-    elif model == "convnet":
-        body = [layers.Conv2D(filters, 3, padding="same", activation="relu")
-                for filters in (32, 64, 64)] + [layers.GlobalAveragePooling2D()]
-    else:
-        body = [layers.Conv2D(32, 3, padding="same", use_bias=False),
-                layers.BatchNormalization(), layers.ReLU(),
-                layers.Conv2D(64, 3, strides=2, padding="same", use_bias=False),
-                layers.BatchNormalization(), layers.ReLU(), layers.GlobalAveragePooling2D()]
-    return keras.Sequential([keras.Input(INPUT_SHAPES[model]), *body,
-                             layers.Dense(CLASSES)])
-
-
-def language_model(vocabulary, dense_rows=False):
-    """A decoder in plain Keras: a token Embedding of V x WIDTH, BLOCKS pre-norm blocks
-    of causal MultiHeadAttention and a GELU feed-forward, an untied Dense(V) output.
-    dense_rows: the Embedding's gradient made dense (the same weights, drawn alike)."""
-    import keras
-    import tensorflow as tf
-    from keras import layers
-
-    @tf.custom_gradient
-    def dense_gradient(table):
-        return tf.identity(table), tf.convert_to_tensor
-
-    class DenseRows(layers.Embedding):
-        def call(self, ids):
-            return tf.gather(dense_gradient(self.embeddings), ids)
-
-    tokens = keras.Input((SEQUENCE,), dtype="int32")
-    h = (DenseRows if dense_rows else layers.Embedding)(vocabulary, WIDTH)(tokens)
-    for _ in range(BLOCKS):
-        a = layers.LayerNormalization()(h)
-        h = h + layers.MultiHeadAttention(HEADS, WIDTH // HEADS)(a, a, use_causal_mask=True)
-        f = layers.LayerNormalization()(h)
-        f = layers.Dense(FEED_FORWARD, activation="gelu")(f)
-        h = h + layers.Dense(WIDTH)(f)
-    return keras.Model(tokens, layers.Dense(vocabulary)(layers.LayerNormalization()(h)))
-
-
-def _loss(reduction="sum_over_batch_size"):
-    import keras
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
-
-
-def _sample_loss(model):
-    """The TF2 accumulators' loss: one per sample (a sequence's: its tokens' mean, as
-    Keras's mean over the batch's tokens weighs it)."""
-    import tensorflow as tf
-    loss = _loss(None)
-    if model not in VOCABULARIES:
-        return loss
-    return lambda y, logits: tf.reduce_mean(loss(y, logits), axis=-1)
-
-
-def _adam(**kwargs):
-    """Keras's Adam, its epsilon ADAM_EPSILON."""
-    import keras
-    return keras.optimizers.Adam(epsilon=ADAM_EPSILON, **kwargs)
+_adam = functools.partial(models.adam, epsilon=models.ADAM_EPSILON)
 
 
 def _compiled(model, optimizer=None, jit_compile="auto"):
-    model.compile(optimizer=optimizer or _adam(), loss=_loss(), jit_compile=jit_compile)
+    model.compile(optimizer=optimizer or _adam(), loss=models.loss(), jit_compile=jit_compile)
     return model
 
 
 def _fit(model, x, y, batch_size, samples):
     """One update: `fit` on a tf.data dataset built once, before the warm-up, as a run
-    that fits many updates pays its pipeline's set-up once. `fit` on numpy arrays builds
-    Keras's pipeline again in each call (the arrays converted, sliced and batched), all of
-    it counted on the CPU's allocator, which a GPU's does not see: its peak landed in
-    modes 7 to 20 MiB apart from process to process. _dataset keeps the arrays out."""
+    that fits many updates pays its pipeline's set-up once (`fit` on numpy arrays builds
+    Keras's pipeline again in each call, counted on the CPU's allocator, which a GPU's
+    does not see)."""
     dataset = _dataset(x, y, batch_size, samples)
     return lambda: model.fit(dataset, epochs=1, verbose=0)
 
@@ -477,26 +381,26 @@ def _values(variables):
 def _path_alone(model, n, b, x, y):
     # Plain fit at batch B over the same N*B samples: N updates, and the input pipeline
     # runs beside the steps as it does beside a window's mini-batches.
-    net = _compiled(_keras_model(model))
+    net = _compiled(models.keras_model(model))
     return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
 
 def _path_direct(model, n, b, x, y, jit_compile="auto"):
-    net = _compiled(_keras_model(model), jit_compile=jit_compile)
+    net = _compiled(models.keras_model(model), jit_compile=jit_compile)
     return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
 
 def _path_keras(model, n, b, x, y):
-    net = _compiled(_keras_model(model), _adam(gradient_accumulation_steps=n))
+    net = _compiled(models.keras_model(model), _adam(gradient_accumulation_steps=n))
     return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
 
 def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compile="auto"):
     from gradient_averaging.keras_fit import accumulate
-    net = _keras_model(model)
+    net = models.keras_model(model)
     if micro_batch is None:
         return (_fit(_compiled(accumulate(net, n, parallel_mini_batches=parallel)), x, y, b,
                      n * b), net.weights,
@@ -526,13 +430,9 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compil
 def _dataset(x, y, b, samples):
     """The first `samples` of x and y in batches of b. Arrays stay on the host, as a
     GPU's input pipeline keeps them, and each batch becomes a tensor as the pipeline
-    runs: the steps' input is a batch at a time. A dataset of slices of the arrays
-    copied them whole into the CPU's allocator, the one measured, in some processes and
-    not in others, after the model's initializers had freed their temporaries: the mlp's
-    inputs (12 MiB) then took part of a hole the second layer's left, and one of Adam's
-    slots (64 MiB) was handed the rest whole (116 MiB; the allocator splits no chunk
-    under twice the request): in those processes every peak 64 MiB higher. The device
-    tensors a probe holds (`held`) are sliced as they are."""
+    runs: a dataset of slices of the arrays copied them whole into the measured
+    allocator in some processes only, and moved every later chunk. The device tensors a
+    probe holds (`held`) are sliced as they are."""
     import tensorflow as tf
     if not isinstance(x, np.ndarray):
         return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
@@ -557,8 +457,8 @@ def _path_window(model, n, b, x, y, parallel=1):
     # the warm-up and the update keeps its tracing (and grappler's constant folding, which
     # allocates on the CPU) out of the measured update.
     from gradient_averaging.tf2 import WindowAccumulator
-    net = _keras_model(model)
-    accumulator = WindowAccumulator(net, _adam(), _sample_loss(model),
+    net = models.keras_model(model)
+    accumulator = WindowAccumulator(net, _adam(), models.sample_loss(model),
                                     average_gradients=n, parallel_mini_batches=parallel)
     dataset = _dataset(x, y, b, n * b)
     return (functools.partial(accumulator.fit, dataset), net.weights, net.trainable_weights,
@@ -567,8 +467,8 @@ def _path_window(model, n, b, x, y, parallel=1):
 
 def _path_mini_batch(model, n, b, x, y):
     from gradient_averaging.tf2 import MiniBatchAccumulator
-    net = _keras_model(model)
-    accumulator = MiniBatchAccumulator(net, _adam(), _sample_loss(model))
+    net = models.keras_model(model)
+    accumulator = MiniBatchAccumulator(net, _adam(), models.sample_loss(model))
     dataset = _dataset(x, y, b, n * b)
 
     def update():
@@ -577,32 +477,6 @@ def _path_mini_batch(model, n, b, x, y):
         accumulator.apply()
 
     return update, net.weights, net.trainable_weights, _values(net.trainable_weights)
-
-
-def _tf1_logits(model, x):
-    """The Keras model's layers as a v1 graph: v1 variables, matmul and conv2d."""
-    import tensorflow as tf
-    v1 = tf.compat.v1
-    glorot = v1.glorot_uniform_initializer
-
-    def dense(h, units, name, relu):
-        w = v1.get_variable(name + "/kernel", [h.shape[-1], units], initializer=glorot(SEED))
-        h = tf.matmul(h, w) + v1.get_variable(name + "/bias", [units],
-                                              initializer=v1.zeros_initializer())
-        return tf.nn.relu(h) if relu else h
-
-    h = x
-    if model == "mlp":
-        h = dense(dense(h, 4096, "dense_1", True), 4096, "dense_2", True)
-    else:
-        for i, filters in enumerate((32, 64, 64)):
-            k = v1.get_variable(f"conv_{i}/kernel", [3, 3, h.shape[-1], filters],
-                                initializer=glorot(SEED))
-            h = tf.nn.conv2d(h, k, strides=1, padding="SAME")
-            h = tf.nn.relu(h + v1.get_variable(f"conv_{i}/bias", [filters],
-                                               initializer=v1.zeros_initializer()))
-        h = tf.reduce_mean(h, axis=[1, 2])
-    return dense(h, CLASSES, "logits", False)
 
 
 def _path_tf1(model, n, b, x, y, plain=None):
@@ -615,10 +489,10 @@ def _path_tf1(model, n, b, x, y, plain=None):
     v1 = tf.compat.v1
     graph = tf.Graph()
     with graph.as_default():
-        v1.set_random_seed(SEED)
-        images = v1.placeholder(tf.float32, (None,) + INPUT_SHAPES[model])
+        v1.set_random_seed(models.SEED)
+        images = v1.placeholder(tf.float32, (None,) + models.INPUT_SHAPES[model])
         labels = v1.placeholder(tf.int32, (None,))
-        logits = _tf1_logits(model, images)
+        logits = models.tf1_logits(model, images)
         weights = v1.trainable_variables()
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits))
@@ -640,7 +514,7 @@ def _path_tf1(model, n, b, x, y, plain=None):
 
 
 def _path_dense_direct(model, n, b, x, y):
-    net = _compiled(_keras_model(model, dense_rows=True))
+    net = _compiled(models.keras_model(model, dense_rows=True))
     return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
 
@@ -685,23 +559,18 @@ def _profiled(update, top=PROFILE_TOP):
     allocated it, its shape, MiB], ...]: `top` of them, and one row summing the rest,
     {an op's name without its scopes and number: the largest allocation ops so named
     made in the update, MiB})."""
-    import glob
     import tempfile
 
     import tensorflow as tf
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         try:
             times = [_milliseconds(update)]
         finally:
             tf.profiler.experimental.stop()
-        space = xplane_pb2.XSpace()
-        for path in glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True):
-            with open(path, "rb") as f:
-                space.MergeFromString(f.read())
+        planes = list(xplanes(logdir))
     events = []
-    for plane in space.planes:
+    for plane in planes:
         names = {key: m.name for key, m in plane.event_metadata.items()}
         stat_names = {key: m.name for key, m in plane.stat_metadata.items()}
         for line in plane.lines:
@@ -763,12 +632,12 @@ def run_probe(spec):
     if spec.get("jit_compile"):
         cut["jit_compile"] = True
     try:
-        x, y = _data(spec["model"], max(spec["n"] * spec["b"], spec.get("held") or 0))
+        x, y = models.data(spec["model"], max(spec["n"] * spec["b"], spec.get("held") or 0))
         if spec.get("held"):
             # Held on the device before the warm-up, the same samples at every N, read a
             # batch at a time: the peak's growth in N is then the path's, not its input's.
             # Copied: a constant made from an array landed in the measured allocator in
-            # some processes and not in others (the convnet's 12 MiB: peaks 49 or 61).
+            # some processes and not in others.
             x, y = (tf.raw_ops.DeepCopy(x=tf.constant(a)) for a in (x, y))
         update, weights, trainable, values, *more = _PATHS[spec["path"]](
             spec["model"], spec["n"], spec["b"], x, y, **cut)
@@ -801,7 +670,7 @@ def run_probe(spec):
 
 def define_flags():
     """Defined only when run as a script, so that the bench and tests can import this."""
-    cli.define("enum", "model", "convnet", "The model.", enum_values=list(MODELS))
+    cli.define("enum", "model", "convnet", "The model.", enum_values=list(models.MODELS))
     cli.define("multi_integer", "n", [8], "N, mini-batches per update; several "
                "(--n=2 --n=32) add a table of the peak's growth in N.", lower_bound=1)
     cli.define("integer", "b", 32, "B, samples per mini-batch.", lower_bound=1)

@@ -325,6 +325,22 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         stored.update({spec: load_run(spec) for spec in todo})
     wall = time.perf_counter() - start
 
+    rows = _summaries(specs, stored, out_dir, reps, seed, scale)
+    timing = (f"This invocation ran {len(todo)} of the {len(specs)} runs in "
+              f"{fmt_duration(wall)} of wall time, {jobs} process{'es' if jobs > 1 else ''} "
+              f"at a time with {threads} thread{'s' if threads > 1 else ''} each"
+              + (f"; the other {len(specs) - len(todo)} were done by an earlier invocation."
+                 if len(todo) < len(specs) else "."))
+    drawn, notes = draw_figures(out_dir, [(spec.setting.average_gradients, stored[spec])
+                                          for spec in specs], scale == 1, log)
+    text = reproduce_table.table_document(rows, fair, scale, command, timing, drawn, notes)
+    _write(os.path.join(out_dir, "table.md"), out_dir, results.atomic_write_text, text)
+    return text
+
+
+def _summaries(specs, stored, out_dir, reps, seed, scale):
+    """The table's rows, one per configuration, each configuration's results JSON written
+    beside its runs."""
     by_setting = collections.OrderedDict()
     for spec in specs:
         by_setting.setdefault(spec.setting, []).append(spec)
@@ -339,16 +355,7 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         rows.append(reproduce_table.summarize(
             setting, runs, reference, POST_TABLE[post_key] if scale == 1 else None,
             experiment_config.evaluations(group[0].config)))
-    timing = (f"This invocation ran {len(todo)} of the {len(specs)} runs in "
-              f"{fmt_duration(wall)} of wall time, {jobs} process{'es' if jobs > 1 else ''} "
-              f"at a time with {threads} thread{'s' if threads > 1 else ''} each"
-              + (f"; the other {len(specs) - len(todo)} were done by an earlier invocation."
-                 if len(todo) < len(specs) else "."))
-    drawn, notes = draw_figures(out_dir, [(spec.setting.average_gradients, stored[spec])
-                                          for spec in specs], scale == 1, log)
-    text = reproduce_table.table_document(rows, fair, scale, command, timing, drawn, notes)
-    _write(os.path.join(out_dir, "table.md"), out_dir, results.atomic_write_text, text)
-    return text
+    return rows
 
 
 def _write(path, out_dir, write, content):

@@ -205,6 +205,7 @@ def test_a_stray_argument_gives_one_line(capsys):
     assert "unexpected arguments: stray" in err
 
 
+@pytest.mark.slow
 def test_bad_input_through_the_real_process_has_no_traceback():
     """A bad flag (refused by the parser) and bad data (refused in main), as a user sees
     them; each other refusal is checked in process above."""

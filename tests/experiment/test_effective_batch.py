@@ -59,7 +59,8 @@ def trained(config, mnist, windows):
     return engine
 
 
-@pytest.mark.parametrize("engine, accumulate", [("tf2", "stack"), ("tf1", "fused")])
+@pytest.mark.parametrize("engine, accumulate", [
+    pytest.param("tf2", "stack", marks=pytest.mark.slow), ("tf1", "fused")])
 def test_each_window_of_e_cut_by_b_ends_like_the_direct_batch_of_e(mnist, engine, accumulate):
     """4 x 5 + 3 per update, three updates, dropout off: the direct batch of 23's weights.
     The samples are the same because the loop starts each mini-batch where the last

@@ -118,13 +118,13 @@ def loss(reduction="sum_over_batch_size"):
 
 
 def adam():
-    """Adam with the exactness comparisons' epsilon (tools.memory.ADAM_EPSILON): the
+    """Adam with the exactness comparisons' epsilon (tools.models.ADAM_EPSILON): the
     default's turns float32's summation-order noise into steps where a gradient is near
     zero, and these runs compare several updates."""
     import keras
 
-    from tools import memory
-    return keras.optimizers.Adam(1e-3, epsilon=memory.ADAM_EPSILON)
+    from tools import models
+    return keras.optimizers.Adam(1e-3, epsilon=models.ADAM_EPSILON)
 
 
 def compiled(net, optimizer=None):

@@ -452,8 +452,9 @@ def test_an_embedding_under_adam_gets_the_dense_mean_of_the_direct_batch():
     assert max_difference(sparse_direct, dense_direct) > 1e-3  # Keras's sparse Adam
 
 
-@pytest.mark.parametrize("parallel, jit_compile", [(2, False), (3, False), (2, True)],
-                         ids=["2", "3", "2-xla"])
+@pytest.mark.parametrize("parallel, jit_compile", [
+    pytest.param(2, False, id="2"), pytest.param(3, False, id="3"),
+    pytest.param(2, True, id="2-xla", marks=pytest.mark.slow)])
 def test_parallel_mini_batches_train_the_bits_of_one_at_a_time(parallel, jit_compile):
     """P passes at once, each on the state the one before left as values (dropout's seed
     generators, batch norm's statistics stepped per mini-batch, the metrics): the weights,

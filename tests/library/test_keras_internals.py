@@ -16,7 +16,6 @@ import pytest
 import tensorflow as tf
 
 from gradient_averaging import _keras_src
-from gradient_averaging import window_step
 from tests.helpers import ROOT
 
 
@@ -95,14 +94,14 @@ def test_an_internal_removed_or_changed_refuses_its_paths_in_one_line(internal, 
 
 
 def test_keras_calls_update_step_once_per_variable_in_their_order():
-    """What window_step.one_variable_at_a_time relies on: within it, Keras's apply calls
+    """What _keras_src.one_variable_at_a_time relies on: within it, Keras's apply calls
     the optimizer's own update_step (gradient, variable, learning_rate) once for each
     variable, in the order given, and the update is Keras's."""
     variables = [keras.Variable(np.full([n], 1.0, np.float32)) for n in (2, 3, 1)]
     optimizer = keras.optimizers.SGD(0.5)
     optimizer.build(variables)
     calls = []
-    with window_step.one_variable_at_a_time(optimizer):
+    with _keras_src.one_variable_at_a_time(optimizer):
         ordered = optimizer.__dict__["update_step"]
 
         def spy(gradient, variable, learning_rate):

@@ -23,6 +23,7 @@ import tensorflow as tf
 
 from tests.helpers import assert_probe_trained_to
 from tools import memory
+from tools import models
 
 
 def _minor(version):
@@ -44,7 +45,7 @@ PATHS = ("accumulate", "window")
 # accumulate's peak over B alone's, measured 1.16 (B alone + the sums, less the
 # gradients B alone holds at its own peak, plus the output layer's gradient in flight).
 RATIO = 1.2
-TABLE_MB = memory.VOCABULARIES[MODEL] * memory.WIDTH * 4 / memory.MIB
+TABLE_MB = models.VOCABULARIES[MODEL] * models.WIDTH * 4 / memory.MIB
 
 
 @pytest.fixture(scope="module")

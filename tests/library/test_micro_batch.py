@@ -45,6 +45,7 @@ from tests.library.toys import max_difference
 from tests.library.toys import tiny_model
 from tools import common
 from tools import memory
+from tools import models
 
 LIMIT_MB = 64
 MIB = 1 << 20
@@ -363,10 +364,11 @@ def test_after_an_out_of_memory_error_the_search_takes_the_largest_size_below_it
 
 def adam():
     """Adam whose epsilon does not turn float32's noise in a near-zero gradient into a
-    step (memory.ADAM_EPSILON): the cut sums in another order than the direct batch."""
-    return keras.optimizers.Adam(0.05, epsilon=memory.ADAM_EPSILON)
+    step (models.ADAM_EPSILON): the cut sums in another order than the direct batch."""
+    return keras.optimizers.Adam(0.05, epsilon=models.ADAM_EPSILON)
 
 
+@pytest.mark.slow
 def test_a_given_micro_batch_trains_to_the_direct_batchs_weights():
     """Keras fit and both TF2 accumulators, each batch of 37 (a prime) one update cut
     into mini-batches of 8 (4 x 8 + 5), against plain Keras on batches of 37; no

@@ -149,6 +149,7 @@ print(loaded)
 """
 
 
+@pytest.mark.slow
 def test_the_tf1_part_imports_and_trains_without_keras(tmp_path):
     done = run_python(WITHOUT_KERAS, cwd=tmp_path, path=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]

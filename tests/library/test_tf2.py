@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import gradient_averaging
 from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import tf2
 from gradient_averaging import window as window_lib
@@ -421,26 +422,21 @@ def test_two_mirrored_replicas_all_reduce_once_per_window(tmp_path):
     sequences.check_mirrored_fit(result)
 
 
-def test_the_old_spellings_still_train_with_a_deprecation_warning(mnist):
-    """GradientAccumulator (now MiniBatchAccumulator) and N given to fit (now where the
-    accumulator is made) keep working for one release, each with a DeprecationWarning;
-    N nowhere, or two different N, is one clear error."""
+def test_n_is_the_accumulators_and_fit_takes_no_other(mnist):
+    """N is given where the accumulator is made: an accumulator without it is one clear
+    error at fit, and fit refuses an N of its own (the old spelling, removed in 0.3) before
+    it trains anything; the old class name is gone."""
     batches = mini_batches(mnist.train, [5] * 4)
-    new = tf2.MiniBatchAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
-                                   cross_entropy, average_gradients=2)
-    with pytest.warns(DeprecationWarning, match="now MiniBatchAccumulator"):
-        old = tf2.GradientAccumulator(small_conv_net(dropout=0.0), keras.optimizers.SGD(0.1),
-                                      cross_entropy)
-    old.model.set_weights(new.model.get_weights())
-    with pytest.warns(DeprecationWarning, match="make the accumulator with average_gradients"):
-        old_summary = old.fit(batches, 2)
-    assert new.fit(batches) == old_summary
-    assert_same_weights(new, old)
     with pytest.raises(ValueError, match="has no average_gradients: make it with"):
         accumulator(keras.optimizers.SGD(0.1)).fit(batches)
-    with pytest.raises(ValueError, match="average_gradients=3 contradicts"), \
-            pytest.warns(DeprecationWarning):
-        new.fit(batches, 3)
+    new = accumulator(keras.optimizers.SGD(0.1), average_gradients=2)
+    before = new.model.get_weights()
+    with pytest.raises(TypeError, match="positional argument"):
+        new.fit(batches, 2)
+    for weight, was in zip(new.model.get_weights(), before):
+        np.testing.assert_array_equal(weight, was)
+    assert not hasattr(tf2, "GradientAccumulator")
+    assert "GradientAccumulator" not in gradient_averaging.__all__
 
 
 @pytest.mark.parametrize("parallel", [2, 3])

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from tools.memory import ADAM_EPSILON
+from tools.models import ADAM_EPSILON
 
 E, UPDATES, HIDDEN, SEED = 4099, 2, 1024, 0  # a prime E: no micro-batch divides it
 

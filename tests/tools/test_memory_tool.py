@@ -7,6 +7,7 @@ import pytest
 
 from tests.helpers import run_cli
 from tools import memory
+from tools import models
 
 CONVNET_PARAMETERS = 56_970  # 3 convolutions (32, 64, 64 filters of 3x3) and a dense layer
 CONVNET_LARGEST = 3 * 3 * 64 * 64  # the third convolution's kernel
@@ -56,7 +57,7 @@ def test_a_crash_comes_back_as_one_line(monkeypatch):
 @pytest.mark.slow
 def test_the_accumulate_path_with_a_micro_batch_trains_and_says_how_fit_cut_the_batch():
     """In this process (the probe's own process would run it under a limit)."""
-    x, y = memory._data("convnet", 9)  # noqa: SLF001 (the probe's own pieces, run here)
+    x, y = models.data("convnet", 9)
     path = memory._path_accumulate  # noqa: SLF001 (the probe's own pieces, run here)
     update, _, _, values, found = path("convnet", 1, 9, x, y, micro_batch=4)
     before = values()
