@@ -327,12 +327,14 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def trial_window(self, spec):
         """The micro_batch.Trial of this model (find_micro_batch's trials): the add fit
         trains batches like `spec` by (Keras's (x, y[, sample_weight])), given the same
-        samples on every replica, the window step, the variables a trial may change."""
+        samples on every replica, the window step, the variables a trial may change,
+        training's apply."""
         self.make_train_function()
         state = (self.trainable_variables + self.non_trainable_variables
-                 + list(self.optimizer.variables) + self.metrics_variables)
+                 + list(self.optimizer.variables) + self.metrics_variables
+                 + [self._skipped, self._single_values])
         return micro_batch_lib.Trial(self._effective_windows(spec).add_batch, self._window,
-                                     state, self.parallel_mini_batches)
+                                     state, self.parallel_mini_batches, self._apply_window)
 
     def _windows(self, x, y, sample_weight, batch_size, shuffle, class_weight):
         """The _WindowAdapter of fit's inputs; the last one again for the same tf.data
@@ -458,7 +460,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             applied, single = window.apply()
             self._skipped.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
             self._single_values.assign_add(single)
-            return self.get_metrics_result()
+            return applied, self.get_metrics_result()
+
+        self._apply_window = apply  # the search's trials measure this one (trial_window)
 
         def train_function(iterator):
             windows = self._effective_windows(iterator.element_spec)
@@ -471,7 +475,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                     window.expected.assign(micro_batch_lib.mini_batches_of(
                         batch, self._cut.micro_batch_size * replicas))
                 _, self._cut = windows.add(batch, self._cut)
-                logs = windows.apply(apply)
+                _, logs = windows.apply(apply)
             return logs
 
         return train_function

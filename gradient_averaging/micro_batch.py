@@ -29,19 +29,23 @@ from gradient_averaging import window as window_lib
 # largest that does (OOM_NEAR where it ran out of memory), or after MOST_TRIALS.
 TOLERANCE, OOM_NEAR, MOST_TRIALS = 0.05, 0.25, 20
 GRID_FIRST = 8  # under XLA, the size tried after one sample
+# Sizes double up to DOUBLING (a slope read over smaller spans is mostly the allocator's
+# rounding); past it, the slope alone says how far to go.
+DOUBLING = 16
 
 
 class MicroBatch(collections.namedtuple(
         "MicroBatch", ["micro_batch_size", "average_gradients", "last", "effective_batch",
                        "replicas", "peak", "update_peak", "budget", "margin", "trials",
-                       "traces", "seconds", "out_of_memory"],
-        defaults=(1, None, None, None, None, (), None, None, ()))):
+                       "traces", "seconds", "out_of_memory", "predicted"],
+        defaults=(1, None, None, None, None, (), None, None, (), False))):
     """How E (`effective_batch`) is cut on `replicas` replicas: B per replica
     (`micro_batch_size`), N (`average_gradients`), the last mini-batch's samples (all
     replicas'). Where B was found: the peaks at B and of the update (bytes), the budget
     and margin, the trials as (size, peak or None where it ran out of memory), the trial
-    add's traces, the search's seconds. `out_of_memory`: the micro-batches that ran out
-    of memory in training, each then halved (EffectiveWindows). str: describe's line."""
+    add's traces, the search's seconds; `predicted`: the peak at B is extrapolated, not
+    measured (Search.next_size). `out_of_memory`: the micro-batches that ran out of memory
+    in training, each then halved (EffectiveWindows). str: describe's line."""
 
     __slots__ = ()
 
@@ -50,9 +54,11 @@ class MicroBatch(collections.namedtuple(
 
 
 # A trainer's trial_window: training's add(batch, size) (the batch cut into mini-batches
-# of `size` per replica), the window step, the variables a trial may change, and the
-# samples a trial of one per replica takes (passes at once, x replicas where add splits).
-Trial = collections.namedtuple("Trial", ["add", "window", "state", "group"])
+# of `size` per replica), the window step, the variables a trial may change, the samples
+# a trial of one per replica takes (passes at once, x replicas where add splits), and
+# training's apply() -> (applied, ...): its own functions, so that the trials' traces are
+# training's.
+Trial = collections.namedtuple("Trial", ["add", "window", "state", "group", "apply"])
 
 
 def mini_batches_of(batch, size):
@@ -163,7 +169,8 @@ def describe(found):
            else f"largest mini-batch that fits: {found.micro_batch_size}"
            + (" per replica" if found.replicas > 1 else ""))
     mib = device_lib.MIB
-    return (f"{line}; {why} (peak {found.peak / mib:.1f} of {found.budget / mib:.1f} MiB, "
+    peak = ("peak predicted " if found.predicted else "peak ") + f"{found.peak / mib:.1f}"
+    return (f"{line}; {why} ({peak} of {found.budget / mib:.1f} MiB, "
             f"{found.margin:.0%} kept free; {len(found.trials)} trials, "
             f"{found.seconds:.1f} s)")
 
@@ -277,6 +284,7 @@ class Search:
         self.limit = budget * (1 - margin)
         self.fits, self.over, self.trials = {}, {}, []
         self.update_peak, self.start = None, time.perf_counter()
+        self.predicted = None  # the peak predicted at `most`, taken untried
         self.workers = 1  # the worker processes whose updates run in step (Search.on)
         self.grid = grid(self.most) if xla else None
 
@@ -330,10 +338,28 @@ class Search:
         if too_large - largest <= max(1, near * largest):
             # Nothing over the limit: the largest worth trying, so that a whole share
             # of E is one mini-batch where it fits.
-            return self.most if largest < self.most < too_large else None
+            worth = largest < self.most < too_large and not self._most_predicted()
+            return self.most if worth else None
         if self.grid:
             return _grid_guess(self.fits, self.over, self.most, self.limit, self.grid)
-        return _guess(self.fits, self.over, self.most, self.limit)
+        size = _guess(self.fits, self.over, self.most, self.limit)
+        return None if size == self.most and self._most_predicted() else size
+
+    def _most_predicted(self):
+        """Whether the largest size worth trying is taken untried: nothing was over the
+        limit, a size of at least half of it fit, and the steepest slope from there puts
+        its peak at most halfway from the highest peak to the limit (_guess's aim; the
+        other half for what the slope misses, and training's retry for the rest). A
+        trial there would cost a whole share of E's passes, discarded."""
+        largest = self.largest
+        if self.over or 2 * largest < self.most:
+            return False
+        highest = max(self.fits.values())
+        peak = highest + _slope(self.fits, largest) * (self.most - largest)
+        if peak > highest + (self.limit - highest) / 2:
+            return False
+        self.predicted = peak
+        return True
 
     def record(self, size, peak):
         """A trial's peak (None where it ran out of memory); NothingFits where one sample
@@ -363,12 +389,13 @@ class Search:
 
     def found(self, traces=None):
         """The MicroBatch of the largest size that fit."""
-        size = self.largest
+        size, peak = ((self.most, self.predicted) if self.predicted
+                      else (self.largest, self.fits[self.largest]))
         return plan(self.effective_batch, size, self.replicas,
-                    peak=max(self.fits[size], self.update_peak or 0),
-                    update_peak=self.update_peak, budget=self.budget, margin=self.margin,
-                    trials=tuple(self.trials), traces=traces,
-                    seconds=time.perf_counter() - self.start)
+                    peak=max(peak, self.update_peak or 0), update_peak=self.update_peak,
+                    budget=self.budget, margin=self.margin, trials=tuple(self.trials),
+                    traces=traces, seconds=time.perf_counter() - self.start,
+                    predicted=bool(self.predicted))
 
 
 def _nothing_fits(what, peak, budget, margin):
@@ -392,13 +419,17 @@ def _guess(fits, over, most, limit):
     """The next size, above the largest that fits and below the smallest that does not,
     at least TOLERANCE above the first. Until a size is too large: where the peak would
     come halfway from the largest peak yet to the limit at the steepest slope, at most
-    twice the largest (an overshoot costs the allocator's wait). Then halfway between
-    (the peak is a step function of the size there)."""
+    twice the largest below DOUBLING (an overshoot costs the allocator's wait), and at
+    most half of `most` until one that large fit (Search._most_predicted). Then halfway
+    between (the peak is a step function of the size there)."""
     largest, too_large = max(fits), min(over, default=most + 1)
     if too_large > most:
         guess, slope = 2 * largest, _slope(fits, largest)
         if slope > 0:  # from the highest peak: a smaller size's, where this one read low
-            guess = min(guess, largest + math.floor((limit - max(fits.values())) / 2 / slope))
+            aim = largest + math.floor((limit - max(fits.values())) / 2 / slope)
+            guess = min(guess, aim) if largest < DOUBLING else aim
+        if 2 * largest < most:  # half of the largest worth trying, which it predicts
+            guess = min(guess, -(-most // 2))
     else:
         guess = (largest + too_large) // 2
     step = max(1, math.ceil(TOLERANCE * largest))
@@ -452,7 +483,7 @@ class _Trials:
     def __init__(self, trial, held, search):
         self.trial, self.held, self.search = trial, held, search
         self.strategy = trial.window.strategy
-        self._apply = tf.function(trial.window.apply)
+        self._apply = trial.apply
         self._discard = tf.function(trial.window.discard)
         unique = {id(v): v for v in trial.state}
         self._saved = [(v, np.array(v.numpy(), copy=True)) for v in unique.values()]
@@ -499,11 +530,25 @@ class _Trials:
         return peak
 
     def restore(self):
-        """Discards the open window, and assigns every saved variable its value back."""
+        """Discards the open window, and writes every saved variable's value back."""
         self._discard()
-        with self.strategy.scope():
-            for variable, value in self._saved:
-                variable.assign(value)
+        put_back(self.strategy, self._saved)
+
+
+def put_back(strategy, saved):
+    """Writes each (variable, host value) of `saved` into the buffer the variable holds,
+    each component of a distributed one, one after another. An assign would move the
+    variable into the value's buffer, wherever the allocator placed it: weights and
+    optimizer slots so moved after a search's trials split the device's free memory,
+    and a size the search found no longer fit in training (window.assign_in_place)."""
+    with strategy.scope():
+        for variable, value in saved:
+            inner = variable if isinstance(variable, tf.Variable) else variable.value
+            components = (inner.values if isinstance(inner, tf.distribute.DistributedValues)
+                          else (inner,))
+            for component in components:
+                with tf.device(component.device):
+                    window_lib.assign_in_place(component, tf.constant(value))
 
 
 # ---------------------------------------------------------------- in training
@@ -555,9 +600,7 @@ class EffectiveWindows:
                 if not device_lib.is_out_of_memory(error):
                     raise
             self._discard()
-            with self.window.strategy.scope():
-                for variable, value in zip(self.state, saved):
-                    variable.assign(value)
+            put_back(self.window.strategy, zip(self.state, saved))
             found = _halved(found, batch)
 
     def _added(self, batch, found):

@@ -243,13 +243,13 @@ class _Accumulator:
     def trial_window(self, spec):
         """The micro_batch.Trial of this accumulator (find_micro_batch's trials): the add
         training runs for batches like `spec` ((x, y), a tf.data element spec or a batch),
-        the window step, the variables a trial may change."""
+        the window step, the variables a trial may change, training's apply."""
         windows = self._windows(spec)
         state = (self.model.trainable_variables + list(self.optimizer.variables)
                  + windows.state)
         return micro_batch_lib.Trial(windows.add_batch, self.step, state,
                                      self.parallel_mini_batches
-                                     * self.strategy.num_replicas_in_sync)
+                                     * self.strategy.num_replicas_in_sync, self.apply_step)
 
     def _windows(self, spec):
         """The micro_batch.EffectiveWindows adding batches like `spec` (one trace per

@@ -317,13 +317,35 @@ def test_the_search_finds_the_largest_size_under_the_limit(most, jump_at):
     peak, peak_at, tried = curve(10.0, 0.1, device, jump_at, jump=9.0)
     search = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
                                            micro_batch.Search(most, limit, 0.0))
-    size = search.largest
+    found = search.found()
+    size = found.micro_batch_size
     largest = max(s for s in range(1, most + 1) if (peak(s) or math.inf) <= limit)
-    assert search.fits[size] == peak(size) <= limit
-    assert search.found().micro_batch_size == size
+    if found.predicted:
+        # Taken untried: the whole of E, from a size at least half of it that fit; and
+        # it does fit, with room.
+        assert size == most and size not in tried and 2 * search.largest >= most, tried
+        assert peak(most) <= found.peak + 1e-9 and found.peak < limit, (peak(most), found)
+    else:
+        assert search.fits[size] == peak(size) <= limit
     assert size >= (1 - micro_batch.TOLERANCE) * largest, (size, largest, tried)
     assert len(tried) < micro_batch.MOST_TRIALS  # done before the cap on trials
     assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
+
+
+def test_the_whole_of_e_is_taken_untried_only_where_half_of_it_predicts_it_fits():
+    """A peak flat in the size (weights dominate): sizes double to DOUBLING, then half
+    of E is tried, and E is taken from it; where half of E's peak leaves less than
+    twice what E adds, it is not: a size nearer E is tried first."""
+    peak, peak_at, tried = curve(10.0, 0.001, 100.0)
+    found = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
+                                          micro_batch.Search(4093, 90.0, 0.0)).found()
+    assert tried == [1, 2, 4, 8, 16, 2047] and found.predicted, (tried, found)
+    assert found.micro_batch_size == 4093 and "peak predicted" in str(found)
+    peak, peak_at, tried = curve(10.0, 0.015, 100.0)  # 2047: 40.7, under half the room
+    found = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
+                                          micro_batch.Search(4093, 90.0, 0.0)).found()
+    assert tried[:6] == [1, 2, 4, 8, 16, 2047] and len(tried) > 6, tried
+    assert found.micro_batch_size == 4093 and found.peak >= peak(4093) - 1e-9
 
 
 @pytest.mark.parametrize("jump_at", [None, 700])
