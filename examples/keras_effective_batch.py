@@ -1,11 +1,11 @@
 """Say the batch you want; `fit` finds the micro-batch that fits and trains each batch as
 one update of it (docs/effective-batch.md).
 
-`accumulate(model, micro_batch_size="auto")`: in its first windows, fit measures the
-peak device memory of their mini-batches, each of a size the search asks for, and takes
-the largest size B whose peak fits in the budget; each batch of E samples is then N =
-ceil(E / B) mini-batches, the last one shorter, and every update equals the direct batch
-of E's (the search's windows' too: the update does not depend on how a window is cut).
+`accumulate(model, micro_batch_size="auto")`: before it trains, fit measures the peak
+device memory of trial steps on its first batch, each of a size the search asks for (the
+model put back after), and takes the largest size B whose peak fits in the budget; each
+batch of E samples is then N = ceil(E / B) mini-batches, the last one shorter, and every
+update equals the direct batch of E's.
 The device's memory is the budget by default; here a budget of 16 MiB stands for a small
 device, so that B is well under E. The peak is read from the device's allocator: a
 GPU's, or on a CPU the BFC allocator TensorFlow uses when TF_CPU_ALLOCATOR_USE_BFC=true is
@@ -27,8 +27,6 @@ import numpy as np
 from gradient_averaging import accumulate
 
 E, SAMPLES, BUDGET = 1000, 1800, 16 << 20  # an epoch: one batch of 1,000 and one of 800
-# The search's windows, and more: it took 3 to 7 updates here, by the peaks the
-# allocator gave (fit ends with model.micro_batch None while it is still searching).
 EPOCHS = 10
 rng = np.random.default_rng(0)
 x = rng.normal(size=(SAMPLES, 256)).astype(np.float32)

@@ -8,7 +8,6 @@ usable on your own Keras model, is the library's gradient_averaging.tf2.
 import gc
 import json
 import os
-import time
 
 import keras
 import numpy as np
@@ -16,7 +15,6 @@ import tensorflow as tf
 
 import model
 from experiment import checkpoint
-from experiment import config as config_lib
 from experiment import data
 from experiment import workers
 from gradient_averaging import micro_batch
@@ -148,18 +146,13 @@ def identity(config):
 
 
 def find_micro_batch(config):
-    """The micro-batch of config's effective batch that fits in the device's memory.
-
-    gradient_averaging.micro_batch.find_micro_batch searches on the library's pass (the
-    model, Adam and the accumulator built as a run builds them, then let go). A window
-    of this engine holds its E samples on the device, which the library's trials do not:
-    the size found is confirmed by one window of this engine (on a model of its own),
-    and made smaller until that window's peak is under the same limit.
+    """The micro-batch of config's effective batch that fits in the device's memory:
+    the library's search (gradient_averaging.micro_batch.find_micro_batch) on the
+    accumulator a run builds (the model, Adam), on zeros of MNIST's shapes, let go after.
 
     Raises:
       ValueError: the device's memory cannot be read, or nothing fits (NothingFits).
     """
-    start = time.perf_counter()
     strategy = prepare(config)
     with strategy.scope():
         net = model.keras_model(config.model, config.dropout, 0)
@@ -168,47 +161,13 @@ def find_micro_batch(config):
                                     jit_compile=config.jit_compile,
                                     parallel_mini_batches=config.parallel_mini_batches)
     samples = config.effective_batch_size  # MNIST's shapes; the values do not matter
-    found = micro_batch.find_micro_batch(accumulator, _zeros(samples), samples)
-    del net, optimizer, accumulator
-    limit, replicas = found.budget * (1 - found.margin), found.replicas
-    size, trials = found.micro_batch_size, list(found.trials)
-    while True:
-        peak = _window_peak(config, size * replicas)
-        trials.append((size, peak))
-        if peak is not None and peak <= limit:
-            break
-        if size == 1:
-            raise micro_batch.NothingFits(
-                f"one sample per replica needs more than the {limit / micro_batch.MIB:.1f} "
-                "MiB this engine may use: give a larger budget or free the device's memory")
-        size = max(1, min(int(0.9 * size), int(size * limit / peak)) if peak else size // 2)
-    return micro_batch.plan(samples, size, replicas, peak=max(peak, found.update_peak),
-                            update_peak=found.update_peak, budget=found.budget,
-                            margin=found.margin, trials=tuple(trials), traces=found.traces,
-                            seconds=time.perf_counter() - start)
-
-
-def _zeros(samples):
-    """(images, labels) of MNIST's shapes and dtypes, all zeros."""
-    return (np.zeros((samples,) + data.IMAGE_SHAPE, data.IMAGE_DTYPE),
-            np.zeros(samples, data.LABEL_DTYPE))
-
-
-def _window_peak(config, batch_size):
-    """The peak bytes of one window of this engine with mini-batches of `batch_size`
-    (None where it ran out of memory), on a model of its own, let go after."""
-    cut = config_lib.with_micro_batch(config, batch_size)
-    engine = Engine(cut, seed=0)
-
-    def window():
-        for iteration in range(1, cut.average_gradients + 1):
-            engine.step(*_zeros(config_lib.mini_batch_size(cut, iteration)), iteration)
-
+    zeros = (np.zeros((samples,) + data.IMAGE_SHAPE, data.IMAGE_DTYPE),
+             np.zeros(samples, data.LABEL_DTYPE))
     try:
-        return micro_batch.measured_peak(window, micro_batch.devices_of(engine.strategy))
+        return micro_batch.find_micro_batch(accumulator, zeros, samples)
     finally:
-        engine = None  # let go (the closure holds it too) before the run builds its own
-        gc.collect()
+        del net, optimizer, accumulator
+        gc.collect()  # the trials' model let go before the run builds its own
 
 
 class Engine:

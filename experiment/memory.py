@@ -21,9 +21,9 @@ from experiment import data
 
 # Whether an error is an OOM (a GPU's cuBLAS/cuDNN allocation failure too), and the
 # environment that makes the CPU a device of limited memory: the library's.
-from gradient_averaging.micro_batch import CPU_LIMIT_ENV
-from gradient_averaging.micro_batch import cpu_runs_bfc
-from gradient_averaging.micro_batch import is_out_of_memory
+from gradient_averaging.device import CPU_LIMIT_ENV
+from gradient_averaging.device import cpu_runs_bfc
+from gradient_averaging.device import is_out_of_memory
 
 MAX_CHUNK = 1000  # test images per evaluation call at most: larger calls are no quicker
 # What a chunk may need per image over forward_bytes' estimate: kernels hold temporaries

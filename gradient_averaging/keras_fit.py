@@ -16,7 +16,8 @@ The AccumulatingModel's train function trains a whole window of Keras's batches 
 compiled call, on the one window step (gradient_averaging.window_step) that the TF2
 accumulators use too, with Keras's compiled loss and metrics. With a micro-batch size it
 takes each batch from Keras's iterator first, so that a window that runs out of memory
-can be trained again at half the micro-batch (micro_batch.EffectiveWindows).
+can be trained again at half the micro-batch (micro_batch.EffectiveWindows); "auto" finds
+it before training (micro_batch.find_micro_batch).
 """
 
 import contextlib
@@ -59,11 +60,11 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
       micro_batch_size: instead of N: each batch fit is given (its batch_size, or a
         dataset's batches) is one update, its effective batch, trained as mini-batches
         of this many samples per replica, the last one shorter; "auto": the largest
-        that fits, found as fit trains its first batches (micro_batch.EffectiveWindows;
-        on several replicas before, micro_batch.find_micro_batch).
+        that fits, found before fit trains, on its first batch
+        (micro_batch.find_micro_batch).
       budget: with "auto", the device memory to use in bytes (None: the device's).
       margin: with "auto", the fraction of the budget kept free (None: the device's
-        default, micro_batch.default_margin).
+        default, device.default_margin).
       parallel_mini_batches: P, the mini-batches whose passes a window runs at once: 1
         holds one mini-batch's activations at a time, as B alone does; each one more
         costs a mini-batch's activations and gradients, and may be faster where one
@@ -135,9 +136,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     the train function takes it from Keras's iterator, a call cuts it, on each replica,
     into mini-batches of that size and adds them, and another applies the window. On one
     replica, a window that runs out of memory is trained again at half the micro-batch,
-    which the rest of the run keeps, and "auto" searches for the micro-batch in the first
-    windows' own mini-batches (micro_batch.EffectiveWindows). `evaluate` (and fit's
-    validation) evaluates each batch in mini-batches of the micro-batch too.
+    which the rest of the run keeps (micro_batch.EffectiveWindows); "auto" finds it
+    before training (fit's _cut_batches). `evaluate` (and fit's validation) evaluates
+    each batch in mini-batches of the micro-batch too.
 
     Under a MultiWorkerMirroredStrategy of several workers (one TF_CONFIG each), where
     Keras 3's own fit fails (keras-team/keras#20585), fit, evaluate and predict run: the
@@ -150,9 +151,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
       model: the wrapped Keras model.
       average_gradients: N (1 where each batch is an effective batch).
       micro_batch_size: None, "auto" or B per replica, as given.
-      micro_batch: the micro_batch.MicroBatch fit cuts its batches by (found in fit's
-        first windows where "auto"; B halved where a window ran out of memory), or None
-        (before fit, and while the search goes on).
+      micro_batch: the micro_batch.MicroBatch fit cuts its batches by (B halved where a
+        window ran out of memory), or None before fit.
       parallel_mini_batches: P, the mini-batches whose passes a window runs at once.
       skipped_windows: windows skipped for a non-finite loss or gradient so far.
     """
@@ -170,8 +170,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             average_gradients, micro_batch_size)
         self.budget = micro_batch_lib.check_budget(budget)
         self.margin = micro_batch_lib.check_margin(margin)
-        self._cut = None  # the MicroBatch, or the micro_batch.Search still going
-        self._cut_for = None  # (E, the window step) _cut was made for
+        self._cut = None  # the micro_batch.MicroBatch fit cuts its batches by
+        self._cut_for = None  # what _cut was made for (_cut_batches)
         self.check_finite = check_finite
         self.bn_statistics = statistics_lib.check_bn_statistics(bn_statistics)
         self._window = None  # the window_step.WindowStep, made by fit
@@ -180,7 +180,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     @property
     def micro_batch(self):
-        return self._cut if isinstance(self._cut, micro_batch_lib.MicroBatch) else None
+        return self._cut
 
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
@@ -305,46 +305,36 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     def _cut_batches(self, windows):
         """Each batch an effective batch: the MicroBatch that cuts them, of fit's first
-        batch's size, made again where that size or the window step (a new compile:
-        another optimizer) changed. "auto" on one replica: the Search that training's
-        first windows run (micro_batch.EffectiveWindows); on several, the micro-batch
-        found before, while fit's input pipeline holds what it holds in training (its
-        next batches, prefetched: on the CPU, device memory)."""
-        batches = iter(windows.get_tf_dataset())
+        batch's samples, made before training, again only where those, the window step
+        (a new compile: another optimizer) or the batches' spec changed. "auto": found
+        while fit's input pipeline holds what it holds in training (its next batches,
+        prefetched: on the CPU, device memory)."""
+        dataset = windows.get_tf_dataset()
+        batches = iter(dataset)
         first = next(batches)
         samples = int(tf.shape(tf.nest.flatten(first)[0])[0])
-        if self._cut_for == (samples, self._window):  # the same batch and window step
+        key = (samples, self._window, repr(_any_samples(dataset.element_spec)))
+        if self._cut_for == key:
             return
-        strategy = self.distribute_strategy
-        if self.micro_batch_size != "auto":
-            self._cut = micro_batch_lib.plan(samples, self.micro_batch_size,
-                                             strategy.num_replicas_in_sync)
-        elif strategy.num_replicas_in_sync == 1:
-            self._cut = micro_batch_lib.Search.on(strategy, samples, self.budget, self.margin,
-                                                  xla=bool(self.jit_compile))
+        if self.micro_batch_size == "auto":
+            self._cut = micro_batch_lib.find_micro_batch(
+                self, first, samples, self.budget, self.margin, dataset.element_spec)
         else:
-            self._cut = micro_batch_lib.find_micro_batch(self, first, samples, self.budget,
-                                                         self.margin)
-        self._cut_for = (samples, self._window)
-        self.train_function = None  # traced again, for the micro-batch
+            self._cut = micro_batch_lib.plan(samples, self.micro_batch_size,
+                                             self.distribute_strategy.num_replicas_in_sync)
+        self._cut_for = key
 
     def trial_window(self, spec):
-        """For the micro-batch search's trials (micro_batch.find_micro_batch, which fit
-        runs on several replicas): (add, the window step, the variables a trial may
-        change). `add` is a tf.function adding one mini-batch shaped like `spec` (Keras's
-        (x, y[, sample_weight]), any number of samples: traced once) to the open window,
-        the same samples on every replica, by the pass fit's train function runs."""
+        """The micro_batch.Trial of this model (find_micro_batch's trials): the add fit
+        trains batches like `spec` by (Keras's (x, y[, sample_weight])), given the same
+        samples on every replica, the window step, the variables a trial may change,
+        training's apply."""
         self.make_train_function()
-        signature = _any_samples(spec)
-
-        @tf.function(input_signature=[signature])
-        def add(data):  # as many at once as the window loop runs passes, for their peak
-            self.distribute_strategy.run(self._replica_mini_batches,
-                                         args=([data] * self.parallel_mini_batches,))
-
         state = (self.trainable_variables + self.non_trainable_variables
-                 + list(self.optimizer.variables) + self.metrics_variables)
-        return add, self._window, state
+                 + list(self.optimizer.variables) + self.metrics_variables
+                 + [self._skipped, self._single_values])
+        return micro_batch_lib.Trial(self._effective_windows(spec).add_batch, self._window,
+                                     state, self.parallel_mini_batches, self._apply_window)
 
     def _windows(self, x, y, sample_weight, batch_size, shuffle, class_weight):
         """The _WindowAdapter of fit's inputs; the last one again for the same tf.data
@@ -369,47 +359,50 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         no mini-batch left."""
         if self.train_function is not None and not force:
             return self.train_function
-        window, strategy = self._window, self.distribute_strategy
-        if window is None:
+        if self._window is None:
             raise RuntimeError("the train function is made by fit(); call fit")
-        average_gradients = self.average_gradients
-        if window.rescale:
-            window.expected.assign(average_gradients)
-        mini_batch_pass = (tf.function(self._mini_batch_pass, jit_compile=True)
-                           if self.jit_compile else self._mini_batch_pass)
+        if self._window.rescale:
+            self._window.expected.assign(self.average_gradients)
+        self._pass = (tf.function(self._mini_batch_pass, jit_compile=True)
+                      if self.jit_compile else self._mini_batch_pass)
+        self._adds = {}  # the EffectiveWindows by the batches' spec (_effective_windows)
+        self.train_function = (self._window_train_function() if self.micro_batch_size is None
+                               else self._effective_train_function())
+        return self.train_function
 
+    def _replica_mini_batches(self, group):
+        """Replica context: adds a group of mini-batches to the window. Their passes may
+        run at once: each on the model's state and the metrics as the one before left
+        them, as values (step_lib.run_passes)."""
+        window = self._window
         state, metrics = self.non_trainable_variables, self.metrics_variables
 
-        def replica_mini_batches(group):
-            # A group's passes may run at once: each runs on the model's state and the
-            # metrics as the one before left them, as values (step_lib.run_passes).
-            def run(data, weights, values):
-                x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-                n_local = tf.shape(tf.nest.flatten(x)[0])[0]
-                (gradients, state_values, metrics_values, parts,
-                 moments) = mini_batch_pass(weights, values[:len(state)], values[len(state):],
-                                            x, y, sample_weight, n_local)
-                finite = tf.reduce_all(tf.math.is_finite(parts))
-                # A non-finite mini-batch (its window is skipped) is left out of the logs.
-                metrics_values = [tf.where(finite, value, before) for value, before in
-                                  zip(metrics_values, values[len(state):])]
-                return ((gradients, moments, n_local, finite, parts),
-                        list(state_values) + metrics_values)
+        def run(data, weights, values):
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            n_local = tf.shape(tf.nest.flatten(x)[0])[0]
+            (gradients, state_values, metrics_values, parts,
+             moments) = self._pass(weights, values[:len(state)], values[len(state):],
+                                   x, y, sample_weight, n_local)
+            finite = tf.reduce_all(tf.math.is_finite(parts))
+            # A non-finite mini-batch (its window is skipped) is left out of the logs.
+            metrics_values = [tf.where(finite, value, before) for value, before in
+                              zip(metrics_values, values[len(state):])]
+            return ((gradients, moments, n_local, finite, parts),
+                    list(state_values) + metrics_values)
 
-            results = step_lib.run_passes(run, group, self.trainable_variables,
-                                          state + metrics)
-            return step_lib.last_of([window.add(*result) for result in results])
+        results = step_lib.run_passes(run, group, self.trainable_variables, state + metrics)
+        return step_lib.last_of([window.add(*result) for result in results])
 
-        self._replica_mini_batches = replica_mini_batches  # the micro-batch search's pass
-        if self.micro_batch_size is not None:  # each batch an effective batch
-            self.train_function = self._effective_train_function(replica_mini_batches)
-            return self.train_function
+    def _window_train_function(self):
+        """The train function of windows of N mini-batches, each window one call."""
+        window, strategy = self._window, self.distribute_strategy
+        average_gradients = self.average_gradients
 
         @tf.function
         def window_from(iterator):
             count = step_lib.window_from(
                 strategy, iterator, average_gradients,
-                lambda group: strategy.run(replica_mini_batches, args=(group,)),
+                lambda group: strategy.run(self._replica_mini_batches, args=(group,)),
                 self.parallel_mini_batches)
             applied, single = window.apply()
             self._skipped.assign_add(tf.cast(
@@ -431,54 +424,58 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 raise StopIteration
             return logs
 
-        self.train_function = train_function
         return train_function
 
-    def _effective_train_function(self, replica_mini_batches):
+    def _effective_windows(self, spec):
+        """The micro_batch.EffectiveWindows of batches like `spec` (any samples): each
+        replica cuts its share (a plain tensor under a strategy: the whole) into
+        mini-batches of the size given, one trace for any samples and size."""
+        key = repr(spec)
+        if key not in self._adds:
+            strategy = self.distribute_strategy
+
+            def replica_add(data, size):
+                return window_lib.cut(data, size, self._replica_mini_batches,
+                                      self.parallel_mini_batches)
+
+            def add(data, size):
+                added = strategy.run(replica_add, args=(data, size))
+                return strategy.experimental_local_results(added)[0]
+
+            signature = [_any_samples(spec), tf.TensorSpec([], tf.int32)]
+            self._adds[key] = micro_batch_lib.EffectiveWindows(
+                tf.function(add, input_signature=signature), self._window,
+                self.non_trainable_variables + self.metrics_variables)
+        return self._adds[key]
+
+    def _effective_train_function(self):
         """The train function where each batch is an effective batch: it takes the batch
-        from Keras's iterator, eagerly, so that a window that runs out of memory can be
-        added again (micro_batch.EffectiveWindows: at half the micro-batch, on one
-        replica), then applies the window in a call of its own."""
-        window, strategy = self._window, self.distribute_strategy
-
-        def replica_add(data, size):
-            return window_lib.cut(data, size, replica_mini_batches, self.parallel_mini_batches)
-
-        def add(data, size):
-            added = strategy.run(replica_add, args=(data, size))
-            return strategy.experimental_local_results(added)[0]
+        from Keras's iterator, eagerly, adds it as mini-batches of the MicroBatch's B
+        (again at half B where it runs out of memory, on one replica:
+        micro_batch.EffectiveWindows), then applies the window in a call of its own."""
+        window, replicas = self._window, self.distribute_strategy.num_replicas_in_sync
 
         @tf.function
         def apply():
             applied, single = window.apply()
             self._skipped.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
             self._single_values.assign_add(single)
-            return self.get_metrics_result()
+            return applied, self.get_metrics_result()
 
-        state = self.non_trainable_variables + self.metrics_variables
-        traced = {}  # the iterator's element spec, and the EffectiveWindows traced for it
+        self._apply_window = apply  # the search's trials measure this one (trial_window)
 
         def train_function(iterator):
-            # `add` is traced once for the iterator's batches (any sizes) and every
-            # micro-batch (a tensor): halving it traces nothing again.
-            spec = iterator.element_spec
-            if traced.get("spec") != spec:
-                # Any samples: a trial of the search adds a part of a batch whose size
-                # the spec may fix (data that the batch size divides).
-                signature = [_any_samples(spec), tf.TensorSpec([], tf.int32)]
-                traced.update(spec=spec, windows=micro_batch_lib.EffectiveWindows(
-                    tf.function(add, input_signature=signature), window, state))
-            windows = traced["windows"]
+            windows = self._effective_windows(iterator.element_spec)
             logs = None
             for step in range(self.steps_per_execution):  # a window each
                 batch = _next_batch(iterator, step)
                 if batch is None:
                     break
-                if window.rescale and isinstance(self._cut, micro_batch_lib.MicroBatch):
+                if window.rescale:
                     window.expected.assign(micro_batch_lib.mini_batches_of(
-                        batch, self._cut.micro_batch_size * strategy.num_replicas_in_sync))
+                        batch, self._cut.micro_batch_size * replicas))
                 _, self._cut = windows.add(batch, self._cut)
-                logs, self._cut = windows.apply(apply, self._cut)
+                _, logs = windows.apply(apply)
             return logs
 
         return train_function
@@ -486,10 +483,10 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def make_test_function(self, force=False):
         """Keras's test function on one device without a micro_batch_size; else one that
         evaluates each batch in mini-batches of the micro-batch training uses (the
-        largest that fit so far while it is searched for; the whole batch before fit
-        knows one), so that evaluation fits where training does, and divides as
-        training does: the batch's loss is the sums of its mini-batches' and replicas'
-        losses over the sums of their divisors (one all-reduce), as on one device. (Keras's
+        whole batch before fit knows one), so that evaluation fits where training does,
+        and divides as training does: the batch's loss is the sums of its mini-batches'
+        and replicas' losses over the sums of their divisors (one all-reduce), as on one
+        device. (Keras's
         own, under a strategy, averages the replicas' means; under several workers it
         reduces each step's logs along an axis they do not have, and fails:
         keras-team/keras#20585.) The compiled metrics are Keras's, over the batch."""
@@ -566,10 +563,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def _evaluated_by(self):
         """The mini-batch evaluation cuts a batch into, per replica; 0: none (the whole
         batch)."""
-        if isinstance(self._cut, micro_batch_lib.MicroBatch):
+        if self._cut is not None:
             return self._cut.micro_batch_size
-        if isinstance(self._cut, micro_batch_lib.Search) and self._cut.largest:
-            return self._cut.largest
         if isinstance(self.micro_batch_size, int):
             return self.micro_batch_size
         return 0

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import device as device_lib
 from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging.window import accumulator_dtype
 from gradient_averaging.window import all_finite
@@ -536,73 +537,62 @@ class AveragingOptimizer(v1.train.Optimizer):
 
 def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget=None,
                      margin=None, device=None):
-    """The largest micro-batch B whose run of `train_op` fits in the device's memory,
-    for updates of E samples cut into N = ceil(E / B) mini-batches (the last shorter).
-
-    The trials run `train_op` itself, on the first B samples of `feed`, into an empty
-    window (the update measured once: `flush_op` on a window of one sample); every
-    global and local variable of the graph (the weights, the optimizer's slots, the
-    window, batch-norm statistics) is read before and loaded back after, so training
-    goes on as if nothing ran. The search is micro_batch's (its docstring says how).
-    Train each update as found.average_gradients runs of the op, the last on
-    found.last samples, each mini-batch's samples as its `weight` (so that the shorter
-    one weighs by its samples), then `flush_op` (or build the op with
-    accumulate_gradients, which leaves the apply to flush_op whatever N).
-
-    Args:
-      session: the tf.compat.v1.Session that trains.
-      optimizer: the AveragingOptimizer whose op `train_op` is.
-      train_op: its minimize/apply_gradients op.
-      feed: the feed_dict of one batch: a value whose leading dimension is the batch's
-        samples is cut (repeated where it holds fewer than a trial needs), any other
-        (a `training` flag) fed as it is.
-      effective_batch: E, the samples of one update.
-      budget, margin: as micro_batch.find_micro_batch's.
-      device: where the graph trains ("GPU:0", "CPU:0"); None: the first GPU, else the
-        CPU.
-
-    Returns:
-      A micro_batch.MicroBatch.
-
-    Raises:
-      ValueError: bad arguments, a device whose memory or peak cannot be read.
-      micro_batch.NothingFits: one sample, or the update, needs more than the budget.
-    """
+    """The largest micro-batch B whose run of `train_op` (the AveragingOptimizer
+    `optimizer`'s, in `session`) fits in the device's memory, for updates of E samples:
+    micro_batch's one search (largest_that_fits) on runs of `train_op` on the first B
+    samples of `feed` into an empty window (the update once: `flush_op` on a window of
+    one sample), every global and local variable loaded back after each, so that training
+    goes on as if nothing ran. Train each update as found.average_gradients runs of the
+    op, the last on found.last samples, each mini-batch's samples its `weight`, then
+    `flush_op`. `feed`: one batch's feed_dict (a value whose leading dimension is its
+    samples is cut, repeated where a trial needs more; any other fed as it is); budget,
+    margin: as micro_batch.find_micro_batch's; device: where the graph trains (None: the
+    first GPU, else the CPU). Returns a micro_batch.MicroBatch. Raises ValueError (bad
+    arguments, a device whose memory or peak cannot be read) and NothingFits."""
     start = time.perf_counter()
-    device = device or micro_batch_lib.default_device()
+    device = device or device_lib.default_device()
     search = micro_batch_lib.Search.on_devices([device], effective_batch, budget, margin)
     search.start = start
-    with session.graph.as_default():
-        variables = v1.global_variables() + v1.local_variables()
-    saved = session.run(variables)
-    values = {key: np.asarray(value) for key, value in feed.items()}
-    samples = next((len(v) for v in values.values() if v.ndim), None)
-    if not samples:
-        raise ValueError("feed holds no batch: no value has a leading dimension of samples")
-    count, flush = optimizer.window_count, optimizer.flush_op()
+    trials = _GraphTrials(session, optimizer, train_op, feed, device)
+    trials.peak(1)  # the first run sets the graph up (Grappler allocates): not a trial
+    return micro_batch_lib.largest_that_fits(trials.peak, trials.update, search).found()
 
-    def restore():
-        for variable, value in zip(variables, saved):
-            variable.load(value, session)
 
-    def run(size, open_mini_batches):
-        index = np.arange(size) % samples
-        count.load(open_mini_batches, session)
-        session.run(train_op, {key: value[index] if value.ndim and len(value) == samples
-                               else value for key, value in values.items()})
+class _GraphTrials:
+    """find_micro_batch's trials on a TF1 graph: every variable loaded back after each."""
 
-    def peak_at(size):
+    def __init__(self, session, optimizer, train_op, feed, device):
+        self.session, self.train_op, self.device = session, train_op, device
+        with session.graph.as_default():
+            self.variables = v1.global_variables() + v1.local_variables()
+        self.saved = session.run(self.variables)
+        self.values = {key: np.asarray(value) for key, value in feed.items()}
+        self.samples = next((len(v) for v in self.values.values() if v.ndim), None)
+        if not self.samples:
+            raise ValueError("feed holds no batch: no value has a leading dimension of samples")
+        self.count, self.flush = optimizer.window_count, optimizer.flush_op()
+
+    def _restore(self):
+        for variable, value in zip(self.variables, self.saved):
+            variable.load(value, self.session)
+
+    def _run(self, size):
+        index = np.arange(size) % self.samples
+        self.count.load(0, self.session)
+        self.session.run(self.train_op, {
+            key: value[index] if value.ndim and len(value) == self.samples else value
+            for key, value in self.values.items()})
+
+    def peak(self, size):
         try:
-            return micro_batch_lib.measured_peak(lambda: run(size, 0), [device])
+            return device_lib.measured_peak(lambda: self._run(size), [self.device])
         finally:
-            restore()
+            self._restore()
 
-    def update():
+    def update(self):
         try:
-            run(1, 0)
-            return micro_batch_lib.measured_peak(lambda: session.run(flush), [device])
+            self._run(1)
+            return device_lib.measured_peak(lambda: self.session.run(self.flush),
+                                            [self.device])
         finally:
-            restore()
-
-    peak_at(1)  # the first run sets the graph up (Grappler allocates): not a trial
-    return micro_batch_lib.largest_that_fits(peak_at, update, search).found()
+            self._restore()

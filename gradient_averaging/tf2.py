@@ -171,6 +171,7 @@ class _Accumulator:
                       if self.jit_compile else self._gradients)
         self.apply_step = tf.function(self.step.apply)
         self._effective_windows = {}  # apply_effective's, by the batches' signature
+        self._found = {}  # the MicroBatch fit_effective found, by what changes it
         self.parallel_mini_batches = 1  # one call per mini-batch (WindowAccumulator's own)
         self.updates = 0
         self.skipped_windows = 0
@@ -240,63 +241,39 @@ class _Accumulator:
         return applied
 
     def trial_window(self, spec):
-        """For the micro-batch search's trials (micro_batch.find_micro_batch): (add, the
-        window step, the variables a trial may change). `add` is a tf.function adding one
-        mini-batch shaped like `spec` ((x, y), any number of samples: traced once) to the
-        open window, the same samples on every replica, by the pass training runs: as
-        many times at once as the window loop runs passes (parallel_mini_batches), for
-        their peak."""
-        signature = tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))
-        self._build(*signature)
-        group = self.parallel_mini_batches
-
-        @tf.function(input_signature=[signature])
-        def add(batch):
-            n = tf.shape(tf.nest.flatten(batch)[0])[0]
-            self.strategy.run(self._replica_mini_batches,
-                              args=([batch] * group, [n] * group))
-
+        """The micro_batch.Trial of this accumulator (find_micro_batch's trials): the add
+        training runs for batches like `spec` ((x, y), a tf.data element spec or a batch),
+        the window step, the variables a trial may change, training's apply."""
+        windows = self._windows(spec)
         state = (self.model.trainable_variables + list(self.optimizer.variables)
-                 + self._pass_state())
-        return add, self.step, state
+                 + windows.state)
+        return micro_batch_lib.Trial(windows.add_batch, self.step, state,
+                                     self.parallel_mini_batches
+                                     * self.strategy.num_replicas_in_sync, self.apply_step)
 
-    def _pass_state(self):
-        """The variables a mini-batch's pass changes beside the window's: the model's
-        other state (batch-norm statistics, seed generators), the running totals."""
-        return self.model.non_trainable_variables + [self.loss_total, self.samples_total]
+    def _windows(self, spec):
+        """The micro_batch.EffectiveWindows adding batches like `spec` (one trace per
+        spec, for any samples and any B)."""
+        signature = tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))
+        key = repr(signature)
+        if key not in self._effective_windows:
+            self._effective_windows[key] = micro_batch_lib.EffectiveWindows(
+                self._effective_add(signature), self.step,
+                self.model.non_trainable_variables + [self.loss_total, self.samples_total])
+        return self._effective_windows[key]
 
     def fit_effective(self, dataset, micro_batch_size="auto", callback=None, budget=None,
                       margin=None):
-        """One pass over `dataset`, each of its batches an effective batch: one update
-        each, trained as mini-batches of `micro_batch_size` samples per replica, one at a
-        time, the last one shorter. On one replica, a window that runs out of memory is
-        trained again at half the micro-batch, which the rest keeps
-        (micro_batch.EffectiveWindows).
-
-        Args:
-          dataset: a tf.data.Dataset or an iterable of (x, y) batches, each one update;
-            batches whose shapes differ beyond their samples (sequences padded per
-            batch) in a tf.data.Dataset, whose element spec says where.
-          micro_batch_size: B per replica, or "auto": the largest that fits, E the first
-            batch's samples, within `budget` bytes (None: the device's memory) less
-            `margin` (None: the device's default, micro_batch.default_margin): searched
-            for in the first batches' own mini-batches on one replica
-            (micro_batch.EffectiveWindows), found before on several
-            (micro_batch.find_micro_batch).
-          callback: called as callback(mini_batch) for each mini-batch (1-based), after
-            its update.
-
-        Returns:
-          FitSummary; its micro_batch is the MicroBatch found (None where the batches
-          ended before the search did), B halved where a window ran out of memory.
-
-        Raises:
-          micro_batch.OutOfMemory: the device ran out of memory in an update, or under
-            several replicas.
-          micro_batch.NothingFits: a mini-batch of one sample ran out of memory, or while
-            searching, one sample's peak or the update's is over the budget less its
-            margin (the update's once it was applied).
-        """
+        """One pass over `dataset`, each batch an effective batch: one update each, as
+        mini-batches of `micro_batch_size` per replica, the last one shorter. "auto": the
+        largest that fits, found before training on the first batch (find_micro_batch,
+        within `budget` bytes less `margin`; again only where E, the batches' spec,
+        budget or margin changed). A tf.data dataset's element spec says where batches
+        differ beyond their samples (sequences padded per batch). callback(mini_batch)
+        runs after each mini-batch's update. Returns the FitSummary, its micro_batch B's
+        cut (halved where a window ran out of memory: apply_effective). Raises
+        micro_batch.OutOfMemory (in an update, or under several replicas) and
+        micro_batch.NothingFits (one sample does not fit)."""
         size = micro_batch_lib.check_micro_batch_size(micro_batch_size)
         budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
         counts = _FitCounts(self, 1)
@@ -305,18 +282,15 @@ class _Accumulator:
         if first is None:  # nothing to train on
             return counts.summary(False, False)
         first = tuple(first)
+        spec = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else first
         samples = int(tf.shape(tf.nest.flatten(first)[0])[0])
-        replicas = self.strategy.num_replicas_in_sync
+        key = (samples, self._windows(spec), budget, margin)  # what changes B found
         if size != "auto":
-            found = micro_batch_lib.plan(samples, size, replicas)
-        elif replicas == 1:
-            found = micro_batch_lib.Search.on(self.strategy, samples, budget, margin,
-                                              xla=self.jit_compile)
+            found = micro_batch_lib.plan(samples, size, self.strategy.num_replicas_in_sync)
+        elif key in self._found:
+            found = self._found[key]
         else:
-            found = micro_batch_lib.find_micro_batch(self, first, samples, budget, margin)
-        # A dataset's batches may differ in more than their samples (sequences padded
-        # per batch): its element spec says in which axes.
-        spec = dataset.element_spec if isinstance(dataset, tf.data.Dataset) else None
+            found = micro_batch_lib.find_micro_batch(self, first, samples, budget, margin, spec)
         for batch in itertools.chain([first], batches):
             applied, count, found = self.apply_effective(batch, found, spec)
             counts.mini_batches += count
@@ -325,47 +299,22 @@ class _Accumulator:
                 for mini_batch in range(counts.mini_batches - count + 1,
                                         counts.mini_batches + 1):
                     callback(mini_batch)
-        if isinstance(found, micro_batch_lib.Search):
-            found = None
+        if size == "auto":
+            self._found[key] = found
         return counts.summary(False, applied)._replace(micro_batch=found)
 
     def apply_effective(self, batch, found, spec=None):
         """Trains the effective batch `batch` (x, y) as one update, in mini-batches of
-        found's micro-batch B per replica, the last one shorter: the window's mean is
-        that of the direct batch however it is cut, so on one replica a window that runs
-        out of memory is trained again at half B (micro_batch.EffectiveWindows).
-
-        Args:
-          found: a micro_batch.MicroBatch (micro_batch.plan's or find_micro_batch's), or
-            a micro_batch.Search still going (its trials this batch's mini-batches).
-          spec: where batches differ beyond their samples (sequences padded per batch),
-            a structure of TensorSpecs that says in which axes (a tf.data element spec);
-            None: shaped like `batch`. One trace per spec, for any samples and any B.
-
-        Returns:
-          (applied: False where the window was skipped (check_finite), the mini-batches
-          trained, `found` with B halved where a mini-batch ran out of memory, or the
-          Search, or the MicroBatch it found once done).
-
-        Raises:
-          micro_batch.OutOfMemory: the device ran out of memory in the update, or under
-            several replicas.
-          micro_batch.NothingFits: a mini-batch of one sample ran out of memory, or while
-            searching, one sample's peak or the update's is over the budget less its
-            margin (the update's once it was applied).
-        """
-        signature = tf.nest.map_structure(lambda t: _spec(t, 1),
-                                          tuple(batch if spec is None else spec))
-        key = repr(signature)
-        if key not in self._effective_windows:
-            self._effective_windows[key] = micro_batch_lib.EffectiveWindows(
-                self._effective_add(signature), self.step, self._pass_state())
-        windows = self._effective_windows[key]
-        if self.step.rescale and isinstance(found, micro_batch_lib.MicroBatch):
+        found's B per replica (a micro_batch.MicroBatch), the last one shorter; `spec`:
+        the batches' (a tf.data element spec; None: `batch`'s). Returns (applied: False
+        where the window was skipped, the mini-batches, `found`, B halved where a window
+        ran out of memory: micro_batch.EffectiveWindows, whose errors it raises)."""
+        windows = self._windows(batch if spec is None else spec)
+        if self.step.rescale:
             self.step.expected.assign(micro_batch_lib.mini_batches_of(
                 batch, found.micro_batch_size * self.strategy.num_replicas_in_sync))
         count, found = windows.add(tuple(batch), found)
-        (applied, single), found = windows.apply(self.apply_step, found)
+        applied, single = windows.apply(self.apply_step)
         return self._counted(bool(applied), single.numpy()), count, found
 
     def loss_totals(self):

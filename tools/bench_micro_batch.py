@@ -79,7 +79,6 @@ class MicroBatch(Section):
                    search_s=statistics.median(seconds for *_, seconds in searches),
                    searches=[seconds for *_, seconds in searches],
                    searched_b=[b_found(f) for f, *_ in searches],
-                   search_windows=found.get("search_windows", 0),
                    search_trials=len(found["trials"]),
                    found_ms=found_ms, largest_ms=found_ms,
                    epoch_s=math.ceil(EPOCH / effective) * found_ms / 1e3)
@@ -149,7 +148,7 @@ class MicroBatch(Section):
                          f"{r['found'] / r['largest']:.2f}",
                          f"{r['search_s']:.1f} ("
                          + ", ".join(f"{s:.1f}" for s in r.get("searches", ())) +
-                         f"; {r['search_trials']}, {r.get('search_windows', 0)}"
+                         f"; {r['search_trials']}"
                          + (f"; B found {', '.join(map(str, r['searched_b']))}"
                             if len(set(r.get("searched_b", ()))) > 1 else "") + ")",
                          f"{r['epoch_s']:.0f}",
@@ -159,16 +158,17 @@ class MicroBatch(Section):
             "Each update is one effective batch of E samples under a CPU device of the "
             "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
             "process each). `B found`: the micro-batch `accumulate(model, "
-            "micro_batch_size=\"auto\")` finds in fit's first windows, with the default "
+            "micro_batch_size=\"auto\")` finds before training, with the default "
             "margin, and in brackets whether a fresh process given that B fits; `search "
-            "s`: the seconds the search added to training (the fit calls of its windows, "
-            "whose mini-batches were its trials, one window a call, less as many of the "
-            "fresh process given the B found: its first, which traces too, then its "
-            f"fastest), the median of {self.settings['search_repeats']} searches (a row's "
-            "own number where set: the language model's one), each in a fresh process "
-            "beside its own given one (a process's first call varies by "
-            "seconds from another's); in brackets each search's, then the first one's "
-            "trials and windows (its B is the one found), then each search's B where "
+            "s`: the seconds the search added to training (the first fit call of its "
+            "process, the search then one window, less that of the fresh process given "
+            "the B found; both trace the same functions; where that one ran out of "
+            "memory, the search's own seconds), the median of "
+            f"{self.settings['search_repeats']} searches (a row's own number where set: "
+            "the language model's one), each in a fresh process beside its own given one "
+            "(a process's first call varies by seconds from another's); in brackets each "
+            "search's, then the first one's trials (its B is the one found), then each "
+            "search's B where "
             "they differ; `largest "
             "B`: the largest B whose fit of E runs two updates without an OOM (training "
             "that halved B after one counts as one), by "
@@ -191,26 +191,20 @@ class MicroBatch(Section):
             "grid and its seconds include its programs' compilations (less the given "
             "process's own, of B and the last mini-batch; docs/effective-batch.md).") + table(
             ["model", "E", "limit MiB", "direct batch", "B found (fresh)", "largest B",
-             "found / largest", "search s (each; trials, windows)", "epoch s",
+             "found / largest", "search s (each; trials)", "epoch s",
              "search / epoch", "ms per update at found", "at largest", "found / largest"],
             rows)
 
 
 def search_seconds(found, given):
-    """The seconds the search added to training. Where its trials were the first
-    windows' own mini-batches: the fit calls that trained those windows (the probe's
-    warm-up: one window a call, until the search was done) less as many of a fresh
-    process given the B found (its first call, which traces as the search's first does,
-    and its fastest for each after it); where that process ran out of memory, the
-    search's own seconds less as many of its own fastest updates (its traces then count
-    in)."""
-    windows = found.get("search_windows", 0)
-    if not windows:
-        return found["search_s"]
+    """The seconds the search added to training: the first fit call of the process that
+    searched (the search, then its first window) less that of the fresh process given
+    the B found (its first window; both trace the same functions, which the search's
+    trials share with training); where that process ran out of memory, the search's own
+    seconds (its traces then count in)."""
     if given is None:
-        return found["search_s"] - windows * found["update_ms"] / 1e3
-    return (found["warmup_ms"] - given["warmup_ms"]
-            - (windows - 1) * given["update_ms"]) / 1e3
+        return found["search_s"]
+    return (found["warmup_ms"] - given["warmup_ms"]) / 1e3
 
 
 def b_found(found):

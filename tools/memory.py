@@ -11,7 +11,7 @@ warm-up (tracing, optimizer slots), resets the allocator's peak, trains one more
 and prints the peak as JSON. One inter-op thread, as a GPU runs one stream (the peak
 depends on the order ops run in); oneDNN off, so that an OOM in a convolution raises
 instead of crashing. The probe first makes the CPU's allocator one region
-(micro_batch.reserve_cpu_memory: its limit's, or RESERVE_MB without one), as TensorFlow
+(device.reserve_cpu_memory: its limit's, or RESERVE_MB without one), as TensorFlow
 holds a GPU's memory by default: an allocator that grows region by region runs out of
 memory well before its limit and scatters an update's chunks. The peak still varies from
 process to process, fixed in each by its warm-up: the BFC allocator hands out a free
@@ -420,7 +420,6 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compil
     def found():  # the micro-batch fit cut the effective batch by, and its search
         m = cut.micro_batch
         return dict(micro_batch_size=m.micro_batch_size, search_s=m.seconds,
-                    search_windows=m.windows,
                     trials=[(size, peak and peak / MIB) for size, peak in m.trials],
                     halved=list(m.out_of_memory))
 
@@ -626,8 +625,8 @@ def run_probe(spec):
                 tf.config.LogicalDeviceConfiguration(memory_limit=int(spec["limit_mb"]))])
         device = "GPU:0"
     else:  # one region, as a GPU's memory: the limit's (less what the start holds)
-        from gradient_averaging import micro_batch
-        micro_batch.reserve_cpu_memory(None if spec["limit_mb"] else RESERVE_MB)
+        from gradient_averaging import device as device_lib
+        device_lib.reserve_cpu_memory(None if spec["limit_mb"] else RESERVE_MB)
     phase = "warm-up"
     cut = {"micro_batch": spec["micro_batch"]} if spec.get("micro_batch") else {}
     if spec.get("jit_compile"):

@@ -2,7 +2,7 @@
 in one line.
 
 The CPU is made a device of a few MiB as a GPU would be one of a few GiB: the BFC
-allocator with a limit, set in the environment of a main.py process (micro_batch.CPU_BFC_ENV,
+allocator with a limit, set in the environment of a main.py process (device.CPU_BFC_ENV,
 memory.CPU_LIMIT_ENV). oneDNN is off there, so that an OOM inside a convolution raises
 instead of ending the process, and one inter-op thread makes the peak repeatable.
 """
@@ -21,13 +21,13 @@ from experiment import config as config_lib
 from experiment import engine_tf1
 from experiment import loop
 from experiment import memory
-from gradient_averaging import micro_batch
+from gradient_averaging import device
 from tests.helpers import one_line_exit
 from tests.helpers import run_cli
 from tests.helpers import run_main_in_process
 
 ENGINES = ("tf1", "tf2")
-BFC = {micro_batch.CPU_BFC_ENV: "true", "TF_ENABLE_ONEDNN_OPTS": "0", "TF_NUM_INTEROP_THREADS": "1"}
+BFC = {device.CPU_BFC_ENV: "true", "TF_ENABLE_ONEDNN_OPTS": "0", "TF_NUM_INTEROP_THREADS": "1"}
 # The short run the evaluation test makes under a limit: B=5, so that a training step
 # needs a small part of what the whole test set in one call did.
 SHORT = dict(average_gradients=2, batch_size=5, iterations=2, eval_every=0)

@@ -13,12 +13,8 @@ OOM comes from a matmul: Dense layers on every step of a sequence, so a mini-bat
 peak grows with its samples while the weights stay small.
 
 The sequence runs train on token sequences padded per batch: the micro-batch is found on
-the first batches, of short ones; the later batches are twice as long, so its mini-batches
+the first batch, of short ones; the later batches are twice as long, so its mini-batches
 run out of memory there, and the window is trained again at half the micro-batch.
-
-On one replica the search's trials are the first windows' own mini-batches: the runs that
-find a micro-batch train for as many windows as it needs (EPOCHS of the data; the
-sequences' SHORT batches), and so do their references.
 """
 
 import argparse
@@ -30,14 +26,14 @@ import time
 STEPS, FEATURES, UNITS, CLASSES = 64, 64, 512, 10
 E = 211  # prime: no micro-batch but 1 and E divides it
 SAMPLES = E + 52  # two updates an epoch: a whole effective batch and a short one
-EPOCHS = 4  # of the runs that search on one replica: the search's windows, and more
+EPOCHS = 4  # of the runs that search on one replica
 SMALL_E = 24  # the effective batch of the searches that check the state they leave
 # Keras builds a model under a strategy from its first batch, which must split evenly
 # across the replicas: two replicas' effective batch is 2 x 89, 89 a prime (a replica's
 # share well over what it fits, whatever the runs before left in use).
 MIRRORED_E = 178
 # Token sequences: the effective batches' samples and padded lengths (the first SHORT,
-# which the search trains on, half as long as the others).
+# the first of which the search tries on, half as long as the others).
 SHORT = 6
 SEQUENCE_BATCHES = ((E, STEPS),) * SHORT + ((E, 2 * STEPS), (SAMPLES - E, 2 * STEPS))
 VOCABULARY = 500
@@ -397,8 +393,9 @@ def xla_hold():
     search's limit."""
     import tensorflow as tf
 
+    from gradient_averaging import device
     from gradient_averaging import micro_batch
-    micro_batch.reserve_cpu_memory()
+    device.reserve_cpu_memory()
     search = micro_batch.Search.on_devices(["CPU:0"], 1, xla=True)
 
     @tf.function(jit_compile=True)
@@ -412,8 +409,8 @@ def xla_hold():
     run = lambda: program(x).numpy()  # noqa: E731 (the same run twice)
     run()  # compiled outside the measures
     return {"limit": search.limit, "hold": search.hold,
-            "without": micro_batch.measured_peak(run, ["CPU:0"]),
-            "with": micro_batch.measured_peak(run, ["CPU:0"], search.hold)}
+            "without": device.measured_peak(run, ["CPU:0"]),
+            "with": device.measured_peak(run, ["CPU:0"], search.hold)}
 
 
 def main():

@@ -143,7 +143,7 @@ def writing_callbacks(out, kill_epoch=None):
 
 def auto_micro_batch(strategy=None):
     """The --auto run (or, without a strategy, its direct batch): {weights/i, and with
-    a strategy micro_batch (trained at), own (this worker's search's largest fit)}."""
+    a strategy micro_batch (trained at), own (the largest its own search found)}."""
     import contextlib
 
     import keras
@@ -165,6 +165,8 @@ def auto_micro_batch(strategy=None):
         out["micro_batch"] = found.micro_batch_size
         out["own"] = max(size for size, peak in found.trials
                          if peak is not None and peak <= limit)
+        if found.predicted:  # its whole share, taken untried
+            out["own"] = -(-found.effective_batch // found.replicas)
     return out
 
 

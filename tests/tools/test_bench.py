@@ -286,12 +286,11 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
     # A fake device: the direct batch fits the mlp only; B fits up to `edge` (above it,
     # training runs out of memory and goes on at half B, as EffectiveWindows does), but
     # the convnet's found B not in a fresh process; the search finds `found` in `search`
-    # seconds (each of its three repeats its own), the mlp's in 3 windows that it
-    # trained, in a warm-up of 90, 62 then 60 s where a process given B takes 5 s for its
-    # first (its second search finds 3500); an update is slower at a smaller B.
+    # seconds (each of its three repeats its own), the first fit call of its process
+    # taking as long, where a process given B takes 5 s for its first (the mlp's second
+    # search finds 3500); an update is slower at a smaller B.
     edge, found = {"convnet": 100, "mlp": 4093}, {"convnet": 84, "mlp": iter([3600, 3500, 3600])}
     search = {"convnet": iter([30.0, 21.0, 20.0]), "mlp": iter([90.0, 62.0, 60.0])}
-    windows = {"convnet": 2, "mlp": 3}
     sizes = []
 
     def _ms(size):
@@ -307,8 +306,7 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
         if (model, micro_batch) == ("convnet", 84):
             return dict(oom=True)
         seconds = next(search[model]) if micro_batch == "auto" else None
-        searched = dict(search_s=seconds, search_windows=windows[model],
-                        trials=[(1, 1.0)] * 9,
+        searched = dict(search_s=seconds, trials=[(1, 1.0)] * 9,
                         warmup_ms=seconds * 1e3 if micro_batch == "auto" else 5_000.0)
         if size > edge[model]:
             return dict(oom=False, peak_mb=1.0, update_ms=_ms(size // 2),
@@ -336,17 +334,16 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
     assert share == Target("micro-batch found >= 80% of the largest that fits",
                            "worst 0.84x convnet under 150 MiB", "met")
     assert speed.status == "missed"
-    # The convnet's given B ran out of memory: its search's own seconds less its 2
-    # windows at its own fastest update; the median of three.
-    assert convnet["search_s"] == pytest.approx(21.0 - 2 * _ms(84) / 1e3)
-    # The mlp's search added its 3 windows' warm-up less the given B's first update and
-    # two more at its fastest: the median of three.
-    assert mlp["search_s"] == pytest.approx(62.0 - 5.0 - 2 * _ms(3500) / 1e3)  # the 2nd
+    # The convnet's given B ran out of memory: its search's own seconds, the median of
+    # three.
+    assert convnet["search_s"] == pytest.approx(21.0)
+    # The mlp's search added its first fit call less the given B's: the median of three.
+    assert mlp["search_s"] == pytest.approx(62.0 - 5.0)  # the 2nd
     assert speed.measured == f"worst {mlp['search_s'] / mlp['epoch_s']:.2f}x mlp under 700 MiB"
     text = "\n".join(section.markdown(result))
     assert ("| convnet | 257 | 150 | OOM | 84 (OOM) | 100 (102: OOM) | 0.84 | "
-            "20.6 (29.6, 20.6, 19.6; 9, 2) |") in text
-    assert "; 9, 3; B found 3600, 3500, 3600) |" in text
+            "21.0 (30.0, 21.0, 20.0; 9) |") in text
+    assert "; 9; B found 3600, 3500, 3600) |" in text
     assert "| mlp | 4093 | 700 | fits | 3600 (fits) | 4093 | 0.88 |" in text
     failed = section.targets([dict(mlp, error="probe failed (exit 1): boom")])
     assert [t.status for t in failed] == ["missed", "missed"]
@@ -366,7 +363,7 @@ def test_micro_batch_stops_at_a_search_that_fails(monkeypatch):
         if micro_batch == "auto" and calls.count("auto") == 2:
             return dict(error="probe failed (exit 1): boom")
         return dict(oom=False, peak_mb=1.0, update_ms=100.0, micro_batch_size=50,
-                    search_s=1.0, search_windows=2, trials=[(1, 1.0)], warmup_ms=2000.0)
+                    search_s=1.0, trials=[(1, 1.0)], warmup_ms=2000.0)
 
     monkeypatch.setattr(memory, "probe", probe)
     section = bench_micro_batch.MicroBatch()
@@ -390,7 +387,7 @@ def test_micro_batch_probes_an_xla_row_compiled(monkeypatch):
         compiled.append(kwargs.get("jit_compile"))
         size = 64 if micro_batch == "auto" else micro_batch
         return dict(oom=size > 70, peak_mb=1.0, update_ms=100.0, micro_batch_size=size,
-                    search_s=1.0, search_windows=1, trials=[(1, 1.0)], warmup_ms=2000.0)
+                    search_s=1.0, trials=[(1, 1.0)], warmup_ms=2000.0)
 
     monkeypatch.setattr(memory, "probe", probe)
     section = bench_micro_batch.MicroBatch()
@@ -418,7 +415,7 @@ def test_micro_batch_bisects_from_where_the_search_ran_out_and_takes_a_rows_repe
         size = 31 if micro_batch == "auto" else micro_batch
         sizes.append(micro_batch)
         return dict(oom=size > 32, peak_mb=1.0, update_ms=100.0, micro_batch_size=size,
-                    search_s=1.0, search_windows=1, warmup_ms=2000.0,
+                    search_s=1.0, warmup_ms=2000.0,
                     trials=[(1, 1.0), (16, 2.0), (31, 3.0), (33, None)])
 
     monkeypatch.setattr(memory, "probe", probe)

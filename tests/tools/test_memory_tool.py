@@ -62,8 +62,7 @@ def test_the_accumulate_path_with_a_micro_batch_trains_and_says_how_fit_cut_the_
     update, _, _, values, found = path("convnet", 1, 9, x, y, micro_batch=4)
     before = values()
     update()
-    assert found() == {"micro_batch_size": 4, "search_s": None, "search_windows": 0,
-                       "trials": [], "halved": []}
+    assert found() == {"micro_batch_size": 4, "search_s": None, "trials": [], "halved": []}
     assert all((a != b).any() for a, b in zip(before, values()))
 
 
