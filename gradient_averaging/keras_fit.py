@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from gradient_averaging import _keras_src
+from gradient_averaging import arguments
 from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import replicas as replicas_lib
@@ -161,19 +162,19 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                  bn_statistics="update", micro_batch_size=None, budget=None,
                  margin=None, parallel_mini_batches=1, **kwargs):
         super().__init__(**kwargs)
-        self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
+        self.parallel_mini_batches = arguments.check_parallel_mini_batches(
             parallel_mini_batches)
         self.model = model
         if model.built:  # its weights are ours: count_params(), summary() before fit
             self.built = True
-        self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
+        self.average_gradients, self.micro_batch_size = arguments.check_window(
             average_gradients, micro_batch_size)
-        self.budget = micro_batch_lib.check_budget(budget)
-        self.margin = micro_batch_lib.check_margin(margin)
+        self.budget = arguments.check_budget(budget)
+        self.margin = arguments.check_margin(margin)
         self._cut = None  # the micro_batch.MicroBatch fit cuts its batches by
         self._cut_for = None  # what _cut was made for (_cut_batches)
         self.check_finite = check_finite
-        self.bn_statistics = statistics_lib.check_bn_statistics(bn_statistics)
+        self.bn_statistics = arguments.check_bn_statistics(bn_statistics)
         self._window = None  # the window_step.WindowStep, made by fit
         self._single_values = None
         self._skipped = None  # windows skipped so far, never saved
@@ -217,7 +218,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         each batch in mini-batches of the micro-batch (make_test_function).
         """
         if self.micro_batch_size is not None and batch_size is not None:
-            micro_batch_lib.check_effective_batch(batch_size, "batch_size")
+            arguments.check_effective_batch(batch_size, "batch_size")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = _keras_src.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
