@@ -206,17 +206,18 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return cls(model, **config)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-            validation_steps=None, validation_batch_size=None, validation_freq=1):
+            *, validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, steps_per_epoch=None, **kwargs):
         """Keras's `fit`, one update per N batches of `batch_size` (the mini-batches), or
         with a micro_batch_size one update per batch (the effective batch).
 
-        The arguments are Keras's; `steps_per_epoch` counts mini-batches and must be
-        a multiple of N. The returned History has one entry per epoch as usual; callbacks
-        receive one batch per update. With a micro_batch_size, validation evaluates
-        each batch in mini-batches of the micro-batch (make_test_function).
+        The arguments are Keras's, those after `callbacks` by keyword (the ones this does
+        not read, `**kwargs`, passed on as given, so that Keras's own signature holds);
+        `steps_per_epoch` counts mini-batches and must be a multiple of N. The returned
+        History has one entry per epoch as usual; callbacks receive one batch per update. With a micro_batch_size, validation
+        evaluates each batch in mini-batches of the micro-batch (make_test_function).
         """
+        kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
         if self.micro_batch_size is not None and batch_size is not None:
             arguments.check_effective_batch(batch_size, "batch_size")
         if validation_split and validation_data is None:
@@ -242,11 +243,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             with self._chief_writes(callbacks):
                 return super().fit(windows, epochs=epochs, verbose=verbose,
                                    callbacks=callbacks, validation_data=validation_data,
-                                   initial_epoch=initial_epoch,
-                                   steps_per_epoch=steps_per_epoch,
-                                   validation_steps=validation_steps,
-                                   validation_batch_size=validation_batch_size or batch_size,
-                                   validation_freq=validation_freq)
+                                   steps_per_epoch=steps_per_epoch, **kwargs)
         except replicas_lib.COLLECTIVE_ERRORS:
             if replicas_lib.workers(self.distribute_strategy) == 1:
                 raise
