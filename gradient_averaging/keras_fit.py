@@ -214,8 +214,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         The arguments are Keras's, those after `callbacks` by keyword (the ones this does
         not read, `**kwargs`, passed on as given, so that Keras's own signature holds);
         `steps_per_epoch` counts mini-batches and must be a multiple of N. The returned
-        History has one entry per epoch as usual; callbacks receive one batch per update. With a micro_batch_size, validation
-        evaluates each batch in mini-batches of the micro-batch (make_test_function).
+        History has one entry per epoch as usual; callbacks receive one batch per update.
+        With a micro_batch_size, validation evaluates each batch in mini-batches of the
+        micro-batch (make_test_function).
         """
         kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
         if self.micro_batch_size is not None and batch_size is not None:
