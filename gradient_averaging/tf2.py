@@ -678,7 +678,7 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, 
         training).
     """
     average_gradients, micro_batch_size = arguments.check_window(average_gradients,
-                                                                       micro_batch_size)
+                                                                 micro_batch_size)
     budget, margin = arguments.check_budget(budget), arguments.check_margin(margin)
     parallel_mini_batches = arguments.check_parallel_mini_batches(parallel_mini_batches)
     if one_call:
