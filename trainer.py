@@ -30,9 +30,9 @@ import enum
 import numpy as np
 import tensorflow as tf
 
+from gradient_averaging.arguments import check_average_gradients
 from gradient_averaging.window import accumulator_dtype
 from gradient_averaging.window import all_finite
-from gradient_averaging.window import check_average_gradients
 
 v1 = tf.compat.v1
 

@@ -87,8 +87,8 @@ def _line_and_code(error, config, checkpoint_dir, stop):
 
     from experiment import checkpoint
     from experiment import data
+    from experiment import device_memory
     from experiment import loop
-    from experiment import memory
     from experiment import results
     from experiment import runlock
     from gradient_averaging import micro_batch
@@ -113,7 +113,7 @@ def _line_and_code(error, config, checkpoint_dir, stop):
         return None, None
     # The device's memory ran out (the checkpoint in force stays), or an op has no
     # deterministic kernel here.
-    line = memory.out_of_memory(error, config.average_gradients, config.batch_size,
+    line = device_memory.out_of_memory(error, config.average_gradients, config.batch_size,
                                 checkpoint_dir, config.effective_batch_size)
     if line is not None:
         return line, 1

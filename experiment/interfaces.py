@@ -38,7 +38,7 @@ class Engine(typing.Protocol):
 
     def evaluate(self, split, chunk) -> float:
         """Accuracy on the whole split (data.Split), in percent, `chunk` images per call
-        (memory.evaluation_chunk)."""
+        (device_memory.evaluation_chunk)."""
 
     def out_of_memory(self) -> tuple[int, ...]:
         """The mini-batch sizes that ran out of memory and were trained again at half."""

@@ -22,8 +22,8 @@ import tensorflow as tf
 from experiment import checkpoint
 from experiment import config as config_lib
 from experiment import data
+from experiment import device_memory
 from experiment import faults
-from experiment import memory
 from experiment import progress
 from experiment import results
 from experiment import workers
@@ -562,8 +562,8 @@ class _Run:
 
     def evaluate(self):
         start = time.perf_counter()
-        if self.eval_chunk is None:  # once, after training: see memory.evaluation_chunk
-            self.eval_chunk = memory.evaluation_chunk(self.config.batch_size,
+        if self.eval_chunk is None:  # once, after training: see device_memory.evaluation_chunk
+            self.eval_chunk = device_memory.evaluation_chunk(self.config.batch_size,
                                                       self.config.model)
         accuracy = self.engine.evaluate(self.datasets.test, self.eval_chunk)
         self.eval_seconds += time.perf_counter() - start

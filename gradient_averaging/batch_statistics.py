@@ -12,16 +12,8 @@ import logging
 import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import arguments
 from gradient_averaging import window as window_lib
-
-BN_STATISTICS = ("update", "mini_batch")
-
-
-def check_bn_statistics(bn_statistics):
-    if bn_statistics not in BN_STATISTICS:
-        raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}; "
-                         f"got {bn_statistics!r}")
-    return bn_statistics
 
 
 class BatchStatistics:
@@ -40,7 +32,7 @@ class BatchStatistics:
     """
 
     def __init__(self, model, bn_statistics="update"):
-        self.per_update = check_bn_statistics(bn_statistics) == "update"
+        self.per_update = arguments.check_bn_statistics(bn_statistics) == "update"
         self.layers = []
         # Only a model with batch norm needs Keras's internals (_keras_src checks them).
         if any(v.name in ("moving_mean", "moving_variance")

@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from gradient_averaging import _keras_src
+from gradient_averaging import arguments
 from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import replicas as replicas_lib
@@ -161,19 +162,19 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                  bn_statistics="update", micro_batch_size=None, budget=None,
                  margin=None, parallel_mini_batches=1, **kwargs):
         super().__init__(**kwargs)
-        self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
+        self.parallel_mini_batches = arguments.check_parallel_mini_batches(
             parallel_mini_batches)
         self.model = model
         if model.built:  # its weights are ours: count_params(), summary() before fit
             self.built = True
-        self.average_gradients, self.micro_batch_size = micro_batch_lib.check_window(
+        self.average_gradients, self.micro_batch_size = arguments.check_window(
             average_gradients, micro_batch_size)
-        self.budget = micro_batch_lib.check_budget(budget)
-        self.margin = micro_batch_lib.check_margin(margin)
+        self.budget = arguments.check_budget(budget)
+        self.margin = arguments.check_margin(margin)
         self._cut = None  # the micro_batch.MicroBatch fit cuts its batches by
         self._cut_for = None  # what _cut was made for (_cut_batches)
         self.check_finite = check_finite
-        self.bn_statistics = statistics_lib.check_bn_statistics(bn_statistics)
+        self.bn_statistics = arguments.check_bn_statistics(bn_statistics)
         self._window = None  # the window_step.WindowStep, made by fit
         self._single_values = None
         self._skipped = None  # windows skipped so far, never saved
@@ -205,19 +206,21 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return cls(model, **config)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
-            sample_weight=None, initial_epoch=0, steps_per_epoch=None,
-            validation_steps=None, validation_batch_size=None, validation_freq=1):
+            *, validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, steps_per_epoch=None, **kwargs):
         """Keras's `fit`, one update per N batches of `batch_size` (the mini-batches), or
         with a micro_batch_size one update per batch (the effective batch).
 
-        The arguments are Keras's; `steps_per_epoch` counts mini-batches and must be
-        a multiple of N. The returned History has one entry per epoch as usual; callbacks
-        receive one batch per update. With a micro_batch_size, validation evaluates
-        each batch in mini-batches of the micro-batch (make_test_function).
+        The arguments are Keras's, those after `callbacks` by keyword (the ones this does
+        not read, `**kwargs`, passed on as given, so that Keras's own signature holds);
+        `steps_per_epoch` counts mini-batches and must be a multiple of N. The returned
+        History has one entry per epoch as usual; callbacks receive one batch per update.
+        With a micro_batch_size, validation evaluates each batch in mini-batches of the
+        micro-batch (make_test_function).
         """
+        kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
         if self.micro_batch_size is not None and batch_size is not None:
-            micro_batch_lib.check_effective_batch(batch_size, "batch_size")
+            arguments.check_effective_batch(batch_size, "batch_size")
         if validation_split and validation_data is None:
             (x, y, sample_weight), validation_data = _keras_src.train_validation_split(
                 (x, y, sample_weight), validation_split=validation_split)
@@ -241,11 +244,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             with self._chief_writes(callbacks):
                 return super().fit(windows, epochs=epochs, verbose=verbose,
                                    callbacks=callbacks, validation_data=validation_data,
-                                   initial_epoch=initial_epoch,
-                                   steps_per_epoch=steps_per_epoch,
-                                   validation_steps=validation_steps,
-                                   validation_batch_size=validation_batch_size or batch_size,
-                                   validation_freq=validation_freq)
+                                   steps_per_epoch=steps_per_epoch, **kwargs)
         except replicas_lib.COLLECTIVE_ERRORS:
             if replicas_lib.workers(self.distribute_strategy) == 1:
                 raise

@@ -15,12 +15,12 @@ B; one that runs out of memory all the same is trained again at half B, on one r
 import collections
 import logging
 import math
-import numbers
 import time
 
 import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import arguments
 from gradient_averaging import device as device_lib
 from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
@@ -79,69 +79,11 @@ class OutOfMemory(tf.errors.ResourceExhaustedError):
         super().__init__(None, None, message)
 
 
-# ---------------------------------------------------------------- arguments
-
-
-def _check_int(value, name, what):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be {what}. Received: {name}={value!r}")
-    return int(value)
-
-
-def check_effective_batch(value, name="effective_batch"):
-    """E as an int >= 1 (the samples of one update)."""
-    return _check_int(value, name, "an int >= 1 (samples per update)")
-
-
-def check_micro_batch_size(value, name="micro_batch_size"):
-    """B as an int >= 1, or "auto" (found by find_micro_batch)."""
-    if value == "auto":
-        return value
-    return _check_int(value, name, "'auto' or an int >= 1 (samples per mini-batch and "
-                      "replica)")
-
-
-def check_window(average_gradients, micro_batch_size):
-    """One way to say a window, checked before any training: N mini-batches per update,
-    or each batch one update cut into mini-batches of `micro_batch_size` (N then None or
-    1). Returns (N, micro_batch_size): N is 1 where the micro-batch is given."""
-    if micro_batch_size is None:
-        if average_gradients is None:
-            raise ValueError("give average_gradients=N (mini-batches per update) or "
-                             "micro_batch_size='auto' or B (each batch one update)")
-        return window_lib.check_average_gradients(average_gradients), None
-    if average_gradients is not None and (isinstance(average_gradients, bool)
-                                          or average_gradients != 1):
-        raise ValueError(
-            f"average_gradients={average_gradients!r} and micro_batch_size="
-            f"{micro_batch_size!r} contradict each other: give average_gradients=N for N "
-            "mini-batches per update, or micro_batch_size for each batch to be one update "
-            "(its effective batch) cut into mini-batches of that size")
-    return 1, check_micro_batch_size(micro_batch_size)
-
-
-def check_margin(margin):
-    """The budget's fraction kept free, in [0, 1), or None (device.default_margin)."""
-    if margin is None:
-        return None
-    if isinstance(margin, bool) or not isinstance(margin, numbers.Real) or not 0 <= margin < 1:
-        raise ValueError(f"margin must be a fraction of the budget in [0, 1). "
-                         f"Received: margin={margin!r}")
-    return float(margin)
-
-
-def check_budget(budget):
-    """The budget in bytes, an int >= 1, or None (the device's memory)."""
-    if budget is None:
-        return None
-    return _check_int(budget, "budget", "the device memory to use, in bytes (an int >= 1)")
-
-
 def plan(effective_batch, micro_batch_size, replicas=1, **found):
     """The MicroBatch of E cut into mini-batches of B per replica (B at most a replica's
     share of E); `found` fills the search's fields."""
-    effective_batch = check_effective_batch(effective_batch)
-    size = check_micro_batch_size(micro_batch_size)
+    effective_batch = arguments.check_effective_batch(effective_batch)
+    size = arguments.check_micro_batch_size(micro_batch_size)
     if size == "auto":
         raise ValueError("plan needs the micro-batch size: find_micro_batch finds it")
     size = min(size, math.ceil(effective_batch / replicas))
@@ -197,8 +139,8 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
     the budget less its margin; the line says what it needs), WorkerFailed (another
     worker failed in the search, a collective in flight).
     """
-    effective_batch = check_effective_batch(effective_batch)
-    margin = check_margin(margin)
+    effective_batch = arguments.check_effective_batch(effective_batch)
+    margin = arguments.check_margin(margin)
     start = time.perf_counter()
     if spec is None:
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, tf.as_dtype(t.dtype)),
@@ -303,10 +245,10 @@ class Search:
         """The search for E on `devices`, checked: allocators that keep statistics, a
         budget (None: the smallest device's memory), a margin (None: the largest
         device.default_margin of theirs). `xla`: a program per size, the sizes on grid(E)."""
-        effective_batch = check_effective_batch(effective_batch)
-        margin = check_margin(margin)
+        effective_batch = arguments.check_effective_batch(effective_batch)
+        margin = arguments.check_margin(margin)
         device_lib.check_statistics(devices)
-        budget = check_budget(budget) or min(device_lib.device_memory(d) for d in devices)
+        budget = arguments.check_budget(budget) or min(device_lib.device_memory(d) for d in devices)
         if margin is None:
             margin = max(device_lib.default_margin(d) for d in devices)
         return cls(effective_batch, budget, margin, replicas, devices, xla)

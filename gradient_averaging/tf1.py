@@ -27,9 +27,9 @@ import tensorflow as tf
 
 from gradient_averaging import device as device_lib
 from gradient_averaging import micro_batch as micro_batch_lib
+from gradient_averaging.arguments import check_average_gradients
 from gradient_averaging.window import accumulator_dtype
 from gradient_averaging.window import all_finite
-from gradient_averaging.window import check_average_gradients
 from gradient_averaging.window import zero_sums
 from gradient_averaging.window import zeros
 

@@ -37,6 +37,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 
+from gradient_averaging import arguments
 from gradient_averaging import batch_statistics as statistics_lib
 from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging import replicas as replicas_lib
@@ -141,7 +142,7 @@ class _Accumulator:
             AveragingOptimizer take it where they are made).
         """
         self.average_gradients = (None if average_gradients is None
-                                  else window_lib.check_average_gradients(average_gradients))
+                                  else arguments.check_average_gradients(average_gradients))
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -274,8 +275,8 @@ class _Accumulator:
         cut (halved where a window ran out of memory: apply_effective). Raises
         micro_batch.OutOfMemory (in an update, or under several replicas) and
         micro_batch.NothingFits (one sample does not fit)."""
-        size = micro_batch_lib.check_micro_batch_size(micro_batch_size)
-        budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
+        size = arguments.check_micro_batch_size(micro_batch_size)
+        budget, margin = arguments.check_budget(budget), arguments.check_margin(margin)
         counts = _FitCounts(self, 1)
         batches = iter(dataset)
         first = next(batches, None)
@@ -378,7 +379,7 @@ class WindowAccumulator(_Accumulator):
 
     def __init__(self, *args, parallel_mini_batches=1, **kwargs):
         super().__init__(*args, **kwargs)
-        self.parallel_mini_batches = window_lib.check_parallel_mini_batches(
+        self.parallel_mini_batches = arguments.check_parallel_mini_batches(
             parallel_mini_batches)
         self.window_step = None  # compiled on the first stacked window
         self._iterator_steps = {}  # N -> the tf.function pulling N mini-batches
@@ -676,10 +677,10 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, 
         neither, or a bad value, or parallel_mini_batches without one_call (before any
         training).
     """
-    average_gradients, micro_batch_size = micro_batch_lib.check_window(average_gradients,
-                                                                       micro_batch_size)
-    budget, margin = micro_batch_lib.check_budget(budget), micro_batch_lib.check_margin(margin)
-    parallel_mini_batches = window_lib.check_parallel_mini_batches(parallel_mini_batches)
+    average_gradients, micro_batch_size = arguments.check_window(average_gradients,
+                                                                 micro_batch_size)
+    budget, margin = arguments.check_budget(budget), arguments.check_margin(margin)
+    parallel_mini_batches = arguments.check_parallel_mini_batches(parallel_mini_batches)
     if one_call:
         accumulator = WindowAccumulator(
             model, optimizer, loss_fn, strategy, check_finite, bn_statistics, jit_compile,

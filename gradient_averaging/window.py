@@ -1,4 +1,4 @@
-"""The window's building blocks, shared by every path: its N, its checks, its stacking,
+"""The window's building blocks, shared by every path: its finite checks, its stacking,
 its in-place sums and the TF1 graph's loop.
 
 No Keras here: the TF1 optimizer wrapper imports this module too. A window is N
@@ -7,7 +7,6 @@ lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes be
 """
 
 import collections
-import numbers
 
 import numpy as np
 import tensorflow as tf
@@ -35,17 +34,6 @@ term: the parts whose divisors are the same quantity share a term (a hashable ke
   sum per term.
 """
 SAMPLES = "samples"  # the term of the parts divided by their mini-batch's samples
-
-
-def check_average_gradients(value, name="average_gradients"):
-    """N, mini-batches per update, as a Python int, checked once for every caller: an
-    integer (numpy's too; not a bool or a float: TypeError) >= 1 (ValueError)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= 1 (mini-batches per update), "
-                        f"got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be an int >= 1 (mini-batches per update), got {value}")
-    return int(value)
 
 
 def accumulator_dtype(value):
@@ -154,15 +142,6 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes,
         lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
         parallel_iterations=parallel_iterations)
     return sums, state
-
-
-def check_parallel_mini_batches(value):
-    """P, the mini-batches whose passes a window loop may run at once, checked for every
-    caller: an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError("parallel_mini_batches must be an int >= 1 (mini-batches whose "
-                         f"passes may run at once), got {value!r}")
-    return int(value)
 
 
 def in_groups(count, add, parallel=1):

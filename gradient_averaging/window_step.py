@@ -35,8 +35,7 @@ from gradient_averaging import _keras_src
 from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
-MiniBatch = collections.namedtuple(
-    "MiniBatch", ["gradients", "state", "extra", "moments", "parts"])
+Pass = collections.namedtuple("Pass", ["gradients", "state", "extra", "moments", "parts"])
 
 
 
@@ -288,7 +287,7 @@ class WindowStep:
             return): the mini-batch's loss as Parts, computed under the tape.
 
         Returns:
-          MiniBatch(gradients: per term, a tensor, rows (tf.IndexedSlices: an
+          Pass(gradients: per term, a tensor, rows (tf.IndexedSlices: an
           embedding's, added as rows, window.add_rows) or None per weight; state: the
           model's other state after the pass (batch norm's moving statistics as they
           were, where they step once per update); extra: what `objective` returned
@@ -322,7 +321,7 @@ class WindowStep:
             raise ValueError("no variable receives a gradient from the loss")
         if self._discovered is not None:
             self._discovered["no_gradient"] = no_gradient
-        return MiniBatch(gradients, after, extra, moments, part_values(parts))
+        return Pass(gradients, after, extra, moments, part_values(parts))
 
     def _checked_layout(self, parts):
         """The terms of `parts`, which must be laid out as learn_layout learned them."""
@@ -383,7 +382,7 @@ class WindowStep:
           moments: its batch-norm sums (`pass_moments`), or None without statistics.
           n_local: the samples of this replica's share.
           finite: bool scalar, whether its loss was finite.
-          parts: the pass's MiniBatch.parts.
+          parts: the pass's Pass.parts.
 
         Returns:
           A token (n_local) that exists once the mini-batch is added: a window loop

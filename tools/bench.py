@@ -42,7 +42,7 @@ from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
 
-SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatch, bench_floor.Floor,
+SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatchSearch, bench_floor.Floor,
             bench_floor.LanguageModelSpeed, bench_speed.Speed, bench_speed.KerasPlain,
             bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper,
             bench_collective.Collective, bench_device.Device)

@@ -77,7 +77,7 @@ def memory_specs(settings):
     return [dict(spec, updates=settings["updates"]) for spec in specs]
 
 
-def describe(p):
+def spec_line(p):
     if "role" not in p:
         return f"speed at N={p['n']} x B={p['b']}"
     return f"{p['engine']} {p['averager'] if p['role'] == 'accumulated' else p['role']} " \
@@ -97,7 +97,7 @@ class Device(Section):
             return None
 
         def logged(p):
-            run.log(f"  {describe(p)}: " + (p.get("error") or (
+            run.log(f"  {spec_line(p)}: " + (p.get("error") or (
                 f"peak {p['peak_mb']:.0f} MB (+{p['increment_mb']:.0f} MB in training)"
                 if "peak_mb" in p else
                 ", ".join(f"{k} {v:.1f} ms" for k, v in p["median_ms"].items()))))
@@ -164,7 +164,7 @@ class Device(Section):
         refused = [p for p in d["memory"] + d["speed"] if "determinism_error" in p]
         if refused:
             lines += ["", "Measured without op determinism (TensorFlow refused it): " + "; ".join(
-                f"{describe(p)} ({p['determinism_error']})" for p in refused) + "."]
+                f"{spec_line(p)} ({p['determinism_error']})" for p in refused) + "."]
         lines += ["", "### Speed on the device", "",
                   f"ms per update, median of {s['repeats']} interleaved rounds of "
                   f"{s['speed_updates']} updates, as the speed section; `tf2_direct`: the tf2 "

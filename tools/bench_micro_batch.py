@@ -18,7 +18,7 @@ FOUND_SHARE, SEARCH_SHARE = 0.8, 0.1  # the targets: B found / largest, search /
 TOLERANCE = 0.02  # the bisection stops when the sizes either side are this close
 
 
-class MicroBatch(Section):
+class MicroBatchSearch(Section):
     name, title = "micro_batch", "The micro-batch found against the largest that fits"
     # (model, E, limits in MiB[, options]): E prime, so that no B divides it. The
     # convnet's limits are under its direct batch's peak; the mlp's just over the least

@@ -83,7 +83,7 @@ class TensorMemory(Section):
                 continue
             result = memory.probe(row["model"], row["path"], row["n"], row["b"],
                                   gpu=self.gpu, profile=True)
-            run.log(memory.describe(result))
+            run.log(memory.probe_line(result))
             if result.get("at_peak"):
                 row.update(at_peak=result["at_peak"], at_peak_mb=result["peak_mb"])
 

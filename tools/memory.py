@@ -133,14 +133,14 @@ def probes(specs, jobs=1, log=None):
     def one(spec):
         result = probe(**spec)
         if log:
-            log(describe(result))
+            log(probe_line(result))
         return result
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return list(pool.map(one, specs))
 
 
-def describe(result):
+def probe_line(result):
     """A probe's result in one line."""
     what = f"{result['model']} {result['path']} N={result['n']} B={result['b']}"
     if result.get("error"):

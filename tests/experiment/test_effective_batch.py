@@ -4,7 +4,7 @@ one shorter; each update is still that batch's.
 
 In this process: the flags' contradictions, each engine's cut window against the direct
 batch of E, and what the run prints and records. Under a memory limit (a main.py process
-with the CPU as a BFC device): test_memory.py.
+with the CPU as a BFC device): test_device_memory.py.
 """
 
 import json

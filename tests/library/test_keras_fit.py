@@ -129,6 +129,29 @@ def test_count_params_and_summary_answer_for_a_wrapped_model_as_for_the_model():
     assert wrapped.count_params() == unbuilt.count_params() == (FEATURES + 1) * CLASSES
 
 
+def test_fit_passes_on_the_keras_arguments_it_does_not_read(monkeypatch):
+    """Keras's fit is called with every argument AccumulatingModel.fit does not read as
+    given, so that a parameter Keras adds reaches it (here one Keras does not have, taken
+    off before Keras's own fit trains); its own arguments are Keras's by keyword."""
+    seen = {}
+    keras_fit_ = keras.Model.fit
+
+    def recording(self, *args, new_in_keras=None, **kwargs):
+        seen.update(new_in_keras=new_in_keras, initial_epoch=kwargs.get("initial_epoch"))
+        return keras_fit_(self, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "fit", recording)
+    x, y = data()
+    model = compiled(keras_fit.accumulate(tiny_model(), N), sgd())
+    history = model.fit(x, y, batch_size=B, epochs=2, verbose=0, new_in_keras="passed",
+                        initial_epoch=1, shuffle=False)
+    assert seen == {"new_in_keras": "passed", "initial_epoch": 1}
+    # One epoch of 14 mini-batches: 3 windows of N and a partial one.
+    assert history.epoch == [1] and int(model.optimizer.iterations) == 4
+    with pytest.raises(TypeError):
+        model.fit(x, y, B, 1, 0, None, 0.1)  # validation_split: by keyword, as Keras's
+
+
 def test_a_window_with_a_nan_is_skipped_whole_and_counted():
     x, y = data()
     bad, keep = nan_in_second_window(x)

@@ -19,9 +19,9 @@ import pytest
 import tensorflow as tf
 
 from gradient_averaging import AveragingOptimizer
+from gradient_averaging.arguments import check_average_gradients
 from gradient_averaging.tf1 import FLUSH_OPS
 from gradient_averaging.window import all_finite
-from gradient_averaging.window import check_average_gradients
 from tests.helpers import ROOT
 from tests.library import tf1_micro_batch_run
 from tests.library.tf1_toys import B1

@@ -315,7 +315,7 @@ def test_micro_batch_bisects_to_the_largest_that_fits_and_judges_found_and_searc
                     **searched)
 
     monkeypatch.setattr(memory, "probe", probe)
-    section = bench_micro_batch.MicroBatch()
+    section = bench_micro_batch.MicroBatchSearch()
     section.settings = dict(section.settings, runs=(("convnet", 257, (150,)),
                                                     ("mlp", 4093, (700,))))
     convnet, mlp = result = section.measure(Run(log=lambda line: None))
@@ -366,7 +366,7 @@ def test_micro_batch_stops_at_a_search_that_fails(monkeypatch):
                     search_s=1.0, trials=[(1, 1.0)], warmup_ms=2000.0)
 
     monkeypatch.setattr(memory, "probe", probe)
-    section = bench_micro_batch.MicroBatch()
+    section = bench_micro_batch.MicroBatchSearch()
     section.settings = dict(section.settings, runs=(("convnet", 257, (150,)),))
     row, = section.measure(Run(log=lambda line: None))
     assert row["error"] == "probe failed (exit 1): boom"
@@ -390,7 +390,7 @@ def test_micro_batch_probes_an_xla_row_compiled(monkeypatch):
                     search_s=1.0, trials=[(1, 1.0)], warmup_ms=2000.0)
 
     monkeypatch.setattr(memory, "probe", probe)
-    section = bench_micro_batch.MicroBatch()
+    section = bench_micro_batch.MicroBatchSearch()
     section.settings = dict(section.settings, runs=(("convnet", 257, (150,), {"xla": True}),))
     result = section.measure(Run(log=lambda line: None))
     assert compiled and all(compiled), compiled
@@ -419,7 +419,7 @@ def test_micro_batch_bisects_from_where_the_search_ran_out_and_takes_a_rows_repe
                     trials=[(1, 1.0), (16, 2.0), (31, 3.0), (33, None)])
 
     monkeypatch.setattr(memory, "probe", probe)
-    section = bench_micro_batch.MicroBatch()
+    section = bench_micro_batch.MicroBatchSearch()
     section.settings = dict(section.settings,
                             runs=(("lm", 131, (600,), {"search_repeats": 1}),))
     row, = section.measure(Run(log=lambda line: None))

@@ -18,9 +18,9 @@ import tensorflow as tf
 import main  # noqa: F401  (defines main.py's flags in this process)
 import model
 from experiment import config as config_lib
+from experiment import device_memory as memory
 from experiment import engine_tf1
 from experiment import loop
-from experiment import memory
 from gradient_averaging import device
 from tests.helpers import one_line_exit
 from tests.helpers import run_cli
