@@ -280,28 +280,30 @@ class Search:
         if too_large - largest <= max(1, near * largest):
             # Nothing over the limit: the largest worth trying, so that a whole share
             # of E is one mini-batch where it fits.
-            worth = largest < self.most < too_large and not self._most_predicted()
-            return self.most if worth else None
+            if not largest < self.most < too_large:
+                return None
+            self.predicted = self._predicted_peak_of_most()
+            return None if self.predicted else self.most
         if self.grid:
             return _grid_guess(self.fits, self.over, self.most, self.limit, self.grid)
         size = _guess(self.fits, self.over, self.most, self.limit)
-        return None if size == self.most and self._most_predicted() else size
+        if size == self.most:
+            self.predicted = self._predicted_peak_of_most()
+        return None if self.predicted else size
 
-    def _most_predicted(self):
-        """Whether the largest size worth trying is taken untried: nothing was over the
-        limit, a size of at least half of it fit, and the steepest slope from there puts
-        its peak at most halfway from the highest peak to the limit (_guess's aim; the
-        other half for what the slope misses, and training's retry for the rest). A
-        trial there would cost a whole share of E's passes, discarded."""
+    def _predicted_peak_of_most(self):
+        """The peak the largest size worth trying is taken at untried, or None where it
+        must be tried: nothing was over the limit, a size of at least half of it fit, and
+        the steepest slope from there puts its peak at most halfway from the highest
+        peak to the limit (_guess's aim; the other half for what the slope misses, and
+        training's retry for the rest). A trial there would cost a whole share of E's
+        passes, discarded."""
         largest = self.largest
         if self.over or 2 * largest < self.most:
-            return False
+            return None
         highest = max(self.fits.values())
         peak = highest + _slope(self.fits, largest) * (self.most - largest)
-        if peak > highest + (self.limit - highest) / 2:
-            return False
-        self.predicted = peak
-        return True
+        return peak if peak <= highest + (self.limit - highest) / 2 else None
 
     def record(self, size, peak):
         """A trial's peak (None where it ran out of memory); NothingFits where one sample
