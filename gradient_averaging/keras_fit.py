@@ -364,6 +364,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             self._window.expected.assign(self.average_gradients)
         self._pass = (tf.function(self._mini_batch_pass, jit_compile=True)
                       if self.jit_compile else self._mini_batch_pass)
+        # The effective batch's apply, a call of its own; the search's trials measure it.
+        self._apply_window = tf.function(self._apply_counted)
         self._adds = {}  # the EffectiveWindows by the batches' spec (_effective_windows)
         self.train_function = (self._window_train_function() if self.micro_batch_size is None
                                else self._effective_train_function())
@@ -454,15 +456,6 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         micro_batch.EffectiveWindows), then applies the window in a call of its own."""
         window, replicas = self._window, self.distribute_strategy.num_replicas_in_sync
 
-        @tf.function
-        def apply():
-            applied, single = window.apply()
-            self._skipped.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
-            self._single_values.assign_add(single)
-            return applied, self.get_metrics_result()
-
-        self._apply_window = apply  # the search's trials measure this one (trial_window)
-
         def train_function(iterator):
             windows = self._effective_windows(iterator.element_spec)
             logs = None
@@ -474,10 +467,18 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                     window.expected.assign(micro_batch_lib.mini_batches_of(
                         batch, self._cut.micro_batch_size * replicas))
                 _, self._cut = windows.add(batch, self._cut)
-                _, logs = windows.apply(apply)
+                _, logs = windows.apply(self._apply_window)
             return logs
 
         return train_function
+
+    def _apply_counted(self):
+        """Applies the window, counts a skipped one and the batch-norm layers' single
+        values: -> (applied, the metrics' results)."""
+        applied, single = self._window.apply()
+        self._skipped.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
+        self._single_values.assign_add(single)
+        return applied, self.get_metrics_result()
 
     def make_test_function(self, force=False):
         """Keras's test function on one device without a micro_batch_size; else one that
@@ -485,10 +486,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         whole batch before fit knows one), so that evaluation fits where training does,
         and divides as training does: the batch's loss is the sums of its mini-batches'
         and replicas' losses over the sums of their divisors (one all-reduce), as on one
-        device. (Keras's
-        own, under a strategy, averages the replicas' means; under several workers it
-        reduces each step's logs along an axis they do not have, and fails:
-        keras-team/keras#20585.) The compiled metrics are Keras's, over the batch."""
+        device. (Keras's own, under a strategy, averages the replicas' means; under
+        several workers it reduces each step's logs along an axis they do not have, and
+        fails: keras-team/keras#20585.) The compiled metrics are Keras's, over the batch."""
         strategy = self.distribute_strategy
         if self.micro_batch_size is None and strategy.num_replicas_in_sync == 1:
             return super().make_test_function(force)
