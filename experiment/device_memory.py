@@ -23,6 +23,7 @@ from experiment import data
 # environment that makes the CPU a device of limited memory: the library's.
 from gradient_averaging.device import CPU_LIMIT_ENV
 from gradient_averaging.device import cpu_runs_bfc
+from gradient_averaging.device import default_device
 from gradient_averaging.device import is_out_of_memory
 
 MAX_CHUNK = 1000  # test images per evaluation call at most: larger calls are no quicker
@@ -30,11 +31,6 @@ MAX_CHUNK = 1000  # test images per evaluation call at most: larger calls are no
 # the estimate leaves out (measured chunks of both models stay well below it).
 FORWARD_MARGIN = 2
 MIB = 2 ** 20
-
-
-def device():
-    """The device that trains and evaluates: "GPU:0" where there is a GPU, else "CPU:0"."""
-    return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
 
 
 def statistics(device_name):
@@ -71,7 +67,7 @@ def evaluation_chunk(batch_size, model_name):
     (correct answers are counted per image and summed).
     """
     most = max(MAX_CHUNK // batch_size, 1)  # mini-batches per chunk
-    stats = statistics(device())
+    stats = statistics(default_device())
     if stats is not None:
         room = stats["peak"] - stats["current"]
         most = min(most, room // (FORWARD_MARGIN * forward_bytes(model_name) * batch_size))
@@ -113,7 +109,7 @@ def _memory_known(error):
     """The memory of the device that ran out, in words: its limit where set, else its
     statistics' peak, else None."""
     named = re.search(r"device:((?:CPU|GPU):\d+)", str(error))
-    device_name = named.group(1) if named else device()
+    device_name = named.group(1) if named else default_device()
     if device_name.startswith("CPU"):
         limit = os.environ.get(CPU_LIMIT_ENV, "")
         if limit.isdigit() and cpu_runs_bfc():

@@ -38,7 +38,6 @@ from gradient_averaging import window as window_lib
 Pass = collections.namedtuple("Pass", ["gradients", "state", "extra", "moments", "parts"])
 
 
-
 def _terms(parts, keys):
     """The parts summed by term, in the order of `keys`: [(weighted sum, divisor)]."""
     totals = {}
