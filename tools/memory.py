@@ -64,7 +64,6 @@ MARGIN, MARGIN_MIN_MB = 0.05, 4.0
 PROBE_TIMEOUT = 600  # seconds; a probe takes 5-15 s
 PROFILE_TOP = 8  # the tensors a profiled probe lists, alive at its peak
 RESERVE_MB = 2048  # the CPU's one region where a probe has no limit (above every peak)
-SEARCH_WINDOWS = 40  # the most windows the accumulate path's warm-up trains while it searches
 
 
 # ---------------------------------------------------------------- the parent: probes
@@ -406,16 +405,7 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compil
                      n * b), net.weights,
                 net.trainable_weights, _values(net.trainable_weights))
     cut = _compiled(accumulate(net, micro_batch_size=micro_batch), jit_compile=jit_compile)
-    update = _fit(cut, x, y, n * b, n * b)
-
-    def one_update():
-        # "auto" searches in the first windows: the warm-up (the first call) trains until
-        # it is done, so that the update measured is one at the B found.
-        for _ in range(1 if cut.micro_batch else SEARCH_WINDOWS):
-            update()
-            if cut.micro_batch is not None:
-                return
-        raise RuntimeError(f"the micro-batch search took more than {SEARCH_WINDOWS} windows")
+    update = _fit(cut, x, y, n * b, n * b)  # "auto": the first call searches, then trains
 
     def found():  # the micro-batch fit cut the effective batch by, and its search
         m = cut.micro_batch
@@ -423,7 +413,7 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compil
                     trials=[(size, peak and peak / MIB) for size, peak in m.trials],
                     halved=list(m.out_of_memory))
 
-    return (one_update, net.weights, net.trainable_weights, _values(net.trainable_weights),
+    return (update, net.weights, net.trainable_weights, _values(net.trainable_weights),
             found)
 
 
