@@ -245,14 +245,14 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 return super().fit(windows, epochs=epochs, verbose=verbose,
                                    callbacks=callbacks, validation_data=validation_data,
                                    steps_per_epoch=steps_per_epoch, **kwargs)
-        except replicas_lib.COLLECTIVE_ERRORS:
+        except replicas_lib.COLLECTIVE_ERRORS as error:
             if replicas_lib.workers(self.distribute_strategy) == 1:
                 raise
             raise replicas_lib.WorkerFailed(
                 "a collective with another worker failed in fit: that worker failed or went "
                 "away (its own output says why); a collective strategy cannot go on, or "
                 "retry, without it: start every worker again (a "
-                "keras.callbacks.BackupAndRestore resumes from its last backup)") from None
+                "keras.callbacks.BackupAndRestore resumes from its last backup)", error) from None
 
     def _chief_writes(self, callbacks):
         """Under several workers, on a worker other than the chief: Keras's callbacks

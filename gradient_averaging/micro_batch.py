@@ -165,14 +165,14 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
         found = search.found(traces() if traces else None)
         if several:
             found = agreed(trial.window.strategy, found)
-    except replicas_lib.COLLECTIVE_ERRORS:
+    except replicas_lib.COLLECTIVE_ERRORS as error:
         if not several:
             raise
         raise replicas_lib.WorkerFailed(
             "another worker failed in the micro-batch search, a collective in flight (out "
             "of memory there, most likely: its own error says): a collective strategy "
             "cannot retry one worker alone; give micro_batch_size as an int, or a budget "
-            "every worker's device holds") from None
+            "every worker's device holds", error) from None
     logging.info("%s", describe(found))
     return found
 

@@ -61,7 +61,17 @@ def distribute(strategy, batch):
 
 class WorkerFailed(RuntimeError):
     """Another worker of a collective strategy failed or went away while a collective
-    was in flight; its message is one line that says what to do."""
+    was in flight; its message is one line that says what to do, and what this worker's
+    collective raised (its first line): the evidence where no worker's output says why."""
+
+    def __init__(self, message, error):
+        # A graph's error opens with "Graph execution error:" and the node's traceback
+        # (indented lines); the first line after those says what happened.
+        lines = (getattr(error, "message", None) or str(error)).splitlines()
+        cause = [line for line in lines if line.strip() and not line[0].isspace()
+                 and not line.startswith(("Graph execution error", "Detected at node"))]
+        super().__init__(f"{message} (here, {type(error).__name__}: "
+                         f"{cause[0][:200] if cause else ''})")
 
 
 # What a collective raises on a worker whose peer failed or went away.

@@ -42,6 +42,7 @@ AUTO_E = 178  # two replicas' shares of 89 (a prime): micro_batch_runs.MIRRORED_
 # --wide: 1,024 features into 4,096 units (16 MiB of weights, 64 MiB with Adam's slots and
 # the window's sums; a sample's pass adds its 16 MiB gradient, the update more).
 WIDE = 1024, 4096
+HEARTBEAT_S = 30  # the coordination service's heartbeat timeout (coordinate)
 
 
 def runs():
@@ -192,6 +193,23 @@ def wide_update(strategy):
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
 
 
+def coordinate(tf):
+    """Configures the coordination service as MultiWorkerMirroredStrategy would, with a
+    heartbeat timeout of HEARTBEAT_S: the default (10 s) is shorter than a worker's
+    heartbeat thread can starve on a loaded 2-core machine, and the service then
+    aborts every worker's collectives. A killed worker is noticed within it."""
+    from tensorflow.core.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+    cluster = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(cluster),
+        heartbeat_timeout_in_ms=HEARTBEAT_S * 1000,
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+            name="worker", num_tasks=cluster.num_tasks("worker"))])
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -203,6 +221,7 @@ def main():
     args = parser.parse_args()
     import numpy as np
     import tensorflow as tf
+    coordinate(tf)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     made = runs()

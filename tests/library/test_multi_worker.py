@@ -17,6 +17,7 @@ collectives in flight), every worker ends with one line.
 import glob
 import json
 import os
+import re
 import signal
 
 import numpy as np
@@ -121,7 +122,11 @@ def test_backup_and_restore_resumes_a_job_whose_worker_was_killed(tmp_path):
         # The chief's collective with it fails: fit raises one line, and the chief ends.
         assert procs[0].wait(timeout=LOST_PEER_TIMEOUT) != 0
         with open(os.path.join(out, "worker0.log")) as f:
-            assert "WorkerFailed: a collective with another worker failed in fit" in f.read()
+            failed = [line for line in f.read().splitlines() if "WorkerFailed: " in line]
+        # One line, naming what this worker's collective raised.
+        assert len(failed) == 1 and re.search(
+            r"WorkerFailed: a collective with another worker failed in fit: .* \(here, "
+            r"(Unavailable|Aborted|Cancelled|DeadlineExceeded)Error: .+\)$", failed[0]), failed
     finally:
         runs_lib.stop(procs)
     with open(os.path.join(out, "backup", "training_metadata.json")) as f:
@@ -202,6 +207,7 @@ def test_out_of_memory_in_the_searchs_update_ends_every_worker_in_one_line(tmp_p
     assert len(lines[1]) == 1 and lines[1][0].startswith(
         "gradient_averaging.replicas.WorkerFailed: another worker failed in the micro-batch "
         "search"), lines
+    assert re.search(r"\(here, [A-Za-z]+Error: .+\)$", lines[1][0]), lines
 
 
 @pytest.mark.parametrize("cluster, expected", [
