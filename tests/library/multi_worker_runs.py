@@ -198,7 +198,7 @@ def coordinate(tf):
     heartbeat timeout of HEARTBEAT_S: the default (10 s) is shorter than a worker's
     heartbeat thread can starve on a loaded 2-core machine, and the service then
     aborts every worker's collectives. A killed worker is noticed within it."""
-    from tensorflow.core.protobuf import coordination_config_pb2
+    from tensorflow.python.distribute import collective_all_reduce_strategy as strategy_lib
     from tensorflow.python.distribute import multi_worker_util
     from tensorflow.python.eager import context
     cluster = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
@@ -206,7 +206,7 @@ def coordinate(tf):
         service_type="standalone",
         service_leader=multi_worker_util.coordination_leader(cluster),
         heartbeat_timeout_in_ms=HEARTBEAT_S * 1000,
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(
+        coordinated_jobs=[strategy_lib.coordination_config_pb2.CoordinatedJob(
             name="worker", num_tasks=cluster.num_tasks("worker"))])
 
 
