@@ -496,7 +496,7 @@ class AveragingOptimizer(v1.train.Optimizer):
             # One after another, zeros written into each sum's buffer (not added: the
             # wrapped optimizer may have applied a non-finite mean, which no addition
             # zeroes).
-            ops = zero_sums(dense, False)
+            ops = zero_sums(dense)
             for r in resets:
                 with tf.control_dependencies(ops[-1:]):
                     ops.append(r())

@@ -278,6 +278,37 @@ def test_a_nonfinite_window_is_skipped_whole_in_one_call(mnist):
     assert_same_weights(one_call, reference)
 
 
+def trained_on(path, batches):
+    """The weights after `path` trains on `batches` (mini-batches of 5, windows of 2)."""
+    model, optimizer = small_conv_net(dropout=0.0), keras.optimizers.Adam(1e-2)
+    if path == "accumulate":
+        model = gradient_averaging.accumulate(model, 2)
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(np.concatenate([x for x, _ in batches]),
+                  np.concatenate([y for _, y in batches]), batch_size=5, shuffle=False,
+                  verbose=0)
+    else:
+        trainer = {"window": tf2.WindowAccumulator, "mini_batch": tf2.MiniBatchAccumulator}
+        trainer[path](model, optimizer, cross_entropy, average_gradients=2).fit(batches)
+    return model.get_weights()
+
+
+@pytest.mark.parametrize("value, position", [(np.nan, 0), (np.inf, 1), (-np.inf, 0)])
+@pytest.mark.parametrize("path", ["window", "mini_batch", "accumulate"])
+def test_every_path_skips_a_window_with_a_nonfinite_mini_batch_whole(mnist, path, value,
+                                                                     position):
+    """Its first mini-batch's or its last's: the weights are those of never seeing the
+    window, and the next window holds nothing of it (its sums zeroed)."""
+    batches = mini_batches(mnist.train, [5] * 6)  # 3 windows of 2
+    bad = 2 + position
+    images = batches[bad][0].copy()
+    images[1, 3] = value
+    with_bad = batches[:bad] + [(images, batches[bad][1])] + batches[bad + 1:]
+    for got, want in zip(trained_on(path, with_bad),
+                         trained_on(path, batches[:2] + batches[4:])):
+        np.testing.assert_array_equal(got, want)
+
+
 def buffer_address(variable):
     """Where a variable's value lies in memory (a read shares its buffer)."""
     capsule = tf.experimental.dlpack.to_dlpack(variable.read_value())
