@@ -46,6 +46,23 @@ def direct():
     return out
 
 
+@pytest.mark.parametrize("clip", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05},
+                                  {"clipvalue": 0.002}], ids=lambda clip: next(iter(clip)))
+def test_a_clipping_optimizer_clips_the_windows_mean_as_the_direct_batch_s(clip):
+    """Clipping sees the mean, so the window divides before the optimizer is handed it
+    (the division at each variable's update would clip the sum)."""
+    x, y = data()
+    reference = compiled(tiny_model(), keras.optimizers.Adam(0.05, **clip))
+    fit(reference, x, y, N * B)
+    model = compiled(keras_fit.accumulate(tiny_model(), average_gradients=N),
+                     keras.optimizers.Adam(0.05, **clip))
+    fit(model, x, y, B)
+    assert max_difference(model, reference) < 1e-5
+    unclipped = compiled(tiny_model(), keras.optimizers.Adam(0.05))
+    fit(unclipped, x, y, N * B)
+    assert max_difference(unclipped, reference) > 1e-3  # the clip bound
+
+
 @pytest.mark.parametrize("source", ["numpy", "tf.data"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_fit_equals_the_direct_batch_and_keras_accumulation_does_not(direct, optimizer,
