@@ -42,10 +42,11 @@ from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
 
-SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatchSearch, bench_floor.Floor,
-            bench_floor.LanguageModelSpeed, bench_speed.Speed, bench_speed.KerasPlain,
-            bench_speed.Kernels, bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper,
-            bench_collective.Collective, bench_device.Device)
+SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatchSearch,
+            bench_floor.Floor, bench_floor.FloorXLA, bench_floor.LanguageModelSpeed,
+            bench_speed.Speed, bench_speed.KerasPlain, bench_speed.Kernels,
+            bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper, bench_collective.Collective,
+            bench_device.Device)
 
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")

@@ -61,12 +61,12 @@ class SessionContender:
 
 class Fit:
     """Keras `fit` on `net`, compiled with `optimizer`: `n` batches of `dataset` per update,
-    `per_call` of them in one compiled call (None: `train_on_batch`, one call each). No
-    XLA: Keras turns it off under op determinism."""
+    `per_call` of them in one compiled call (None: `train_on_batch`, one call each). XLA
+    only with `jit_compile` (Keras turns it off under op determinism)."""
 
-    def __init__(self, label, net, dataset, n, per_call, optimizer):
+    def __init__(self, label, net, dataset, n, per_call, optimizer, jit_compile=False):
         self.label, self.net, self.dataset, self.n, self.per_call = label, net, dataset, n, per_call
-        net.compile(optimizer=optimizer, loss=models.loss(), jit_compile=False,
+        net.compile(optimizer=optimizer, loss=models.loss(), jit_compile=jit_compile,
                     steps_per_execution=per_call or 1)
         self.batches = None if per_call else iter(dataset)
 
@@ -123,11 +123,11 @@ class Window:
     on one dataset per block length, made once: each new dataset's first iterator costs
     as much as a few updates, where a run's one dataset pays it once."""
 
-    def __init__(self, label, net, dataset, n):
+    def __init__(self, label, net, dataset, n, jit_compile=False):
         from gradient_averaging.tf2 import WindowAccumulator
         self.label, self.dataset, self.n, self.blocks = label, dataset, n, {}
         self.accumulator = WindowAccumulator(net, models.adam(), models.loss(None),
-                                             average_gradients=n)
+                                             average_gradients=n, jit_compile=jit_compile)
 
     def train(self, updates):
         if updates not in self.blocks:
@@ -138,10 +138,11 @@ class Window:
 class MiniBatch:
     """A MiniBatchAccumulator: accumulate per mini-batch, apply per N."""
 
-    def __init__(self, label, net, dataset, n):
+    def __init__(self, label, net, dataset, n, jit_compile=False):
         from gradient_averaging.tf2 import MiniBatchAccumulator
         self.label, self.n, self.batches = label, n, iter(dataset)
-        self.accumulator = MiniBatchAccumulator(net, models.adam(), models.loss(None))
+        self.accumulator = MiniBatchAccumulator(net, models.adam(), models.loss(None),
+                                                jit_compile=jit_compile)
 
     def train(self, updates):
         for _ in range(updates):
@@ -154,13 +155,13 @@ class Apply:
     """The optimizer's apply alone: Adam on constant gradients, N - 1 applies per update,
     in one call (a loop inside it), as a step's apply runs inside its call."""
 
-    def __init__(self, label, net, n):
+    def __init__(self, label, net, n, jit_compile=False):
         self.label, self.n = label, n
         optimizer, variables = models.adam(), net.trainable_variables
         optimizer.build(variables)
         gradients = [tf.fill(v.shape, tf.constant(1e-3, v.dtype)) for v in variables]
 
-        @tf.function
+        @tf.function(jit_compile=jit_compile)
         def applies(count):
             for _ in tf.range(count):
                 optimizer.apply_gradients(zip(gradients, variables))

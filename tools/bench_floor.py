@@ -42,7 +42,7 @@ Workload = collections.namedtuple("Workload", "name build data limit mini_batche
 WORKLOADS = (
     Workload("convnet", models.post_model("convnet"), _mnist, 1.05, 64, 7,
              "the post's ConvNet (44,426 weights, dropout on)"),
-    Workload("mlp", models.post_model("mlp"), _mnist, 1.15, 4, 3,
+    Workload("mlp", models.post_model("mlp"), _mnist, 1.10, 4, 3,
              "the mlp (two dense layers of 4096, 20.0M weights, dropout on): adding its "
              "gradients into the sums each mini-batch is a real share of the work"),
 )
@@ -71,28 +71,30 @@ OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
                               r"Relu|ReluGrad|Cast|Select|SelectV2|Pow|Identity)$"))
 
 
-def contenders(workload, n, b, base, noise=False):
+def contenders(workload, n, b, base, noise=False, jit=False):
     """The floor's terms, the references and the paths at N x B, each on its own model;
-    `base`: the workload's samples as an endless dataset; `noise`: one more `alone`."""
+    `base`: the workload's samples as an endless dataset; `noise`: one more `alone`;
+    `jit`: every one compiled with XLA."""
     from gradient_averaging.keras_fit import accumulate
     batches = base.batch(b, drop_remainder=True).prefetch(2)
-    out = [*_floor_terms(workload.build, base, n, b),
+    out = [*_floor_terms(workload.build, base, n, b, jit),
            bc.Fit("keras", workload.build(), batches, n, n,
-                  models.adam(gradient_accumulation_steps=n)),
-           bc.Window("window", workload.build(), batches, n),
-           bc.MiniBatch("mini_batch", workload.build(), batches, n),
-           bc.Fit("accumulate", accumulate(workload.build(), n), batches, n, 1, models.adam())]
+                  models.adam(gradient_accumulation_steps=n), jit),
+           bc.Window("window", workload.build(), batches, n, jit),
+           bc.MiniBatch("mini_batch", workload.build(), batches, n, jit),
+           bc.Fit("accumulate", accumulate(workload.build(), n), batches, n, 1, models.adam(),
+                  jit)]
     if noise:
-        out.append(bc.Fit(NOISE, workload.build(), batches, n, n, models.adam()))
+        out.append(bc.Fit(NOISE, workload.build(), batches, n, n, models.adam(), jit))
     return out
 
 
-def _floor_terms(build, base, n, b):
+def _floor_terms(build, base, n, b, jit=False):
     """The floor's two terms (alone, apply) and the direct batch, each on build()'s model."""
     return [bc.Fit("alone", build(), base.batch(b, drop_remainder=True).prefetch(2), n, n,
-                   models.adam()), bc.Apply("apply", build(), n),
+                   models.adam(), jit), bc.Apply("apply", build(), n, jit),
             bc.Fit("direct", build(), base.batch(n * b, drop_remainder=True).prefetch(2), 1, 1,
-                   models.adam())]
+                   models.adam(), jit)]
 
 
 def missing(vs_floor, limit):
@@ -128,12 +130,12 @@ def summary(model, n, b, updates, cpu, wall=None, profiles=None):
                 wall=clock(cpu if wall is None else wall), **clock(cpu))
 
 
-def race(workload, n, b, base, noise=False, profiled=()):
+def race(workload, n, b, base, noise=False, profiled=(), jit=False):
     """One (N, B) of a workload, interleaved; where a path misses the limit (and is not
     in `profiled`, the paths traced at an earlier (N, B)), it and the floor's terms traced
     after (bench_contenders.profile). Returns its summary()."""
     updates = max(1, workload.mini_batches // n)
-    racing = contenders(workload, n, b, base, noise)
+    racing = contenders(workload, n, b, base, noise, jit)
     try:
         cpu = {}
         wall = bc.interleaved(racing, updates, workload.repeats, cpu=cpu)
@@ -162,6 +164,7 @@ def floor_profile(row):
 
 class Floor(Section):
     name, title = "floor", "Speed: each path against the floor"
+    where = ""  # how the targets name the section's compilation
     FULL = dict(workloads=WORKLOADS, batches=(32, 128), ns=(4, 16))
     QUICK = dict(workloads=(WORKLOADS[0]._replace(mini_batches=8, repeats=2),),
                  batches=(32,), ns=(4,))
@@ -200,13 +203,17 @@ class Floor(Section):
             def ratios(key, mine=mine):
                 return {f"{k} at N={r['n']}/B={r['b']}": r[key][k] for r in mine for k in PATHS}
 
-            out.append(worst(f"{w.name}: every TF2 path within {w.limit}x of the floor "
-                             f"(N x B alone - (N - 1) x apply)", ratios("vs_floor"), w.limit,
-                             noise=noise))
-            out.append(worst(f"{w.name}: every TF2 path at or faster than Keras's "
-                             f"gradient_accumulation_steps", ratios("vs_keras"), 1.0,
+            out.append(worst(f"{w.name}{self.where}: every TF2 path within {w.limit}x of "
+                             f"the floor (N x B alone - (N - 1) x apply)", ratios("vs_floor"),
+                             w.limit, noise=noise))
+            out.append(worst(f"{w.name}{self.where}: every TF2 path at or faster than "
+                             f"Keras's gradient_accumulation_steps", ratios("vs_keras"), 1.0,
                              noise=noise))
         return out
+
+    def compiled(self):
+        """How the section's contenders run, in words."""
+        return "Under op determinism, as `main.py` runs, so no XLA (the next section has it)."
 
     def markdown(self, rows):
         s = self.settings
@@ -218,8 +225,7 @@ class Floor(Section):
             "own model, built once, trained one untimed block, then timed in rounds in "
             "which each trains a block of updates, the order rotating every round; each "
             "round's floor is that round's `alone` less its `apply`, each ratio the "
-            "median of the per-round ratios (quartiles in brackets). Under op "
-            "determinism, as `main.py` runs, so no XLA.",
+            "median of the per-round ratios (quartiles in brackets). " + self.compiled(),
             "Time is this process's CPU time (all its threads), which the targets judge: "
             "on a machine that other work loads, the wall-clock time of a block waits "
             "for that work as much as for its own (its ratios are the `wall` columns, "
@@ -293,6 +299,48 @@ class Floor(Section):
                  *(f"{p[k]['kernel_ms'].get(c, 0) - floor.get(c, 0):+.2f}" for k in over))
                 for c in classes])
         return lines
+
+
+def xla_race(spec):
+    """A probe (bench_probe: a fresh process, without op determinism, under which Keras
+    turns XLA off): race() of spec's workload at N x B, every contender compiled."""
+    from experiment import data
+    w = next(w for w in WORKLOADS if w.name == spec["workload"])._replace(
+        mini_batches=spec["mini_batches"], repeats=spec["repeats"])
+    base = tf.data.Dataset.from_tensor_slices(w.data(data.load_mnist())).repeat()
+    return race(w, spec["n"], spec["b"], base, noise=spec["noise"], profiled=PATHS, jit=True)
+
+
+class FloorXLA(Floor):
+    """The floor section with every contender compiled by XLA (jit_compile=True, as Keras
+    compiles by default on a GPU), each N x B in a fresh process."""
+    name, title = "floor_xla", "Speed under XLA: each path against the floor"
+    where = " under XLA"
+    FULL = dict(workloads=WORKLOADS, batches=(32, 128), ns=(4,))
+    QUICK = Floor.QUICK
+
+    def compiled(self):
+        return ("Every contender compiled with XLA (`jit_compile=True`, Keras's default on a "
+                "GPU; the accumulating paths compile each mini-batch's pass), each N x B in a "
+                "fresh process without op determinism (under which Keras turns XLA off); "
+                "no profile.")
+
+    def measure(self, run):
+        from tools import bench_probe
+        rows = []
+        for w, n, b in self.configs():
+            run.log(f"Floor under XLA: {w.name} at N={n} x B={b}")
+            row = bench_probe.spawn(xla_race, dict(
+                workload=w.name, mini_batches=w.mini_batches, repeats=w.repeats, n=n, b=b,
+                noise=not any(r["model"] == w.name for r in rows)))
+            if "error" in row:
+                run.log(f"  {row['error']}")
+            else:
+                run.log("  " + ", ".join(
+                    f"{k}: {row['vs_floor'][k]['ratio']:.2f}x floor" for k in PATHS))
+                rows.append(row)
+            run.step()
+        return rows
 
 
 # ---------------------------------------------------------------- the language model

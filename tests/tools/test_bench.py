@@ -138,6 +138,22 @@ def test_floor_targets_take_each_workloads_worst_path_against_its_limit_and_kera
     assert bench_floor.noise_of(rows, "mlp") == 0.0
 
 
+def test_floor_under_xla_is_judged_as_the_floor_is_and_names_its_compilation():
+    rows = [_floor_row("mlp", 4, 32, alone=[4.0] * 3, apply=[1.5] * 3, direct=[2.6] * 3,
+                       keras=[2.7] * 3, window=[2.6] * 3, mini_batch=[2.8] * 3,
+                       accumulate=[2.7] * 3, alone_again=[4.0] * 3)]
+    section = bench_floor.FloorXLA()
+    assert {w.name for w, _, _ in section.configs()} == {"convnet", "mlp"}
+    targets = {t.target: t.status for t in section.targets(rows)}
+    assert targets == {
+        f"mlp under XLA: every TF2 path within {bench_floor.WORKLOADS[1].limit}x of the floor "
+        "(N x B alone - (N - 1) x apply)": "missed",  # mini_batch at 2.8 / 2.5
+        "mlp under XLA: every TF2 path at or faster than Keras's gradient_accumulation_steps":
+            "missed"}  # mini_batch 2.8 / 2.7
+    text = "\n".join(section.markdown(rows))
+    assert "## Speed under XLA" in text and "`jit_compile=True`" in text and "### mlp" in text
+
+
 def test_floor_markdown_shows_where_a_missing_paths_time_over_the_floor_goes():
     def profile(cpu, **kernel_ms):
         return {"wall_ms": cpu / 2, "cpu_ms": cpu, "kernel_ms": kernel_ms}
@@ -469,6 +485,7 @@ def test_quick_bench_runs_end_to_end_and_writes_its_markdown(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     for heading in ("## Targets", "## Speed: each path against the floor", "### convnet",
+                    "## Speed under XLA: each path against the floor",
                     "## Speed: the language model's embedding added as rows",
                     "## Speed at the post's configurations", "## Profile",
                     "## The same on Eigen kernels", "## Host memory as N grows",
