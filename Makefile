@@ -66,26 +66,18 @@ lint: $(DEV_STAMP)
 	  '$(NOQA_WITHOUT_REASON)' . \
 	  || { echo "lint: the noqa above gives no reason: add it after the rule, # noqa: E731 (why)"; exit 1; }
 
-# The library's tests at the low end of the supported ranges (requirements-low.txt: the
-# oldest Keras and TensorFlow pyproject.toml allows), in a venv of their own.
-LOW_VENV := .venv-low
-$(LOW_VENV)/.installed: requirements-low.txt
-	$(call make_venv,$(LOW_VENV),requirements-low.txt)
+# The library's tests on other releases, each in a venv of its own, .venv-RELEASE from
+# requirements-RELEASE.txt: `low`, the oldest Keras and TensorFlow pyproject.toml allows;
+# `next`, the newest pre-releases the registry has (keras-nightly, tf-nightly), pinned so
+# that a run is repeatable (bump them on purpose).
+RELEASES := low next
+.PRECIOUS: .venv-%/.installed
+.venv-%/.installed: requirements-%.txt
+	$(call make_venv,.venv-$*,$<)
 
-.PHONY: test-low
-test-low: $(LOW_VENV)/.installed
-	$(LOW_VENV)/bin/python -m pytest -q -n 2 --dist worksteal tests/library
-
-# The library's tests on the next Keras and TensorFlow before they ship: the newest
-# pre-releases the registry has (keras-nightly, tf-nightly), pinned in requirements-next.txt
-# so that a run is repeatable (bump them on purpose), in a venv of their own.
-NEXT_VENV := .venv-next
-$(NEXT_VENV)/.installed: requirements-next.txt
-	$(call make_venv,$(NEXT_VENV),requirements-next.txt)
-
-.PHONY: test-next
-test-next: $(NEXT_VENV)/.installed
-	$(NEXT_VENV)/bin/python -m pytest -q -n 2 --dist worksteal tests/library
+.PHONY: $(RELEASES:%=test-%)
+$(RELEASES:%=test-%): test-%: .venv-%/.installed
+	.venv-$*/bin/python -m pytest -q -n 2 --dist worksteal tests/library
 
 # The post's whole table: 4 configurations x REPS runs, into RESULTS_DIR/table.md.
 # Stopped, it keeps finished runs; the same command carries on. JOBS=0: one per core.
@@ -130,6 +122,6 @@ gpu-check: install
 	$(PY) -m tools.gpu_check $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(LOW_VENV) $(NEXT_VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(RELEASES:%=.venv-%) .pytest_cache .ruff_cache build *.egg-info
 	find . -name __pycache__ -not -path "./.venv/*" -not -path "./.venv-low/*" \
 	  -not -path "./.venv-next/*" -prune -exec rm -rf {} +
