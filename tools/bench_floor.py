@@ -194,21 +194,25 @@ class Floor(Section):
         return rows
 
     def targets(self, rows):
+        """Each workload's two targets; a probe that failed at any of its N x B (a row
+        with an `error`: FloorXLA's) misses both."""
         out = []
         for w in self.settings["workloads"]:
-            mine, noise = [r for r in rows if r["model"] == w.name], noise_of(rows, w.name)
-            if not mine:
+            failed = any(r["model"] == w.name and "error" in r for r in rows)
+            mine = [r for r in rows if r["model"] == w.name and "error" not in r]
+            if not mine and not failed:
                 continue
+            noise = noise_of(mine, w.name)
 
             def ratios(key, mine=mine):
                 return {f"{k} at N={r['n']}/B={r['b']}": r[key][k] for r in mine for k in PATHS}
 
             out.append(worst(f"{w.name}{self.where}: every TF2 path within {w.limit}x of "
                              f"the floor (N x B alone - (N - 1) x apply)", ratios("vs_floor"),
-                             w.limit, noise=noise))
+                             w.limit, noise=noise, failed=failed))
             out.append(worst(f"{w.name}{self.where}: every TF2 path at or faster than "
                              f"Keras's gradient_accumulation_steps", ratios("vs_keras"), 1.0,
-                             noise=noise))
+                             noise=noise, failed=failed))
         return out
 
     def compiled(self):
@@ -332,15 +336,22 @@ class FloorXLA(Floor):
             run.log(f"Floor under XLA: {w.name} at N={n} x B={b}")
             row = bench_probe.spawn(xla_race, dict(
                 workload=w.name, mini_batches=w.mini_batches, repeats=w.repeats, n=n, b=b,
-                noise=not any(r["model"] == w.name for r in rows)))
+                noise=not any(r["model"] == w.name and "error" not in r for r in rows)))
             if "error" in row:
                 run.log(f"  {row['error']}")
+                row = dict(model=w.name, n=n, b=b, error=row["error"])
             else:
                 run.log("  " + ", ".join(
                     f"{k}: {row['vs_floor'][k]['ratio']:.2f}x floor" for k in PATHS))
-                rows.append(row)
+            rows.append(row)
             run.step()
         return rows
+
+    def markdown(self, rows):
+        failed = [r for r in rows if "error" in r]
+        lines = super().markdown([r for r in rows if "error" not in r])
+        return lines + [f"- {r['model']} at N={r['n']} x B={r['b']}: its probe failed: "
+                        f"{r['error']}" for r in failed]
 
 
 # ---------------------------------------------------------------- the language model

@@ -152,6 +152,13 @@ def test_floor_under_xla_is_judged_as_the_floor_is_and_names_its_compilation():
             "missed"}  # mini_batch 2.8 / 2.7
     text = "\n".join(section.markdown(rows))
     assert "## Speed under XLA" in text and "`jit_compile=True`" in text and "### mlp" in text
+    # A probe that failed (a crash, a timeout) misses its workload's targets, in words.
+    crashed = rows + [dict(model="convnet", n=4, b=32, error="probe failed (exit 1): boom")]
+    statuses = {t.target.split(":")[0]: (t.measured, t.status)
+                for t in section.targets(crashed)}
+    assert statuses["convnet under XLA"] == ("probe failed", "missed")
+    assert "- convnet at N=4 x B=32: its probe failed: probe failed (exit 1): boom" in \
+        "\n".join(section.markdown(crashed))
 
 
 def test_floor_markdown_shows_where_a_missing_paths_time_over_the_floor_goes():
