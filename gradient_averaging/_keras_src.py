@@ -607,9 +607,7 @@ def one_variable_at_a_time(optimizer, divisors=None):
                     key = inner._var_key(variable)
                     if key in by_key:
                         divided.add(key)
-                        divisor = tf.cast(by_key[key], gradient.dtype)
-                        gradient = gradient / tf.where(tf.equal(divisor, 0),
-                                                       tf.ones_like(divisor), divisor)
+                        gradient = gradient / window.nonzero(by_key[key], gradient.dtype)
                 own(gradient, variable, learning_rate)
                 written[:] = [tf.convert_to_tensor(variable)]
 

@@ -43,6 +43,13 @@ def accumulator_dtype(value):
     return tf.float32 if dtype in LOW_PRECISION else dtype
 
 
+def nonzero(divisor, dtype):
+    """`divisor` in `dtype`, 1 where it is 0: a sum whose divisor is 0 (no sample, no valid
+    token) is 0 itself, and stays 0 divided by it."""
+    divisor = tf.cast(divisor, dtype)
+    return tf.where(tf.equal(divisor, 0), tf.ones_like(divisor), divisor)
+
+
 def all_finite(tensors):
     """A scalar bool tensor: no NaN or Inf in any of `tensors` (dense tensors)."""
     tensors = list(tensors)
@@ -285,9 +292,7 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
                     continue
                 part = total
                 if divisor is not None:
-                    divisor = tf.cast(divisor, total.dtype)
-                    part = total / tf.where(tf.equal(divisor, 0), tf.ones_like(divisor),
-                                            divisor)
+                    part = total / nonzero(divisor, total.dtype)
                 value = part if value is None else value + part
             addend = addends[i]
             if callable(addend):

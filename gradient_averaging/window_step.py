@@ -73,8 +73,7 @@ def loss_of(values):
     divisor, as does one whose divisor is 0 (no valid token: its numerator is 0 too),
     so each divides by its divisor where that is not 0."""
     numerators, divisors = tf.split(values, 2)
-    part_values = numerators / tf.where(tf.equal(divisors, 0), tf.ones_like(divisors),
-                                        divisors)
+    part_values = numerators / window_lib.nonzero(divisors, divisors.dtype)
     return tf.reduce_sum(part_values), part_values
 
 
@@ -361,8 +360,7 @@ class WindowStep:
             return total, None
         share = tf.cast(self.expected.read_value(), total.dtype)
         if divisor is not None:
-            divisor = tf.cast(divisor, total.dtype)
-            share = share * tf.where(tf.not_equal(divisor, 0), divisor, tf.ones_like(divisor))
+            share = share * window_lib.nonzero(divisor, total.dtype)
         value = total / share
         if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             value = self.optimizer.scale_loss(value)
@@ -463,8 +461,9 @@ class WindowStep:
                 gradient = self.optimizer.scale_loss(gradient)
             return gradient
 
-        in_place = [i for i, reached in enumerate(self._reached())
-                    if reached and self.at_update[i] is None]
+        reached = self._reached()
+        in_place = [i for i in range(len(self.variables))
+                    if reached[i] and self.at_update[i] is None]
         divided, finite = window_lib.divide_in_place(
             [[None if none[i] else sums[i] for i in in_place]
              for sums, none in zip(self.sums, self.no_gradient)],
@@ -474,8 +473,8 @@ class WindowStep:
             [self.overwrite[i] for i in in_place])
         divided = dict(zip(in_place, divided))
         shares, checks = [], [finite]
-        for i, reached in enumerate(self._reached()):
-            if not reached:
+        for i in range(len(self.variables)):
+            if not reached[i]:
                 continue
             if i in divided:
                 shares.append(divided[i])
@@ -486,8 +485,7 @@ class WindowStep:
             if self.check_finite or self.rescale:
                 check = tf.reduce_sum(total)
                 if term_divisors[term] is not None:
-                    divisor = tf.cast(term_divisors[term], check.dtype)
-                    check /= tf.where(tf.equal(divisor, 0), tf.ones_like(divisor), divisor)
+                    check /= window_lib.nonzero(term_divisors[term], check.dtype)
                 checks.append(tf.math.is_finite(check))
         finite = tf.reduce_all(tf.stack(checks))
         if self.log_loss:
