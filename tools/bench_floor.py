@@ -179,19 +179,28 @@ class Floor(Section):
     def measure(self, run):
         rows, bases = [], {}
         for w, n, b in self.configs():
-            if w.name not in bases:
-                bases[w.name] = tf.data.Dataset.from_tensor_slices(w.data(run.datasets)).repeat()
-            run.log(f"Floor: {w.name} at N={n} x B={b}")
-            mine = [r for r in rows if r["model"] == w.name]
-            # The noise once, and each path's profile once, per workload: time is short.
-            row = race(w, n, b, bases[w.name], noise=not mine,
-                       profiled={k for r in mine for k in r["profiles"]})
-            run.log("  floor {:.1f} CPU ms; ".format(row["median_ms"]["floor"]) + ", ".join(
-                f"{k}: {row['median_ms'][k]:.1f} ms ({row['vs_floor'][k]['ratio']:.2f}x, wall "
-                f"{row['wall']['vs_floor'][k]['ratio']:.2f}x)" for k in (*REFERENCES, *PATHS)))
+            run.log(f"Floor{self.where}: {w.name} at N={n} x B={b}")
+            row = self.race(run, w, n, b, [r for r in rows
+                                           if r["model"] == w.name and "error" not in r], bases)
+            if "error" in row:
+                run.log(f"  {row['error']}")
+            else:
+                run.log("  floor {:.1f} CPU ms; ".format(row["median_ms"]["floor"]) + ", ".join(
+                    f"{k}: {row['median_ms'][k]:.1f} ms ({row['vs_floor'][k]['ratio']:.2f}x, "
+                    f"wall {row['wall']['vs_floor'][k]['ratio']:.2f}x)"
+                    for k in (*REFERENCES, *PATHS)))
             rows.append(row)
             run.step()
         return rows
+
+    def race(self, run, w, n, b, mine, bases):
+        """The row of workload `w` at N x B, raced in this process; `mine`: its rows so
+        far, `bases`: each workload's samples as an endless dataset, made once a run. The
+        noise once, and each path's profile once, per workload: time is short."""
+        if w.name not in bases:
+            bases[w.name] = tf.data.Dataset.from_tensor_slices(w.data(run.datasets)).repeat()
+        return race(w, n, b, bases[w.name], noise=not mine,
+                    profiled={k for r in mine for k in r["profiles"]})
 
     def targets(self, rows):
         """Each workload's two targets; a probe that failed at any of its N x B (a row
@@ -329,23 +338,14 @@ class FloorXLA(Floor):
                 "fresh process without op determinism (under which Keras turns XLA off); "
                 "no profile.")
 
-    def measure(self, run):
+    def race(self, run, w, n, b, mine, bases):
+        """The row of workload `w` at N x B, raced in a fresh process (xla_race, which
+        makes its own samples); where that failed, {"model", "n", "b", "error"}."""
         from tools import bench_probe
-        rows = []
-        for w, n, b in self.configs():
-            run.log(f"Floor under XLA: {w.name} at N={n} x B={b}")
-            row = bench_probe.spawn(xla_race, dict(
-                workload=w.name, mini_batches=w.mini_batches, repeats=w.repeats, n=n, b=b,
-                noise=not any(r["model"] == w.name and "error" not in r for r in rows)))
-            if "error" in row:
-                run.log(f"  {row['error']}")
-                row = dict(model=w.name, n=n, b=b, error=row["error"])
-            else:
-                run.log("  " + ", ".join(
-                    f"{k}: {row['vs_floor'][k]['ratio']:.2f}x floor" for k in PATHS))
-            rows.append(row)
-            run.step()
-        return rows
+        row = bench_probe.spawn(xla_race, dict(
+            workload=w.name, mini_batches=w.mini_batches, repeats=w.repeats, n=n, b=b,
+            noise=not mine))
+        return dict(model=w.name, n=n, b=b, error=row["error"]) if "error" in row else row
 
     def markdown(self, rows):
         failed = [r for r in rows if "error" in r]
