@@ -128,12 +128,6 @@ _PROBE = "gradient_averaging_probe"  # a name given, so no user's layer is renum
 _BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path",
                  "_prev_training_metadata_path")
 
-# What a Keras optimizer may do to gradients before update_step: its options, and the
-# methods that pass them on (a subclass that overrides one may change them).
-_TRANSFORMS = ("clipnorm", "clipvalue", "global_clipnorm", "gradient_accumulation_steps")
-_APPLY_CHAIN = ("apply_gradients", "apply", "_clip_gradients", "_backend_apply_gradients",
-                "_backend_update_step")
-
 INTERNALS = (
     # accumulate: Keras's data adapters and its loss scaling for distribution, as Keras's
     # own fit uses them; an adapter of the package's own passed through as it is.
@@ -179,17 +173,6 @@ INTERNALS = (
     mentions((APPLY, FIT),
              "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
              "update_step", why="one_variable_at_a_time orders its calls"),
-    # The division at the update (gradients_reach_update_step): a variable's key, as
-    # update_step receives it (a replica's copy too); what may change a gradient before.
-    mentions((APPLY, FIT), "keras.src.backend.tensorflow.optimizer:TFOptimizer._var_key",
-             "_unique_id", why="one_variable_at_a_time's divisors"),
-    mentions((APPLY, FIT), "keras.src.optimizers.base_optimizer:BaseOptimizer.__init__",
-             *_TRANSFORMS, why="gradients_reach_update_step"),
-    mentions((APPLY, FIT), "keras.src.optimizers.base_optimizer:BaseOptimizer.apply",
-             "_backend_apply_gradients", why="gradients_reach_update_step"),
-    mentions((APPLY, FIT),
-             "keras.src.optimizers.base_optimizer:BaseOptimizer._backend_apply_gradients",
-             "_clip_gradients", "_backend_update_step", why="gradients_reach_update_step"),
     # The layers of a model, nested ones each once.
     takes((BATCH_NORM, BN_UPDATE, ACTIVITY), f"{_LAYERS}._flatten_layers", None,
           include_self=False),
@@ -581,33 +564,21 @@ def log_window(model, loss, part_values, samples):
 
 
 @contextlib.contextmanager
-def one_variable_at_a_time(optimizer, divisors=None):
+def one_variable_at_a_time(optimizer):
     """Within the block, `optimizer` (a LossScaleOptimizer's inner one) updates its
     variables one after another: each gradient waits for the previous variable's new
     value. A window's gradients all exist as its apply starts, so otherwise several
     updates run at once, each with temporaries the size of its variable. A strategy's
     replicas enter at once, in threads, and Keras updates once, in a merge call they
-    all wait in: the first to enter patches, the last to leave restores.
-
-    divisors: None, or (a variable, the scalar its gradient is divided by as its update
-    starts) pairs (the window's mean made one variable at a time, with no pass of its own:
-    only where gradients_reach_update_step); every replica's must be alike, as the first
-    to enter divides."""
+    all wait in: the first to enter patches, the last to leave restores."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    by_key = {inner._var_key(v): d for v, d in divisors or ()}
-    divided = set()
     with _ORDERED:
-        installed = not _ORDERED_DEPTH.get(id(inner))
-        if installed:
+        if not _ORDERED_DEPTH.get(id(inner)):
             own, written = inner.update_step, []
 
             def update_step(gradient, variable, learning_rate):
                 with tf.control_dependencies(written):
                     gradient = tf.identity(gradient)
-                    key = inner._var_key(variable)
-                    if key in by_key:
-                        divided.add(key)
-                        gradient = gradient / window.nonzero(by_key[key], gradient.dtype)
                 own(gradient, variable, learning_rate)
                 written[:] = [tf.convert_to_tensor(variable)]
 
@@ -620,22 +591,6 @@ def one_variable_at_a_time(optimizer, divisors=None):
             _ORDERED_DEPTH[id(inner)] -= 1
             if not _ORDERED_DEPTH[id(inner)]:
                 del _ORDERED_DEPTH[id(inner)], inner.__dict__["update_step"]
-    if installed and set(by_key) - divided:  # an undivided mean would be applied
-        raise RuntimeError(f"keras {keras.__version__}'s optimizer did not update a variable "
-                           "the window divides at its update as Optimizer._var_key names "
-                           "it: gradient_averaging cannot apply on it")
-
-
-def gradients_reach_update_step(optimizer):
-    """Whether `optimizer` hands update_step each gradient as apply_gradients was given
-    it, times a scalar at most (a LossScaleOptimizer's unscaling): no clipping, no
-    accumulation of its own, Keras's own apply. Only then may a gradient's division
-    wait for its variable's update (one_variable_at_a_time's divisors)."""
-    inner = getattr(optimizer, "inner_optimizer", optimizer)
-    if any(getattr(inner, name, None) for name in _TRANSFORMS):
-        return False
-    base = keras.optimizers.Optimizer
-    return all(getattr(type(inner), name) is getattr(base, name) for name in _APPLY_CHAIN)
 
 
 _ORDERED = threading.Lock()

@@ -7,9 +7,9 @@ accumulator per trainable variable: the sums are replica-local variables, added 
 place as each mini-batch's gradients are made, and zeroed in place as the window
 closes (window.zero_sums: never in a buffer made amid a pass); a mini-batch reaches the
 step alone (the window loop hands over one at a time, so one mini-batch's activations
-are alive at once); the mean is made one variable at a time, as its update starts
-(_keras_src.one_variable_at_a_time) or, where it must be made first, in place
-(window.divide_in_place).
+are alive at once); the mean is written into the sums' buffers one variable at a time
+(window.divide_in_place), and the optimizer updates one variable at a time
+(_keras_src.one_variable_at_a_time).
 
 The applied gradient is the direct batch's: a loss is a sum divided by a divisor (its
 samples, its valid tokens under a mask, its summed sample weights, or nothing for a
@@ -226,7 +226,7 @@ class WindowStep:
         self.summed_activity = summed_activity
         self.log_loss = log_loss
         self.layout = self.terms = self.sums = self.parts = None
-        self.no_gradient = self.at_update = None
+        self.no_gradient = None
         self.statistics_sums = None
         self.overwrite = [bool(getattr(v, "overwrite_with_gradient", False))
                           for v in self.variables]
@@ -261,32 +261,12 @@ class WindowStep:
             self._discovered = None
         self.layout, self.no_gradient = discovered["layout"], discovered["no_gradient"]
         self.terms = tuple(dict.fromkeys(self.layout))
-        self.at_update = self._divided_at_update()
         with self.strategy.scope():
             self.sums = [self._accumulators(f"window_sum{'_' + str(t) if t else ''}")
                          for t in range(len(self.terms))]
             self.parts = replicas_lib.local_variable(
                 tf.zeros([2 * len(self.layout)], tf.float64), tf.VariableAggregation.SUM,
                 "window_parts")
-
-    def _divided_at_update(self):
-        """Per variable, the term whose sum the optimizer is handed as it is, divided
-        as the variable's update starts (one_variable_at_a_time's divisors: no pass of
-        its own, no temporary but the update's), or None: its mean is written in place
-        first (window.divide_in_place). Divided at the update: a variable one term
-        reaches, with no regularizer or overwrite, summed in its own dtype, on one
-        replica (the replicas' sums would be summed before the division, which rounds
-        otherwise), by an optimizer that hands update_step its gradients unchanged."""
-        if (self.strategy.num_replicas_in_sync > 1
-                or not _keras_src.gradients_reach_update_step(self.optimizer)):
-            return [None] * len(self.variables)
-        out = []
-        for i, v in enumerate(self.variables):
-            terms = [t for t, none in enumerate(self.no_gradient) if not none[i]]
-            alone = (len(terms) == 1 and not self.overwrite[i] and self.regularizers[i] is None
-                     and window_lib.accumulator_dtype(v) == tf.as_dtype(v.dtype).base_dtype)
-            out.append(terms[0] if alone else None)
-        return out
 
     def _accumulators(self, name):
         """One replica-local sum per trainable variable, in its accumulation type."""
@@ -428,16 +408,13 @@ class WindowStep:
 
     def _shares(self):
         """Replica context: this replica's share of the window's mean, as the optimizer
-        is handed it (it sums the replicas'), the window's divisors (float64 [parts]) and
-        this replica's vote (1.0 where anything was not finite).
+        is handed it (it sums the replicas'), and this replica's vote (1.0 where anything
+        was not finite).
 
         One all-reduce of the parts' sums (a few scalars) gives every term its divisor,
-        the window's over all replicas. A variable divided at its update (learn_layout)
-        hands over its sum as it is, checked by one reduction of it (a sum is finite
-        exactly when every addend is; a reduction that overflows counts as not finite);
-        every other one's mean is written into its first sum's buffer first
-        (window.divide_in_place), weight regularization's gradient added, each replica
-        its share."""
+        the window's over all replicas. Each variable's mean is written into its first
+        sum's buffer (window.divide_in_place), weight regularization's gradient added,
+        each replica its share."""
         context = tf.distribute.get_replica_context()
         samples = self.logged_samples.read_value()
         values = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
@@ -461,41 +438,21 @@ class WindowStep:
                 gradient = self.optimizer.scale_loss(gradient)
             return gradient
 
-        reached = self._reached()
-        in_place = [i for i in range(len(self.variables))
-                    if reached[i] and self.at_update[i] is None]
-        divided, finite = window_lib.divide_in_place(
-            [[None if none[i] else sums[i] for i in in_place]
+        reached = [i for i, r in enumerate(self._reached()) if r]
+        shares, finite = window_lib.divide_in_place(
+            [[None if none[i] else sums[i] for i in reached]
              for sums, none in zip(self.sums, self.no_gradient)],
             term_divisors,
             [functools.partial(addend, i) if self.regularizers[i] else None
-             for i in in_place],
-            [self.overwrite[i] for i in in_place])
-        divided = dict(zip(in_place, divided))
-        shares, checks = [], [finite]
-        for i in range(len(self.variables)):
-            if not reached[i]:
-                continue
-            if i in divided:
-                shares.append(divided[i])
-                continue
-            term = self.at_update[i]
-            total = self.sums[term][i].read_value()
-            shares.append(total)
-            if self.check_finite or self.rescale:
-                check = tf.reduce_sum(total)
-                if term_divisors[term] is not None:
-                    check /= window_lib.nonzero(term_divisors[term], check.dtype)
-                checks.append(tf.math.is_finite(check))
-        finite = tf.reduce_all(tf.stack(checks))
+             for i in reached],
+            [self.overwrite[i] for i in reached])
         if self.log_loss:
             loss, values_of_parts = loss_of(values[:2 * count])
             with tf.control_dependencies([finite]):
                 if regularization:
                     loss += tf.cast(tf.add_n(regularization), tf.float64)
                 self.log_loss(loss, values_of_parts, samples, values[-1])
-        return (shares, divisors,
-                self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32))
+        return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32)
 
     def _reached(self):
         """Per variable, whether any term's gradient reaches it (those are applied)."""
@@ -534,24 +491,18 @@ class WindowStep:
           mini-batches that gave it one value a channel.
         """
         strategy, optimizer = self.strategy, self.optimizer
-        shares, divisors, nonfinite = strategy.run(self._shares)
-        reached = [i for i, r in enumerate(self._reached()) if r]
-        variables = [self.variables[i] for i in reached]
-        # Per variable divided at its update, its divisor's index in `divisors`.
-        at_update = [(self.variables[i], self.layout.index(self.terms[self.at_update[i]]))
-                     for i in reached if self.at_update[i] is not None
-                     and self.terms[self.at_update[i]] is not None]
+        shares, nonfinite = strategy.run(self._shares)
+        variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
 
-        def apply_shares(shares, divisors):
-            with _keras_src.one_variable_at_a_time(
-                    optimizer, [(v, divisors[k]) for v, k in at_update]):
+        def apply_shares(shares):
+            with _keras_src.one_variable_at_a_time(optimizer):
                 optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
                                            for share, v in zip(shares, variables)])
 
         def apply():
             # Run from the cross-replica context, inside the branch: the optimizer's
             # all-reduce must not cross into a branch from a replica function.
-            strategy.extended.call_for_each_replica(apply_shares, args=(shares, divisors))
+            strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
             return tf.constant(True)
 
         non_empty = self.mini_batches.read_value() > 0

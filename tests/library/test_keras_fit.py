@@ -49,8 +49,8 @@ def direct():
 @pytest.mark.parametrize("clip", [{"clipnorm": 0.05}, {"global_clipnorm": 0.05},
                                   {"clipvalue": 0.002}], ids=lambda clip: next(iter(clip)))
 def test_a_clipping_optimizer_clips_the_windows_mean_as_the_direct_batch_s(clip):
-    """Clipping sees the mean, so the window divides before the optimizer is handed it
-    (the division at each variable's update would clip the sum)."""
+    """Clipping sees the window's mean, as the direct batch's optimizer clips its
+    gradient: the optimizer is handed the mean, never the sum."""
     x, y = data()
     reference = compiled(tiny_model(), keras.optimizers.Adam(0.05, **clip))
     fit(reference, x, y, N * B)
