@@ -13,14 +13,12 @@ mini-batch instead of the mean. Both are checked here against the direct batch.
 import numpy as np
 import tensorflow as tf
 
+from examples.toy_windows import toy_windows
 from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 N = 3
-rng = np.random.RandomState(0)
-minibatches = [(rng.rand(4, 3), rng.rand(4, 1)) for _ in range(3 * N)]
-direct = [tuple(np.concatenate(part) for part in zip(*minibatches[k:k + N]))
-          for k in range(0, len(minibatches), N)]
+minibatches, direct = toy_windows(N, windows=3, batch=4)  # each window as one batch
 
 
 def clip(pairs, clip_norm=0.05):

@@ -16,14 +16,12 @@ import tempfile
 import numpy as np
 import tensorflow as tf
 
+from examples.toy_windows import toy_windows
 from gradient_averaging import AveragingOptimizer
 
 v1 = tf.compat.v1
 N = 4
-rng = np.random.RandomState(0)
-minibatches = [(rng.rand(5, 3), rng.rand(5, 1)) for _ in range(4 * N)]
-direct = [tuple(np.concatenate(part) for part in zip(*minibatches[k:k + N]))
-          for k in range(0, len(minibatches), N)]          # each window as one batch
+minibatches, direct = toy_windows(N, windows=4, batch=5)  # each window as one batch
 
 
 def build(n):
