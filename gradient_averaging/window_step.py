@@ -1,28 +1,16 @@
-"""The window step, written once for every TF2 path (both accumulators and Keras fit):
-one mini-batch's pass added into the window's sums, in place; the window's vote and
-apply.
+"""The window step shared by every TF2 path (both accumulators, Keras fit): each mini-batch's pass
+added in place into the window's sums, then the window's vote and apply.
 
-Memory is why a user accumulates, so the step holds no more than B alone does plus one
-accumulator per trainable variable: the sums are replica-local variables, added to in
-place as each mini-batch's gradients are made, and zeroed in place as the window
-closes (window.zero_sums: never in a buffer made amid a pass); a mini-batch reaches the
-step alone (the window loop hands over one at a time, so one mini-batch's activations
-are alive at once); the mean is written into the sums' buffers one variable at a time
-(window.divide_in_place), and the optimizer updates one variable at a time
-(_keras_src.one_variable_at_a_time).
+Memory: batch B's footprint plus one accumulator per trainable variable. The sums are replica-local,
+added to and zeroed in place (never a buffer made amid a pass); one mini-batch is alive at a time;
+the mean is written into the sums and applied one variable at a time.
 
-The applied gradient is the direct batch's: a loss is a sum divided by a divisor (its
-samples, its valid tokens under a mask, its summed sample weights, or nothing for a
-"sum"), and the direct batch of the window's samples divides the sum of all of them by
-the sum of all their divisors. So each mini-batch adds the gradient of its sum (a
-Part's numerator) and its divisor, and the window divides once, whatever the sizes of
-its mini-batches or the tokens they hold. Parts that divide by different quantities
-(two outputs under different masks; a per-token loss beside a per-sample add_loss) are
-summed apart, a term each: one accumulator and one backward pass per term, the first
-term's only where all divide alike. Weight regularization, a function of the weights
-alone, is differentiated once per window, at the apply.
-A window in which any loss or gradient is NaN or Inf is skipped whole (the replicas vote
-first): the optimizer does not step, so its `iterations`, and an LR schedule, stay put.
+Exactness: a loss is a sum over a divisor (samples, valid tokens, summed sample weights, or none),
+so each mini-batch adds its sum's gradient and its divisor and the window divides once: the direct
+batch's gradient, whatever the mini-batches hold. Parts with different divisors are separate terms,
+an accumulator and backward pass each; weight regularization is differentiated once, at the apply.
+A window with any non-finite loss or gradient is skipped whole (the replicas vote): the optimizer's
+`iterations` and LR schedule stay put.
 """
 
 import collections
@@ -54,8 +42,7 @@ def _terms(parts, keys):
 
 
 def part_values(parts):
-    """float64 [2 x parts]: each part's weighted numerator, then its divisor (0 where it
-    divides by nothing): what the window sums for its logged loss and divisions."""
+    """float64 [2 x parts]: each part's weighted numerator, then its divisor (0 for none)."""
     numerators, divisors = [], []
     for part in parts:
         value = tf.cast(part.numerator, tf.float64)
@@ -68,34 +55,29 @@ def part_values(parts):
 
 
 def loss_of(values):
-    """(the loss, each part's value): from the sums over a window (or a batch) of its
-    parts' part_values, float64 [2 x parts]. A part divided by nothing records 0 as its
-    divisor, as does one whose divisor is 0 (no valid token: its numerator is 0 too),
-    so each divides by its divisor where that is not 0."""
+    """(the loss, each part's value) from part_values summed over a window or batch; a divisor
+    of 0 (none, or no valid token, whose numerator is 0 too) divides as 1."""
     numerators, divisors = tf.split(values, 2)
     part_values = numerators / window_lib.nonzero(divisors, divisors.dtype)
     return tf.reduce_sum(part_values), part_values
 
 
 def regularization(variables):
-    """The weight regularization of `variables` (a scalar float64): what Keras adds to
-    a batch's loss once."""
+    """The weight regularization of `variables`, a float64 scalar: Keras adds it once a batch."""
     losses = [tf.cast(v.regularizer(v), tf.float64) for v in variables
               if getattr(v, "regularizer", None) is not None]
     return tf.add_n(losses) if losses else tf.constant(0.0, tf.float64)
 
 
 def data_losses(model, losses):
-    """A pass's losses (stateless_call's) without weight regularization's, which the
-    window differentiates once, at the apply (WindowStep._shares)."""
+    """A pass's losses without weight regularization's, differentiated once, at the apply."""
     if not any(getattr(v, "regularizer", None) is not None for v in model.trainable_weights):
         return list(losses)
     return _keras_src.without_weight_regularization(model, losses)
 
 
 def pass_moments(statistics, step):
-    """A pass's batch-norm moments as the float64 sums the window adds (None without
-    statistics), taken around the moving means, which hold still within a window."""
+    """A pass's batch-norm moments as float64 sums, around the moving means (fixed in a window)."""
     if not statistics:
         return None
     return statistics.add(statistics.zeros(), step.moments, statistics.shifts(step.state))
@@ -110,11 +92,9 @@ def _times(gradient, factor):
 
 
 def run_passes(run, batches, weight_variables, state_variables):
-    """Replica context: each pass's result, in order, of `run` (batch, weight values,
-    state values) -> (result, state after) over a group's `batches`: all on the weights
-    read once, each on the other state as the pass before left it (values), so nothing
-    but their data orders one pass after another and a group's passes may run at once.
-    The state is written back to `state_variables` once, after the last."""
+    """Replica context: `run(batch, weights, state) -> (result, state)` over `batches`, results
+    in order. The weights are read once and only state values chain the passes, so a group's
+    passes may run at once; the state is written back to `state_variables` once, at the end."""
     weights = [tf.convert_to_tensor(v) for v in weight_variables]
     state = [tf.convert_to_tensor(v) for v in state_variables]
     results = []
@@ -127,10 +107,8 @@ def run_passes(run, batches, weight_variables, state_variables):
 
 
 def window_from(strategy, iterator, average_gradients, add, parallel=1):
-    """Cross-replica: the window loop that pulls up to N mini-batches from `iterator`,
-    one after another, and hands them to `add` in lists, up to `parallel` at a time (see
-    run_passes). The window's last mini-batch is never pulled past: the next window's
-    first stays queued. Returns the mini-batches added (an int32 scalar tensor)."""
+    """Cross-replica window loop: hands up to N mini-batches from `iterator` to `add` in lists of
+    up to `parallel`, never pulling past the window's last. Returns the count added (int32)."""
     def more(i, optional):
         return tf.logical_and(i < average_gradients, optional.has_value())
 
@@ -175,47 +153,35 @@ def last_of(tokens):
 
 
 def next_after(strategy, added, fetch):
-    """Runs `fetch` (the window's next mini-batch from an iterator) once the tokens that
-    WindowStep.add returned exist. An iterator's op completes on tf.data's threads: left
-    free, it finishes mid-pass and reorders the pass's ops, and the peak moves with the
-    order (measured: by two activations, from process to process)."""
+    """Runs `fetch` (the next mini-batch) once WindowStep.add's tokens exist: left free, the
+    iterator's op completes mid-pass on tf.data's threads, reorders the pass and moves the peak."""
     with tf.control_dependencies(strategy.experimental_local_results(added)):
         return fetch()
 
 
 class WindowStep:
-    """A window's state on each replica, and the two things done with it: add a
-    mini-batch (`add`, in a replica's context), apply the window (`apply`, across).
-
-    Made in two steps: the step, then `learn_layout` (a trace of one pass, before any
-    other) learns the parts the objective returns and makes the sums, one per term.
+    """A window's state on each replica: `add` a mini-batch (replica context), `apply` the window
+    (cross-replica). `learn_layout` (one traced pass, before any other) makes the sums.
 
     Attributes:
-      layout: each part's term, in the objective's order (learn_layout's); terms: the
-        distinct terms; no_gradient: per term, which variables it does not reach.
-      sums: per term, a replica-local sum per trainable variable, in its accumulation
-        type (a variable marked overwrite_with_gradient, float8's scales and histories,
-        keeps the window's elementwise maximum instead, as Keras's accumulation does).
-      mini_batches, samples, nonfinite: the open window's mini-batches, samples and
-        non-finite mini-batches on this replica (a sum is finite only if every addend
-        was, so the sums are checked once, as the window closes).
-      parts: float64 [2 x parts], the open window's sums of each part's weighted
-        numerator, then of its divisor, over its finite mini-batches.
-      expected: the mini-batches a window is expected to hold (set by the window loop):
-        under loss scaling or float8, a pass differentiates numerator / (expected x
-        divisor), the direct batch's magnitudes, and its gradients are taken back to
-        the numerator's, so the value changes no result.
-      statistics_sums: the window's batch-norm sums (`build_statistics`).
-      summed_activity: None, or records -> a context manager under which a forward pass
-        records activity regularizers' summed losses apart (Keras before 3.14).
+      layout, terms, no_gradient: each part's term in the objective's order; the distinct terms;
+        per term, which variables it does not reach.
+      sums: per term, a replica-local sum per trainable variable; an overwrite_with_gradient
+        variable (float8's scales and histories) keeps the window's maximum, as Keras does.
+      mini_batches, samples, nonfinite: this replica's counts for the open window (a sum is
+        finite only if every addend was, so the sums are checked once, at the close).
+      expected: the mini-batches a window should hold: under loss scaling or float8 a pass
+        differentiates numerator / (expected x divisor), the direct batch's magnitudes, then
+        scales its gradients back, so the value changes no result.
+      summed_activity: None, or records -> a context manager under which a forward pass records
+        activity regularizers' summed losses apart (Keras before 3.14).
     """
 
     def __init__(self, strategy, optimizer, variables, statistics, check_finite,
                  summed_activity=None, log_loss=None):
-        """See the attributes; `log_loss`: None, or a function run in each replica's
-        context as a window closes, given the window's loss as the direct batch's logs
-        count it, each part's value (float64 [parts]), and the samples of the window's
-        finite mini-batches on this replica and on all."""
+        """`log_loss`: None, or run per replica as a window closes, on the loss as the direct
+        batch's logs count it, each part's value (float64 [parts]) and the samples of the
+        window's finite mini-batches on this replica and on all."""
         # The apply orders Keras's update_step calls (_keras_src.one_variable_at_a_time).
         _keras_src.require(_keras_src.APPLY)
         self.strategy = strategy
@@ -247,9 +213,8 @@ class WindowStep:
                                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def learn_layout(self, trace):
-        """Learns the parts a pass returns and makes the window's sums: `trace()` traces
-        one pass (a tf.function's get_concrete_function: nothing runs), once, before
-        any other. Idempotent."""
+        """Learns the parts a pass returns and makes the sums: `trace()` traces one pass
+        (nothing runs), once, before any other. Idempotent."""
         if self.layout is not None:
             return
         self._discovered = {}
@@ -275,24 +240,11 @@ class WindowStep:
             tf.VariableAggregation.SUM, f"{name}_{i}") for i, v in enumerate(self.variables)]
 
     def mini_batch_gradients(self, model, weights, non_trainable, x, objective):
-        """One mini-batch's forward and backward pass, on values: every path's pass.
-
-        Args:
-          model: the Keras model, run by `stateless_call` in training mode.
-          weights, non_trainable: the values of its trainable and other variables.
-          x: the mini-batch's inputs (this replica's share).
-          objective: (outputs, the pass's losses (add_loss's; weight regularization
-            is the window's, at the apply), non_trainable) -> (parts, anything else to
-            return): the mini-batch's loss as Parts, computed under the tape.
-
-        Returns:
-          Pass(gradients: per term, a tensor, rows (tf.IndexedSlices: an
-          embedding's, added as rows, window.add_rows) or None per weight; state: the
-          model's other state after the pass (batch norm's moving statistics as they
-          were, where they step once per update); extra: what `objective` returned
-          beside its parts; moments: the pass's batch-norm moments; parts: the parts'
-          values (part_values)).
-        """
+        """One mini-batch's forward and backward pass, on values and this replica's share `x`.
+        `objective(outputs, losses without weight regularization, non_trainable)` -> (Parts,
+        extra) runs under the tape. Returns a Pass: per term, per weight a gradient tensor,
+        tf.IndexedSlices rows or None; the state after (batch norm's moving statistics held,
+        as they step once per update); extra; moments; part_values."""
         moments, records = [], []
         statistics = self.statistics or None
         capture = statistics.capture(moments) if statistics else contextlib.nullcontext()
@@ -334,8 +286,8 @@ class WindowStep:
         return self.terms
 
     def _scaled(self, total, divisor):
-        """(the scalar to differentiate for a term's weighted sum, the factor that takes
-        its gradients back to the sum's, or None): see `expected`."""
+        """(the scalar to differentiate for a term's weighted sum, the factor that takes its
+        gradients back to the sum's, or None): see `expected`."""
         if not self.rescale:
             return total, None
         share = tf.cast(self.expected.read_value(), total.dtype)
@@ -347,17 +299,15 @@ class WindowStep:
         return value, share
 
     def _unscaled(self, gradients, factor):
-        """A pass's gradients as those of its term's weighted sum (under a
-        LossScaleOptimizer, times its scale, which it divides what it applies by);
-        a variable written with its gradient keeps it as it is."""
+        """A pass's gradients as those of its term's weighted sum (times a LossScaleOptimizer's
+        scale, which it divides out); an overwrite_with_gradient variable's stay as they are."""
         if factor is None:
             return gradients
         return [g if g is None or overwrite else _times(g, tf.cast(factor, g.dtype))
                 for g, overwrite in zip(gradients, self.overwrite)]
 
     def build_statistics(self, model, x_spec):
-        """Learns the calls a forward pass makes on inputs like `x_spec` and makes their
-        sums: once, outside any trace, before the first `add`."""
+        """Makes the sums of a forward pass's calls on `x_spec`: outside any trace, before `add`."""
         if not self.statistics or self.statistics_sums is not None:
             return
 
@@ -373,19 +323,9 @@ class WindowStep:
                 self.statistics.zeros(), tf.VariableAggregation.SUM, "statistics_sums")
 
     def add(self, gradients, moments, n_local, finite, parts):
-        """Replica context: adds one mini-batch's pass to the window.
-
-        Args:
-          gradients: per term, the gradients of its weighted sum, a tensor or None each.
-          moments: its batch-norm sums (`pass_moments`), or None without statistics.
-          n_local: the samples of this replica's share.
-          finite: bool scalar, whether its loss was finite.
-          parts: the pass's Pass.parts.
-
-        Returns:
-          A token (n_local) that exists once the mini-batch is added: a window loop
-          fetches the next mini-batch after it (see `next_after`).
-        """
+        """Replica context: adds one mini-batch's pass (per term, `gradients` of its weighted
+        sum; pass_moments or None; this replica's `n_local` samples; bool `finite`; Pass.parts).
+        Returns a token (n_local) that exists once it is added, for next_after."""
         ops = []
         for sums, term in zip(self.sums, gradients):
             ops += window_lib.add_in_place(
@@ -407,14 +347,10 @@ class WindowStep:
             return tf.identity(n_local)
 
     def _shares(self):
-        """Replica context: this replica's share of the window's mean, as the optimizer
-        is handed it (it sums the replicas'), and this replica's vote (1.0 where anything
-        was not finite).
-
-        One all-reduce of the parts' sums (a few scalars) gives every term its divisor,
-        the window's over all replicas. Each variable's mean is written into its first
-        sum's buffer (window.divide_in_place), weight regularization's gradient added,
-        each replica its share."""
+        """Replica context: (this replica's share of the mean, which the optimizer sums over
+        replicas; its vote, nonzero where anything was not finite). One all-reduce of the parts'
+        sums gives every term its divisor; each mean, regularization's gradient added, is written
+        into its first term's sum (window.divide_in_place)."""
         context = tf.distribute.get_replica_context()
         samples = self.logged_samples.read_value()
         values = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(
@@ -460,8 +396,8 @@ class WindowStep:
                 for i in range(len(self.variables))]
 
     def _reset(self):
-        """Replica context: opens the next window, its sums zeroed in place (a branch
-        in each mini-batch's pass that wrote its first would move the pass's buffers)."""
+        """Replica context: opens the next window, its sums zeroed in place (a branch in each
+        pass that wrote its first would move the pass's buffers)."""
         # Its counts say the window is empty once its sums are.
         with tf.control_dependencies(
                 window_lib.zero_sums([s for sums in self.sums for s in sums])):
@@ -474,22 +410,15 @@ class WindowStep:
                 self.statistics_sums.assign(tf.zeros_like(self.statistics_sums))
 
     def discard(self):
-        """Cross-replica: empties the open window without applying it (the micro-batch
-        search's trials: gradient_averaging.micro_batch)."""
+        """Cross-replica: empties the open window unapplied (micro_batch's search trials)."""
         self.strategy.run(self._reset)
 
     def apply(self):
-        """Cross-replica: applies the window's mean unless a replica voted non-finite
-        (check_finite) or the window is empty, steps the batch statistics once, and
-        opens the next window.
-
-        A LossScaleOptimizer is given every window: it skips a non-finite one itself, and
-        lowers its scale, which a window skipped before it would never do.
-
-        Returns:
-          (applied, single): bool tensor; float64 [layers], per batch-norm layer the
-          mini-batches that gave it one value a channel.
-        """
+        """Cross-replica: applies the window's mean unless it is empty or a replica voted
+        non-finite (check_finite), steps the batch statistics once, and opens the next window.
+        A LossScaleOptimizer is given every window: it skips a non-finite one itself and lowers
+        its scale, which a window skipped before it could not. Returns (applied, bool; float64
+        [layers]: per batch-norm layer, the mini-batches that gave it one value a channel)."""
         strategy, optimizer = self.strategy, self.optimizer
         shares, nonfinite = strategy.run(self._shares)
         variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
@@ -500,8 +429,8 @@ class WindowStep:
                                            for share, v in zip(shares, variables)])
 
         def apply():
-            # Run from the cross-replica context, inside the branch: the optimizer's
-            # all-reduce must not cross into a branch from a replica function.
+            # From the cross-replica context, inside the branch: the optimizer's all-reduce
+            # must not cross into a branch from a replica function.
             strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
             return tf.constant(True)
 
@@ -513,8 +442,8 @@ class WindowStep:
         if self.check_finite and not scaled:
             apply_it = tf.logical_and(apply_it, votes == 0)
         ran = tf.cond(apply_it, apply, lambda: tf.constant(False))
-        # Under a LossScaleOptimizer a window it skipped still counts for the batch
-        # statistics, as the direct batch's statistics move on a skipped step.
+        # A window a LossScaleOptimizer skipped still steps the batch statistics, as the
+        # direct batch's do on a skipped step.
         applied, counts = (tf.logical_and(ran, votes == 0), ran) if scaled else (ran, ran)
         single = tf.zeros([0], tf.float64)
         if self.statistics:  # a SUM replica-local variable, read across replicas: summed
