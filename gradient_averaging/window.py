@@ -1,24 +1,18 @@
-"""The window's building blocks, shared by every path: its finite checks, its stacking,
-its in-place sums and the TF1 graph's loop.
-
-No Keras here: the TF1 optimizer wrapper imports this module too. A window is N
-mini-batches whose gradients make one update; stacked (where a caller stacks them), they
-lie on a new leading axis, [N, B, ...], shorter ones padded, with their sizes beside them.
-"""
+"""The window's building blocks for every path: finite checks, stacking, in-place sums, the TF1
+loop; no Keras (the TF1 optimizer wrapper imports it). A window: N mini-batches whose gradients
+make one update, stacked (where a caller stacks them) on a new leading axis as [N, B, ...]."""
 
 import collections
 
 import numpy as np
 import tensorflow as tf
 
-# Types whose sums overflow or lose precision too soon: they accumulate in float32.
+# Summed in float32: their sums overflow or lose precision too soon.
 LOW_PRECISION = (tf.float16, tf.bfloat16)
-# Iterations a window loop runs at once. One: a mini-batch's activations are freed
-# before the next one's forward pass, so the window holds one mini-batch's, as B alone
-# does (the TF2 loops overlap passes only as parallel_mini_batches asks: in_groups).
+# A window loop's iterations at once. One: each mini-batch's activations are freed before the
+# next pass, as B alone's (TF2 overlaps passes only where parallel_mini_batches asks: in_groups).
 PARALLEL_ITERATIONS = 1
-# TensorFlow feeds a numpy array to a session without copying it when its data is this
-# aligned.
+# A session is fed a numpy array this aligned without a copy.
 FEED_ALIGNMENT = 64
 
 
@@ -37,15 +31,13 @@ SAMPLES = "samples"  # the term of the parts divided by their mini-batch's sampl
 
 
 def accumulator_dtype(value):
-    """The dtype a sum of `value`'s (a variable's, a gradient's or a numpy array's) values
-    is kept in."""
+    """The dtype a sum of `value`'s values (a variable, tensor or numpy array) is kept in."""
     dtype = tf.as_dtype(value.dtype).base_dtype
     return tf.float32 if dtype in LOW_PRECISION else dtype
 
 
 def nonzero(divisor, dtype):
-    """`divisor` in `dtype`, 1 where it is 0: a sum whose divisor is 0 (no sample, no valid
-    token) is 0 itself, and stays 0 divided by it."""
+    """`divisor` in `dtype`, 1 where 0: a sum whose divisor is 0 (no sample) is 0 and stays 0."""
     divisor = tf.cast(divisor, dtype)
     return tf.where(tf.equal(divisor, 0), tf.ones_like(divisor), divisor)
 
@@ -59,20 +51,10 @@ def all_finite(tensors):
 
 
 def stack_padded(mini_batches, alignment=None):
-    """The window's mini-batches stacked on a new leading axis, shorter ones zero-padded
-    (any structure; tf2.stack_window is the TF2 accumulators' (x, y) form of it).
-
-    Args:
-      mini_batches: a sequence of array-likes, or of equal structures (tuples, dicts)
-        of them; a mini-batch's samples are its first array's first axis (scalars are
-        stacked as they are).
-      alignment: align the stacked arrays' data to this many bytes (a session feeds an
-        aligned array without copying it again).
-
-    Returns:
-      (stacked, sizes): the structure of one mini-batch with each array [N, the longest
-      mini-batch's samples, ...], and int32 [N], each mini-batch's samples.
-    """
+    """The window's mini-batches (array-likes, or equal tuples or dicts of them) stacked on a new
+    leading axis, shorter ones zero-padded, each array's data aligned to `alignment` bytes.
+    Returns (stacked, sizes): each array [N, the most samples, ...] (scalars stacked as they
+    are), and int32 [N], each mini-batch's samples (its first array's first axis)."""
     if not len(mini_batches):
         raise ValueError("a window needs at least one mini-batch")
     mini_batches = [_arrays(batch) for batch in mini_batches]
@@ -94,8 +76,7 @@ def stack_padded(mini_batches, alignment=None):
 
 
 def _arrays(batch):
-    """A mini-batch's tuples and dicts kept, everything else (a list of numbers too) as an
-    array."""
+    """Tuples and dicts kept, anything else (a list of numbers too) made an array."""
     if isinstance(batch, tuple):
         return tuple(_arrays(part) for part in batch)
     if isinstance(batch, dict):
@@ -118,25 +99,15 @@ def _empty(shape, dtype, alignment):
 
 def sum_window(mini_batch_gradients, sums, state, data, sizes,
                parallel_iterations=PARALLEL_ITERATIONS):
-    """The window loop of a TF1 graph (the experiment's fused averager): adds up each
-    mini-batch's gradients, in order, as values carried from mini-batch to mini-batch
-    (a graph without automatic control dependencies cannot order in-place additions;
-    the TF2 paths add into variables: window_step).
+    """The TF1 graph's window loop: sums each mini-batch's gradients in order, as loop values
+    (without automatic control dependencies, a graph cannot order in-place additions). Returns
+    (sums, state); at most `parallel_iterations` mini-batches' activations are held at once.
 
     Args:
-      mini_batch_gradients: (i, batch, state) -> (gradients, state) for mini-batch i,
-        given as `batch`, each tensor of `data` sliced [i, :sizes[i]] (an `Unbatched`
-        entry: [i]); a gradient may be None (the loss does not reach that variable).
-      sums: one zero tensor per gradient, in the type it is summed in.
-      state: a nested structure of tensors carried from mini-batch to mini-batch (a
-        model's other state, running totals, a TensorArray...).
-      data: a nested structure of stacked tensors, [N, B, ...]; an entry that is an
-        `Unbatched` holds per-mini-batch values without a sample axis ([N, ...]).
-      sizes: int [N], each mini-batch's samples.
-
-    Returns:
-      (sums, state) after the last mini-batch. The loop holds the activations of at
-      most `parallel_iterations` mini-batches at a time.
+      mini_batch_gradients: (i, batch, state) -> (gradients, state), a gradient None where the
+        loss does not reach it; `batch`: `data` sliced [i, :sizes[i]] (an `Unbatched`: [i]).
+      sums: a zero tensor per gradient, in its sum's dtype.
+      data: a nested structure of stacked tensors, [N, B, ...], or `Unbatched` ones [N, ...].
     """
     def body(i, state, sums):
         batch = tf.nest.map_structure(
@@ -152,11 +123,9 @@ def sum_window(mini_batch_gradients, sums, state, data, sizes,
 
 
 def in_groups(count, add, parallel=1):
-    """Hands `add` the indices 0 .. count-1 (an int32 scalar tensor), in order, in lists
-    of `parallel` while as many are left, then one at a time. Iterations run one after
-    another (the sums are added in place); a group's passes may run at once, for one
-    more mini-batch's activations each. Returns the count, a tensor that exists once
-    what `add` returned for the last is done."""
+    """Calls `add` with lists of indices 0 .. count-1 (int32 scalars), in order: `parallel` a list
+    while as many are left, then one. Lists run in turn (sums add in place); a list's passes may
+    overlap, one more mini-batch's activations each. Returns count, once the last `add` is done."""
     def loop(start, group):
         def body(i):
             added = add([i + j for j in range(group)])
@@ -174,12 +143,9 @@ def in_groups(count, add, parallel=1):
 
 
 def cut(batch, size, add, parallel=1):
-    """Hands `add` the mini-batches of `size` samples of `batch` (a nested structure of
-    tensors), in order, in lists (in_groups: `parallel` at a time): the last one shorter
-    where `size` does not divide the batch, one empty mini-batch where the batch is empty
-    (every replica counts one, so the first replica's count says whether the window holds
-    any). Returns the mini-batches, an int32 scalar tensor that exists once the last is
-    added."""
+    """in_groups over `batch`'s mini-batches of `size` samples: the last one shorter where `size`
+    does not divide it; an empty batch is one empty mini-batch (every replica counts one, so
+    the first replica's count says whether the window holds any). Returns their count."""
     samples = tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int32)[0]
     count = tf.maximum((samples + size - 1) // size, 1)
 
@@ -190,21 +156,17 @@ def cut(batch, size, add, parallel=1):
 
 
 def add_in_place(sums, gradients):
-    """Adds each gradient into its sum variable, in the sum's own buffer (zero_sums
-    empties them between windows); a gradient that arrives as rows (`tf.IndexedSlices`:
-    an embedding lookup's) is added as its rows (add_rows), never made dense. Returns
-    the ops."""
+    """Adds each gradient into its sum variable's own buffer, `tf.IndexedSlices` (an embedding
+    lookup's) as rows (add_rows), never made dense. Returns the ops."""
     return [add_rows(total, gradient) if isinstance(gradient, tf.IndexedSlices)
             else total.assign_add(tf.cast(gradient, total.dtype), read_value=False)
             for total, gradient in zip(sums, gradients) if gradient is not None]
 
 
 def add_rows(total, rows):
-    """Adds `rows` (tf.IndexedSlices, ids repeated or not) into the dense sum variable
-    `total`, row by row, in its own buffer: no table-sized temporary, no pass over the
-    table. A scatter switches TensorFlow's variable to copy-on-read (every later read
-    and dense add would copy it), so the switch is turned off again at once. Returns
-    the op."""
+    """Adds `rows` (tf.IndexedSlices, ids may repeat) into the sum variable `total`'s own buffer:
+    no table-sized temporary or pass. A scatter turns on copy-on-read (every later read and add
+    would copy the table), so it is turned off at once. Returns the op."""
     handle = total.handle  # a replica-local variable's: this replica's (replica context)
     scatter = tf.raw_ops.ResourceScatterAdd(
         resource=handle, indices=rows.indices, updates=tf.cast(rows.values, total.dtype))
@@ -213,13 +175,10 @@ def add_rows(total, rows):
 
 
 def assign_in_place(variable, value):
-    """Writes `value` into the buffer `variable` holds, and turns off the copy-on-read
-    switch that the write sets (left on, every later read and add copies the variable).
-    An assign would make the variable take value's buffer, wherever the allocator placed
-    it (amid a pass's activations, in the holes of the apply): a sum must keep its own
-    buffer for the window's memory to stay B alone's plus the sums. A variable of rank 2
-    or more is written row by row (a scatter of every row: a copy each, a third of a
-    strided assign's CPU time). Returns the op."""
+    """Writes `value` into `variable`'s own buffer, copy-on-read turned off after (left on, every
+    later read and add copies). An assign would take value's buffer, wherever it was allocated
+    (amid activations); a sum keeps its own so the window's memory stays B alone's plus the sums.
+    Rank 2 and up is written as a scatter of every row (cheaper on CPU than a strided assign)."""
     rank = value.shape.rank
     if not rank:
         return variable.assign(value, read_value=False)
@@ -235,17 +194,15 @@ def assign_in_place(variable, value):
 
 
 def zeros(shape, dtype):
-    """Zeros made when the op runs. Grappler folds a zeros_like or tf.zeros of a known
-    shape into a constant, which every executor that runs it then keeps: a weight-sized
-    buffer per accumulator, per branch and per op that resets the window."""
+    """Zeros made when the op runs: Grappler folds tf.zeros of a known shape into a constant that
+    every executor running it keeps (a weight-sized buffer per accumulator, branch and reset)."""
     return tf.raw_ops.Empty(shape=tf.constant(shape.as_list(), tf.int32), dtype=dtype,
                             init=True)
 
 
 def zero_sums(sums):
-    """Writes zeros into each sum variable's buffer, one after another (assign_in_place
-    says why in place), with one temporary the size of a variable at a time: whatever
-    the sums held (a NaN too). Returns [the op that zeroes the last], to wait for."""
+    """Zeros each sum in its own buffer, in turn (one variable-sized temporary at a time), whatever
+    it held (NaN too). Returns [the op that zeroes the last], to wait for."""
     done = []
     for total in sums:
         with tf.control_dependencies(done):
@@ -254,26 +211,18 @@ def zero_sums(sums):
 
 
 def divide_in_place(terms, divisors, addends=None, overwrite=None):
-    """Writes each variable's share of the window's mean into its first sum's buffer,
-    one variable after the other (assign_in_place), and says whether all are finite:
-    one variable's temporaries at a time (all at once would hold a second copy of the
-    gradients).
+    """Writes each variable's share of the window's mean into its first sum's buffer, one variable
+    at a time (all at once would hold a second copy of the gradients). Returns (the new values,
+    reads that share the buffers; a bool scalar tensor, whether all of them are finite).
 
     Args:
-      terms: per term, one sum variable or None (the term does not reach it) per
-        variable, aligned; each variable is reached by at least one term.
-      divisors: per term, the scalar its sums are divided by (0: its sums are zero, as
-        every numerator was), or None: not divided.
-      addends: None, or per variable None, a tensor, or a function of no arguments that
-        makes it (run in turn, so that its temporary lives only then), added after the
-        division: what does not depend on the window's samples.
-      overwrite: None, or per variable whether it is written with its "gradient"
-        (float8's scales and histories): its terms' elementwise maximum, undivided.
-
-    Returns:
-      (values, finite): each variable's value after the division (a read that shares
-      its buffer), and a bool scalar tensor: no NaN or Inf in any of them (a sum or
-      addend that was not finite, a sum that overflowed).
+      terms: per term, a sum variable or None (not reached) per variable, aligned; each
+        variable is reached by one term at least.
+      divisors: per term, the scalar its sums are divided by (0: its sums are 0), or None.
+      addends: None, or per variable None, a tensor or a function making it (called in turn, so
+        its temporary lives only then), added after the division: what samples do not divide.
+      overwrite: None, or per variable whether it takes its terms' elementwise maximum,
+        undivided (float8's scales and histories).
     """
     count = len(terms[0]) if terms else 0
     addends = [None] * count if addends is None else addends
@@ -310,8 +259,7 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
 
 
 class Unbatched:
-    """Marks per-mini-batch values that have no sample axis (a seed per mini-batch), so
-    sum_window hands mini-batch i its row as it is."""
+    """Per-mini-batch values without a sample axis (a seed each): sum_window hands i its row."""
 
     def __init__(self, values):
         self.values = values
