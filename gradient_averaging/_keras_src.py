@@ -1,13 +1,6 @@
-"""Every use of Keras's internals and every patch of a Keras object, each checked at import.
-
-Keras exports none of them and may change any in a release, so this module is the one
-place that touches them. INTERNALS lists each with the paths that need it; all are
-checked once, at import, by reading Keras's classes and code (milliseconds; the objects
-made are named and hold no variables). A path whose internal is missing or changed is
-refused where it starts (`require`), in one line naming the internal and the Keras
-version; every other path runs. The version number refuses nothing: a release the
-tests do not pin warns once, naming the tested ones (TESTED), and runs.
-"""
+"""The one module that uses Keras's internals or patches Keras objects (Keras may change any in a
+release). INTERNALS lists each with the paths needing it, checked at import (probes are named and
+hold no variables); `require` refuses only a path whose internal is missing or changed."""
 
 # ruff: noqa: SLF001 (Keras's internals are this module's purpose, each checked in INTERNALS)
 
@@ -28,8 +21,7 @@ import tensorflow as tf
 
 from gradient_averaging import window
 
-# The Keras releases (major, minor) the tests pin, oldest and newest: requirements-low.txt and
-# requirements.txt; `make test-next` runs the library's tests on the next one's pre-release.
+# Oldest and newest Keras (major, minor) the tests pin: requirements-low.txt, requirements.txt.
 TESTED = (3, 12), (3, 15)
 TESTED_RANGE = "{}.{} to {}.{}".format(*TESTED[0], *TESTED[1])
 TESTED_PINS = ">={}.{},<{}.{}".format(*TESTED[0], TESTED[1][0], TESTED[1][1] + 1)
@@ -42,9 +34,7 @@ BN_UPDATE = "batch-norm statistics per update (bn_statistics='update')"
 ACTIVITY = "activity regularizer weighting (a Keras before 3.14 sums its losses)"
 REGULARIZED = "weight regularization (a model whose weights have a regularizer)"
 
-# One internal: the paths that need it, its name as a refusal names it, its kind (the
-# helper below that made it), its target ("module:attribute...") and its check: () -> None,
-# raising (AttributeError, ImportError, LookupError...) where it is missing or changed.
+# target: "module:attribute..."; kind: the helper below that made it; check: raises if it fails.
 Internal = collections.namedtuple("Internal", ["paths", "name", "kind", "target", "check"])
 
 
@@ -70,8 +60,7 @@ def _code_names(function):
 
 
 def takes(paths, target, *args, **kwargs):
-    """The function at `target` exists and takes the call the package makes (`args`,
-    `kwargs`: placeholders, `self` included for a method)."""
+    """The function at `target` binds `args` and `kwargs` (placeholders; `self` for a method)."""
     shown = ", ".join(["..."] * len(args) + [f"{k}=..." for k in kwargs])
     name = f"{target.replace(':', '.')}({shown})"
 
@@ -85,8 +74,7 @@ def takes(paths, target, *args, **kwargs):
 
 
 def mentions(paths, target, *names, why):
-    """Keras's function at `target` exists and its code still uses each of `names` (an
-    attribute it sets or reads, a method it calls): `why` says what relies on it."""
+    """Keras's function at `target` still uses each of `names`; `why`: what relies on it."""
     def check():
         missing = sorted(set(names) - _code_names(_resolve(target)))
         if missing:
@@ -96,8 +84,7 @@ def mentions(paths, target, *names, why):
 
 
 def has(paths, target, make, *attributes):
-    """A fresh instance of the class at `target` (`make`: class -> instance, built
-    without variables) has each of `attributes`."""
+    """`make(the class at target)`, an instance without variables, has each of `attributes`."""
     def check():
         instance = make(_resolve(target))
         missing = [a for a in attributes if not hasattr(instance, a)]
@@ -108,7 +95,6 @@ def has(paths, target, make, *attributes):
 
 
 def exists(paths, target, *members):
-    """The object at `target` exists, with each of `members`."""
     def check():
         value = _resolve(target)
         missing = [m for m in members if not hasattr(value, m)]
@@ -129,8 +115,6 @@ _BACKUP_PATHS = ("_weights_path", "_training_metadata_path", "_prev_weights_path
                  "_prev_training_metadata_path")
 
 INTERNALS = (
-    # accumulate: Keras's data adapters and its loss scaling for distribution, as Keras's
-    # own fit uses them; an adapter of the package's own passed through as it is.
     takes((FIT,), f"{_ADAPTERS}:get_data_adapter", None, None, None, batch_size=None,
           shuffle=False, class_weight=None),
     mentions((FIT,), f"{_ADAPTERS}:get_data_adapter", "DataAdapter",
@@ -141,8 +125,7 @@ INTERNALS = (
     exists((FIT,), f"{_ADAPTERS}.data_adapter:DataAdapter", "get_tf_dataset", "num_batches",
            "batch_size", "has_partial_batch", "partial_batch_size", "on_epoch_begin",
            "on_epoch_end"),
-    # The model built from its data's spec (SpecBuilt), where Keras's fit and evaluate
-    # call _maybe_symbolic_build with their epoch iterator.
+    # SpecBuilt: fit and evaluate call _maybe_symbolic_build with their epoch iterator.
     takes((FIT,), "keras:Model._symbolic_build", None, data_batch=None),
     takes((FIT,), "keras:Model._maybe_symbolic_build", None, iterator=None, data_batch=None),
     mentions((FIT,), "keras:Model.fit", "_maybe_symbolic_build", why="SpecBuilt"),
@@ -151,8 +134,7 @@ INTERNALS = (
              "data_adapter", why="SpecBuilt reads the iterator's adapter"),
     has((FIT,), "keras:Model", lambda cls: cls(name=_PROBE), "_distribute_strategy",
         "_loss_tracker", "_compile_loss"),
-    # The compiled loss in parts (loss_parts, log_window): each of CompileLoss's flat
-    # losses swapped for a recorder, reduced as Loss.__call__ reduces it.
+    # loss_parts, log_window: CompileLoss's flat losses, reduced as Loss.__call__ reduces them.
     exists((FIT,), f"{_COMPILE_LOSS}.Loss", "loss", "loss_weights"),
     mentions((FIT,), f"{_COMPILE_LOSS}.call", "_flat_losses", why="loss_parts"),
     mentions((FIT,), f"{_COMPILE_LOSS}.build", "_flat_losses", why="loss_parts"),
@@ -166,23 +148,20 @@ INTERNALS = (
     exists((FIT,), "keras.src.tree", "flatten", "map_structure"),
     exists((FIT,), "keras.src.ops", "convert_to_tensor"),
     has((FIT,), "keras.callbacks:BackupAndRestore", lambda cls: cls(_PROBE), *_BACKUP_PATHS),
-    # Every TF2 path's apply (one_variable_at_a_time): Keras's TensorFlow
-    # optimizer calls update_step(gradient, variable, learning_rate), once per variable,
-    # through the attribute, so an instance's own update_step is the one called.
+    # one_variable_at_a_time: Keras's TensorFlow optimizer calls update_step(gradient, variable,
+    # learning_rate) per variable through the attribute, so an instance's own is called.
     takes((APPLY, FIT), "keras:optimizers.Optimizer.update_step", None, None, None, None),
     mentions((APPLY, FIT),
              "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
              "update_step", why="one_variable_at_a_time orders its calls"),
-    # The layers of a model, nested ones each once.
     takes((BATCH_NORM, BN_UPDATE, ACTIVITY), f"{_LAYERS}._flatten_layers", None,
           include_self=False),
     has((BATCH_NORM, BN_UPDATE), _BN, lambda cls: cls(name=_PROBE), "synchronized"),
-    # The window's batch-norm statistics: each pass's moments, captured in _moments.
+    # captured_moments: each pass's batch-norm moments, from _moments.
     takes((BN_UPDATE,), f"{_BN}._moments", None, None, None),
     mentions((BN_UPDATE,), f"{_BN}.call", "_moments", why="captured_moments"),
     has((BN_UPDATE,), _BN, lambda cls: cls(name=_PROBE), "_reduction_axes"),
-    # A pass's losses without the weights' regularization (without_weight_regularization):
-    # Layer.losses lists the layers' own losses first, the weights' after.
+    # without_weight_regularization: Layer.losses lists the layers' own losses, then the weights'.
     mentions((REGULARIZED,), f"{_LAYERS}.losses", "_get_own_losses",
              "_get_regularization_losses", why="without_weight_regularization"),
     # An activity regularizer's loss recorded apart: Layer.__call__ reads the attribute.
@@ -218,8 +197,7 @@ def require(*paths):
 
 
 def check_release(version, failed):
-    """Warns, once, where Keras `version` is not a release the tests pin (TESTED); what
-    runs is decided by the internals (`failed`: check_internals'), not the version."""
+    """Warns once where Keras `version` is outside TESTED; only the internals (`failed`) refuse."""
     match = re.match(r"(\d+)\.(\d+)", version)
     release = (int(match[1]), int(match[2])) if match else None
     if release is not None and TESTED[0] <= release <= TESTED[1]:
@@ -253,17 +231,14 @@ get_keras_mask = _internal("keras.src.backend.common.masking:get_keras_mask")
 loss_module = _internal("keras.src.losses.loss")
 
 def symbolic_build(model, data_batch):
-    """Builds a model's metrics and optimizer variables from one batch's spec, as fit
-    does from its first batch (Model._symbolic_build), in the model's strategy scope."""
+    """Builds the model's metrics and optimizer variables from `data_batch`'s spec, as fit does."""
     with model.distribute_strategy.scope():
         model._symbolic_build(data_batch=data_batch)
 
 
 class SpecBuilt:
-    """Mixin for a keras.Model: fit and evaluate build it from their data's element spec,
-    never from a batch. Keras's own build reduces the first distributed batch eagerly,
-    which fails under a MultiWorkerMirroredStrategy of several workers
-    (keras-team/keras#20585)."""
+    """Mixin for a keras.Model: fit and evaluate build it from their data's spec, not from a batch
+    that Keras reduces eagerly, which fails across workers (keras-team/keras#20585)."""
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         if self._distribute_strategy is None:  # as Keras: built as its functions trace
@@ -281,10 +256,8 @@ _WRITES = {keras.callbacks.ModelCheckpoint: ("filepath",),
 
 @contextlib.contextmanager
 def elsewhere(callbacks, directory):
-    """While the block runs, Keras's callbacks that write (ModelCheckpoint, TensorBoard,
-    BackupAndRestore) write under `directory` (made, and removed after): a worker that is
-    not the chief. A BackupAndRestore's directory is copied there first, so it restores
-    what the chief saved."""
+    """For a worker not the chief: while the block runs, Keras's callbacks in _WRITES write under
+    `directory` (made, then removed), a BackupAndRestore's copied there first to restore it."""
     saved = []
     for callback in callbacks:
         for kind, names in _WRITES.items():
@@ -320,10 +293,8 @@ def loss_tracker(model):
 
 
 def batch_norm_layers(model, per_update):
-    """The model's BatchNormalization layers (nested ones each once) whose moments the
-    window captures: all where the statistics step once per update, none otherwise.
-    ValueError for a layer the window cannot train: synchronized=True, or, where its
-    moments are captured, renorm=True or a subclass with its own `call` or `_moments`."""
+    """The model's BatchNormalization layers whose moments the window captures: all where
+    `per_update`, else none. Raises ValueError for a layer the window cannot train."""
     require(BN_UPDATE if per_update else BATCH_NORM)
     base = keras.layers.BatchNormalization
     found = []
@@ -352,10 +323,9 @@ def batch_norm_layers(model, per_update):
 
 @contextlib.contextmanager
 def captured_moments(layers, records):
-    """While the block runs the model forward: each layer's batch moments, appended to
-    `records` as (layer index, count, mean, variance) per call, counts and moments per
-    channel; masked values (a Keras mask) enter neither the normalization nor the
-    statistics, and an empty batch normalizes with zeros, not NaN."""
+    """While the block runs forward, `records` gets each call's (layer index, count, mean,
+    variance) per channel; masked values enter neither the normalization nor the moments; an
+    empty batch gives zeros, not NaN."""
     for index, layer in enumerate(layers):
         object.__setattr__(layer, "_moments", functools.partial(
             _moments, layer, type(layer)._moments.__get__(layer), index,
@@ -395,8 +365,7 @@ def _moments(layer, original, index, records, inputs, mask):
 
 @functools.cache
 def _activity_losses_are_means():
-    """Whether this Keras adds an activity regularizer's loss divided by the batch's rows
-    (3.14 on) or its raw sum (before): found once, on a batch of two rows."""
+    """Whether this Keras adds an activity regularizer's loss as a mean over rows (3.14 on)."""
     with tf.init_scope():  # eager, even while a step is traced
         layer = keras.layers.ActivityRegularization(l1=1.0, name="gradient_averaging_probe")
         layer(tf.ones([2, 1]))
@@ -405,18 +374,14 @@ def _activity_losses_are_means():
 
 
 def summed_activity(model):
-    """For the window step: None, or where `model` has layers whose activity regularizer
-    this Keras sums over the batch (summed_activity_layers), records -> the context
-    manager under which a forward pass records their losses apart."""
+    """None, or records -> the context manager recording summed_activity_layers' losses apart."""
     layers = summed_activity_layers(model)
     return functools.partial(activity_losses_apart, layers) if layers else None
 
 
 def summed_activity_layers(model):
-    """The layers of `model` (nested ones each once) whose activity regularizer this Keras
-    adds as a raw sum over the batch (before 3.14; from 3.14 a per-sample mean, weighed
-    as any loss): the direct batch adds the sum over all the window's samples, so the
-    window step sums these apart, a part divided by nothing."""
+    """The model's layers whose activity regularizer this Keras adds as a sum over the batch: the
+    direct batch adds the sum over the window's samples, so the window sums them undivided."""
     if _activity_losses_are_means():
         return []
     require(ACTIVITY)
@@ -426,9 +391,8 @@ def summed_activity_layers(model):
 
 @contextlib.contextmanager
 def activity_losses_apart(layers, records):
-    """While the block runs the model forward: each of `layers`' activity regularizer
-    losses appended to `records`, not added to the pass's losses (Keras's add_loss
-    receives a zero in its place), so the pass can differentiate them apart."""
+    """While the block runs the model forward, `layers`' activity losses go to `records`, a zero
+    to add_loss in their place, so the pass can differentiate them apart."""
     regularizers = [layer.activity_regularizer for layer in layers]
     for layer, regularizer in zip(layers, regularizers):
         object.__setattr__(layer, "activity_regularizer",
@@ -450,8 +414,7 @@ def _recorded(regularizer, records, output):
 
 
 def without_weight_regularization(model, losses):
-    """A pass's losses (stateless_call's, Layer.losses: the add_loss losses, then one
-    per trainable weight with a regularizer) without the weight regularization's."""
+    """A pass's losses (stateless_call's) without the weights' regularization losses."""
     require(REGULARIZED)
     regularized = sum(v.regularizer is not None for v in model.trainable_weights)
     return list(losses)[:len(losses) - regularized]
@@ -461,19 +424,15 @@ _SWAPPED = threading.Lock()
 
 
 def loss_parts(model, y, y_pred, sample_weight):
-    """The compiled loss (compile's `loss`, `loss_weights`) of one mini-batch as
-    window_step.Parts, one per output's loss, in the order of its flat losses: each
-    loss's numerator and divisor as Keras's Loss.__call__ reduces it (a mask on y_pred
-    or on the losses, sample weights, the reduction). Keras's CompileLoss matches the
-    outputs, labels and sample weights to the losses; its per-output loss metrics are
-    left as they are (log_window updates them once per window)."""
+    """One mini-batch's compiled loss as window.Parts, one per flat loss, in order: each one's
+    numerator and divisor as Loss.__call__ reduces it (masks, sample weights, the reduction).
+    Its per-output loss metrics are left alone (log_window updates them once per window)."""
     compile_loss = model._compile_loss
     if compile_loss is None:
         return []
     records = []
     flat = compile_loss._flat_losses
-    # Replicas trace one at a time (MirroredStrategy's threads take turns), the lock
-    # only guards against a caller's threads.
+    # For a caller's threads: a MirroredStrategy's replicas trace in turn.
     with _SWAPPED:
         compile_loss._flat_losses = [entry._replace(loss=functools.partial(
             _recorded_part, entry.loss, records)) for entry in flat]
@@ -493,9 +452,9 @@ def _recorded_part(loss, records, y_true, y_pred, sample_weight=None):
 
 
 def _part(loss, y_true, y_pred, sample_weight):
-    """(numerator, divisor, term) of one Keras loss: term "samples" where the divisor is
-    the samples times a number fixed by the shapes (folded into the numerator), None
-    where nothing divides, "own" otherwise (a mask, summed sample weights)."""
+    """(numerator, divisor, term) of one Keras loss: term SAMPLES where the divisor is the samples
+    times a count fixed by the shapes (folded into the numerator), None where nothing divides,
+    "own" otherwise (a mask, summed sample weights)."""
     samples = tf.shape(tree.flatten(y_pred)[0])[0]
     if (not isinstance(loss, loss_module.Loss)
             or type(loss).__call__ is not loss_module.Loss.__call__):
@@ -519,8 +478,7 @@ def _part(loss, y_true, y_pred, sample_weight):
         return value * tf.cast(samples, value.dtype), samples, window.SAMPLES
     if sample_weight is not None:
         sample_weight = ops.convert_to_tensor(sample_weight, dtype=dtype)
-    # The mask as a weight, unscaled: Keras scales it by total / valid under
-    # "sum_over_batch_size", which is the divisor below.
+    # The mask as an unscaled weight: Keras's scaling by total / valid is the divisor below.
     weights = loss_module.apply_mask(sample_weight, mask, values.dtype, reduction="sum")
     if weights is not None:
         weighted, weights = loss_module.squeeze_or_expand_to_same_rank(
@@ -545,11 +503,9 @@ def _part(loss, y_true, y_pred, sample_weight):
 
 
 def log_window(model, loss, part_values, samples):
-    """Replica context: the window's loss, and each output's (part_values, weighted by
-    compile's loss_weights, in the order of loss_parts), into fit's logs as Keras logs a
-    batch's: the loss weighed by the samples, each output's unweighted loss once per
-    window (Keras weighs a batch's by its static size, which a batch of fit's data, its
-    last one partial, does not have)."""
+    """Replica context: logs the window's loss weighed by its samples (Keras weighs by a batch's
+    static size, which fit's partial last batch lacks), and once per window each output's
+    (`part_values`, weighted by loss_weights, in loss_parts' order), unweighted."""
     loss_tracker(model).update_state(loss, sample_weight=samples)
     compile_loss = model._compile_loss
     if compile_loss is None or len(compile_loss.metrics) < 2:
@@ -565,12 +521,10 @@ def log_window(model, loss, part_values, samples):
 
 @contextlib.contextmanager
 def one_variable_at_a_time(optimizer):
-    """Within the block, `optimizer` (a LossScaleOptimizer's inner one) updates its
-    variables one after another: each gradient waits for the previous variable's new
-    value. A window's gradients all exist as its apply starts, so otherwise several
-    updates run at once, each with temporaries the size of its variable. A strategy's
-    replicas enter at once, in threads, and Keras updates once, in a merge call they
-    all wait in: the first to enter patches, the last to leave restores."""
+    """Within the block, `optimizer` (or its inner one) updates variables one after another: the
+    window's gradients all exist at apply, so updates would overlap, each with variable-sized
+    temporaries. Replicas enter together (threads, one merge call): first in patches, last out
+    restores."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     with _ORDERED:
         if not _ORDERED_DEPTH.get(id(inner)):
