@@ -1,16 +1,8 @@
-"""The micro-batch that fits: the largest mini-batch size B (per replica) whose window
-step the device's memory holds, for an effective batch E trained as N = ceil(E / B)
-mini-batches, the last one E - (N-1) B.
-
-One search, before training, for every path (find_micro_batch; tf1.find_micro_batch
-gives it the graph's trials): trial passes of training's own add on the first batch, the
-update measured once, every variable a trial may change put back bit for bit. Peaks are
-measured (the allocator's), approached from below (an out-of-memory error costs the
-allocator's wait), and kept under the budget less a margin (Search). Under several
-workers all take the smallest B any found (agreed). Training then runs plain windows of
-B; one that runs out of memory all the same is trained again at half B, on one replica
-(EffectiveWindows): the update does not depend on how a window is cut.
-"""
+"""The micro-batch that fits: the largest mini-batch size B per replica whose window step the
+device's memory holds, for an effective batch E trained as N = ceil(E / B) mini-batches. One
+search before training, every path's (tf1's too), approaches the peaks from below (an
+out-of-memory error costs the allocator's wait). A window out of memory in training is trained
+again at half B: the update does not depend on how a window is cut."""
 
 import collections
 import logging
@@ -25,13 +17,11 @@ from gradient_averaging import device as device_lib
 from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
-# The search stops when the smallest size that does not fit is within TOLERANCE of the
-# largest that does (OOM_NEAR where it ran out of memory), or after MOST_TRIALS.
+# The search stops when the smallest size over is within TOLERANCE of the largest that fits
+# (OOM_NEAR where it ran out of memory), or after MOST_TRIALS.
 TOLERANCE, OOM_NEAR, MOST_TRIALS = 0.05, 0.25, 20
 GRID_FIRST = 8  # under XLA, the size tried after one sample
-# Sizes double up to DOUBLING (a slope read over smaller spans is mostly the allocator's
-# rounding); past it, the slope alone says how far to go.
-DOUBLING = 16
+DOUBLING = 16  # below it sizes at most double: a slope over shorter spans is mostly rounding
 
 
 class MicroBatch(collections.namedtuple(
@@ -39,13 +29,9 @@ class MicroBatch(collections.namedtuple(
                        "replicas", "peak", "update_peak", "budget", "margin", "trials",
                        "traces", "seconds", "out_of_memory", "predicted"],
         defaults=(1, None, None, None, None, (), None, None, (), False))):
-    """How E (`effective_batch`) is cut on `replicas` replicas: B per replica
-    (`micro_batch_size`), N (`average_gradients`), the last mini-batch's samples (all
-    replicas'). Where B was found: the peaks at B and of the update (bytes), the budget
-    and margin, the trials as (size, peak or None where it ran out of memory), the trial
-    add's traces, the search's seconds; `predicted`: the peak at B is extrapolated, not
-    measured (Search.next_size). `out_of_memory`: the micro-batches that ran out of memory
-    in training, each then halved (EffectiveWindows). str: describe's line."""
+    """How E (`effective_batch`) is cut: B per replica (`micro_batch_size`), N
+    (`average_gradients`), the last mini-batch's samples, all replicas' (`last`). `trials`: (size,
+    peak or None: out of memory); `predicted`: the peak at B extrapolated, not measured."""
 
     __slots__ = ()
 
@@ -53,11 +39,9 @@ class MicroBatch(collections.namedtuple(
         return describe(self)
 
 
-# A trainer's trial_window: training's add(batch, size) (the batch cut into mini-batches
-# of `size` per replica), the window step, the variables a trial may change, the samples
-# a trial of one per replica takes (passes at once, x replicas where add splits), and
-# training's apply() -> (applied, ...): its own functions, so that the trials' traces are
-# training's.
+# A trainer's trial_window: training's own add(batch, size per replica), window step and
+# apply() -> (applied, ...), so the trials' traces are training's; `state`: the variables a
+# trial may change; `group`: the samples a trial of one takes (x replicas where add splits).
 Trial = collections.namedtuple("Trial", ["add", "window", "state", "group", "apply"])
 
 
@@ -72,16 +56,14 @@ class NothingFits(ValueError):
 
 
 class OutOfMemory(tf.errors.ResourceExhaustedError):
-    """The device ran out of memory where training does not try again (a window's
-    update, or under several replicas); its message is one line that says why."""
+    """Out of memory where training does not retry: an update, or under several replicas."""
 
     def __init__(self, message):
         super().__init__(None, None, message)
 
 
 def plan(effective_batch, micro_batch_size, replicas=1, **found):
-    """The MicroBatch of E cut into mini-batches of B per replica (B at most a replica's
-    share of E); `found` fills the search's fields."""
+    """The MicroBatch of E cut into B per replica (at most a replica's share of E)."""
     effective_batch = arguments.check_effective_batch(effective_batch)
     size = arguments.check_micro_batch_size(micro_batch_size)
     if size == "auto":
@@ -121,24 +103,19 @@ def describe(found):
 
 
 def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None, spec=None):
-    """The largest micro-batch B (per replica) whose window step fits, for updates of E:
-    trials on `sample` before training, the trainer left bit for bit as found.
+    """The largest micro-batch B per replica whose window step fits, for updates of E samples
+    (all replicas'): trials on `sample` before training, the trainer left bit for bit as found.
 
     Args:
-      trainer: a tf2 accumulator, or an AccumulatingModel fit has built: its
-        trial_window(spec) gives the Trial.
-      sample: one batch as training gets it: a trial of B takes its first B, repeated
-        where it holds fewer; one effective batch of it stays on the device meanwhile.
-      effective_batch: E, the samples of one update (all replicas').
-      budget: bytes of device memory to use; None: device.device_memory(), each replica's.
+      trainer: a tf2 accumulator, or an AccumulatingModel fit has built.
+      sample: one batch as training gets it; a trial of B takes its first B, repeated where
+        it holds fewer; one effective batch of it stays on the device meanwhile.
+      budget: bytes of device memory, each replica's; None: device.device_memory().
       margin: the budget's fraction kept free; None: device.default_margin.
-      spec: the batches' spec (a dataset's element spec); None: `sample`'s.
+      spec: the batches' element spec; None: `sample`'s.
 
-    Returns a MicroBatch. Raises ValueError (bad arguments, a device whose memory or peak
-    cannot be read), NothingFits (one sample per replica, or the update, needs more than
-    the budget less its margin; the line says what it needs), WorkerFailed (another
-    worker failed in the search, a collective in flight).
-    """
+    Returns a MicroBatch. Raises ValueError (a device's memory or peak unknown), NothingFits (one
+    sample per replica, or the update, is over the budget less its margin), WorkerFailed."""
     effective_batch = arguments.check_effective_batch(effective_batch)
     margin = arguments.check_margin(margin)
     start = time.perf_counter()
@@ -155,8 +132,7 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
         try:
             largest_that_fits(trials.peak, trials.update, search)
         except BaseException:
-            # Under several workers the restore's collectives would wait for workers
-            # still in the update's: the error ends this worker, and so theirs.
+            # Several workers: a restore's collectives would wait on workers still in the update's
             if not several:
                 trials.restore()
             raise
@@ -178,9 +154,7 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
 
 
 def agreed(strategy, found):
-    """`found` cut at the smallest micro-batch any worker of `strategy` found (a
-    collective, run by every worker after its search): every worker must cut a batch
-    alike, and each searched its own devices."""
+    """`found` cut at the smallest B any worker found: all workers must cut a batch alike."""
     @tf.function
     def smallest():
         sizes = strategy.run(lambda: tf.constant([found.micro_batch_size], tf.int32))
@@ -197,9 +171,7 @@ def agreed(strategy, found):
 
 
 def largest_that_fits(peak_at, update, search):
-    """Runs `search` on trials apart from training, returned done (found(): the B):
-    peak_at(1), update(), then peak_at of the sizes it asks for; each a peak, None where
-    it ran out of memory. NothingFits: one sample, or the update, does not fit."""
+    """Runs `search` to the end on peak_at(size) and update(), each a peak (None: out of memory)."""
     search.record(1, peak_at(1))
     search.record_update(update())
     while (size := search.next_size()) is not None:
@@ -208,16 +180,8 @@ def largest_that_fits(peak_at, update, search):
 
 
 class Search:
-    """The sizes and peaks of a search: which size to try next (next_size), until the
-    largest size whose peak fits under the budget less its margin is known.
-
-    Attributes:
-      trials: (size, peak bytes or None where it ran out of memory) per trial.
-      fits, over: size -> peak of the sizes under the limit and of the others.
-      update_peak: the largest peak of the updates measured, or None.
-      devices: the devices whose peaks it reads (Search.on: the strategy's).
-      start: perf_counter() when the search began (its caller's set-up included).
-    """
+    """Which size to try next until the largest whose peak fits under `limit` (the budget less its
+    margin) is known; `fits`, `over`: size -> peak of the sizes under the limit and the others."""
 
     def __init__(self, effective_batch, budget, margin, replicas=1, devices=None, xla=False):
         self.effective_batch, self.replicas = effective_batch, replicas
@@ -227,13 +191,12 @@ class Search:
         self.fits, self.over, self.trials = {}, {}, []
         self.update_peak, self.start = None, time.perf_counter()
         self.predicted = None  # the peak predicted at `most`, taken untried
-        self.workers = 1  # the worker processes whose updates run in step (Search.on)
+        self.workers = 1  # the worker processes whose updates run in step
         self.grid = grid(self.most) if xla else None
 
     @classmethod
     def on(cls, strategy, effective_batch, budget=None, margin=None, xla=False):
-        """The search for E on `strategy`'s devices (under several workers, this
-        worker's own: find_micro_batch agrees), as on_devices."""
+        """The search for E on `strategy`'s devices (this worker's own), as on_devices."""
         search = cls.on_devices(device_lib.devices_of(strategy), effective_batch, budget,
                                 margin, strategy.num_replicas_in_sync, xla)
         search.workers = replicas_lib.workers(strategy)
@@ -242,9 +205,8 @@ class Search:
     @classmethod
     def on_devices(cls, devices, effective_batch, budget=None, margin=None, replicas=1,
                    xla=False):
-        """The search for E on `devices`, checked: allocators that keep statistics, a
-        budget (None: the smallest device's memory), a margin (None: the largest
-        device.default_margin of theirs). `xla`: a program per size, the sizes on grid(E)."""
+        """The search for E on `devices`, checked; budget None: the smallest device's memory;
+        margin None: the largest default_margin of theirs; `xla`: the sizes on grid(E)."""
         effective_batch = arguments.check_effective_batch(effective_batch)
         margin = arguments.check_margin(margin)
         device_lib.check_statistics(devices)
@@ -255,10 +217,9 @@ class Search:
 
     @property
     def hold(self):
-        """The bytes a trial holds on each device: under XLA the margin's, else none.
-        XLA's temporaries are one buffer, which the BFC allocator may hand a whole free
-        chunk, counted whole (a peak that reads the device full); with the margin held a
-        need up to the limit reads at most the limit, and one over it runs out."""
+        """The bytes held on each device in a trial: under XLA the margin's, else 0. XLA's
+        temporaries are one buffer the BFC allocator may hand a whole free chunk (a peak that
+        reads the device full); with the margin held a need up to the limit reads at most it."""
         return self.budget - int(self.limit) if self.grid else 0
 
     @property
@@ -267,9 +228,7 @@ class Search:
         return max(self.fits, default=0)
 
     def next_size(self):
-        """The next size to try, or None where the search is done: the sizes either side
-        of the limit close enough (the largest worth trying tried, where nothing was
-        over), or MOST_TRIALS tried."""
+        """The next size to try, or None where the search stops (TOLERANCE, MOST_TRIALS)."""
         if not self.fits:
             return 1
         largest, too_large = self.largest, min(self.over, default=self.most + 1)
@@ -278,8 +237,7 @@ class Search:
         if len(self.trials) >= MOST_TRIALS:
             return None
         if too_large - largest <= max(1, near * largest):
-            # Nothing over the limit: the largest worth trying, so that a whole share
-            # of E is one mini-batch where it fits.
+            # Nothing over: try `most`, so a whole share of E is one mini-batch where it fits
             if not largest < self.most < too_large:
                 return None
             self.predicted = self._predicted_peak_of_most()
@@ -292,12 +250,9 @@ class Search:
         return None if self.predicted else size
 
     def _predicted_peak_of_most(self):
-        """The peak the largest size worth trying is taken at untried, or None where it
-        must be tried: nothing was over the limit, a size of at least half of it fit, and
-        the steepest slope from there puts its peak at most halfway from the highest
-        peak to the limit (_guess's aim; the other half for what the slope misses, and
-        training's retry for the rest). A trial there would cost a whole share of E's
-        passes, discarded."""
+        """The peak `most` is taken at untried (its trial costs a share of E's passes), or None
+        where it must be tried: something was over, no size of half of it fit, or the slope
+        puts it over halfway from the highest peak to the limit (half for what it misses)."""
         largest = self.largest
         if self.over or 2 * largest < self.most:
             return None
@@ -306,8 +261,7 @@ class Search:
         return peak if peak <= highest + (self.limit - highest) / 2 else None
 
     def record(self, size, peak):
-        """A trial's peak (None where it ran out of memory); NothingFits where one sample
-        does not fit."""
+        """Records a trial's peak (None: out of memory); NothingFits where one sample is over."""
         self.trials.append((size, peak))
         if peak is not None and peak <= self.limit:
             self.fits[size] = peak
@@ -318,8 +272,7 @@ class Search:
                                             self.margin))
 
     def record_update(self, peak):
-        """An update's peak (None where it ran out of memory); NothingFits where it does
-        not fit."""
+        """Records an update's peak (None: out of memory); NothingFits where it is over."""
         if peak is None or peak > self.limit:
             line = _nothing_fits("the update (the optimizer's apply)", peak, self.budget,
                                  self.margin)
@@ -343,7 +296,6 @@ class Search:
 
 
 def _nothing_fits(what, peak, budget, margin):
-    """The line for a step that does not fit even with one sample."""
     mib = device_lib.MIB
     needs = ("ran out of the device's memory" if peak is None
              else f"peaks at {peak / mib:.1f} MiB on the device")
@@ -353,26 +305,22 @@ def _nothing_fits(what, peak, budget, margin):
 
 
 def _slope(fits, largest):
-    """The steepest slope of the peak measured from a size at most half the largest
-    (over such spans an allocator's rounding of one tensor is small), or 0."""
+    """The peak's steepest slope to the largest from a size at most half it, or 0."""
     return max(((fits[largest] - fits[size]) / (largest - size)
                 for size in fits if 2 * size <= largest), default=0)
 
 
 def _guess(fits, over, most, limit):
-    """The next size, above the largest that fits and below the smallest that does not,
-    at least TOLERANCE above the first. Until a size is too large: where the peak would
-    come halfway from the largest peak yet to the limit at the steepest slope, at most
-    twice the largest below DOUBLING (an overshoot costs the allocator's wait), and at
-    most half of `most` until one that large fit (Search._most_predicted). Then halfway
-    between (the peak is a step function of the size there)."""
+    """The next size, at least TOLERANCE above the largest that fits and below the smallest over:
+    until one is over, where the slope puts the peak halfway to the limit (at most double below
+    DOUBLING, at most half `most` until that fit); then halfway between (a step function there)."""
     largest, too_large = max(fits), min(over, default=most + 1)
     if too_large > most:
         guess, slope = 2 * largest, _slope(fits, largest)
         if slope > 0:  # from the highest peak: a smaller size's, where this one read low
             aim = largest + math.floor((limit - max(fits.values())) / 2 / slope)
             guess = min(guess, aim) if largest < DOUBLING else aim
-        if 2 * largest < most:  # half of the largest worth trying, which it predicts
+        if 2 * largest < most:  # half of `most` first: from there its peak is predicted
             guess = min(guess, -(-most // 2))
     else:
         guess = (largest + too_large) // 2
@@ -381,9 +329,8 @@ def _guess(fits, over, most, limit):
 
 
 def grid(most):
-    """The sizes a search tries where each is a program compiled (XLA): 1 to 8, then
-    four an octave (m x 2^k, m in 4..7: each at most 1.25 times the one before, so the
-    largest that fits of them is over 80% of the largest that fits), and `most`."""
+    """The sizes tried under XLA (a compilation each): 1 to 8, m x 2^k for m in 4..7 (each
+    at most 1.25 times the one before: within 80% of the largest that fits), and `most`."""
     sizes, k = {most, *range(1, min(most, 8) + 1)}, 1
     while 4 << k <= most:
         sizes.update(m << k for m in (4, 5, 6, 7) if m << k <= most)
@@ -392,10 +339,8 @@ def grid(most):
 
 
 def _grid_guess(fits, over, most, limit, sizes):
-    """_guess on the grid `sizes` (XLA), or None where no size is between. Until a size
-    is too large: the largest at most where the steepest slope meets the limit itself
-    (each size costs a compilation), at most twice the largest or GRID_FIRST; then the
-    middle one between."""
+    """_guess on the grid `sizes` (None: none between): until one is over, the largest where the
+    slope meets the limit itself, at most double or GRID_FIRST; then the middle one between."""
     largest, too_large = max(fits), min(over, default=most + 1)
     between = [size for size in sizes if largest < size < too_large]
     if not between:
@@ -420,9 +365,7 @@ def _sized(batch, size):
 
 
 class _Trials:
-    """A search's trials on one trainer (a Trial): training's add on `held`, into an
-    empty window then discarded; the update measured once; every variable a trial may
-    change copied to the host first (the device holds nothing more) and put back."""
+    """Trials on a Trial; what a trial may change is saved on the host (not the device)."""
 
     def __init__(self, trial, held, search):
         self.trial, self.held, self.search = trial, held, search
@@ -437,8 +380,7 @@ class _Trials:
         self.trial.add(_sized(self.held, size * self.trial.group), tf.constant(size, tf.int32))
 
     def peak(self, size):
-        """The peak of `size` samples per replica (None: out of memory), after a first
-        call apart (it sets the function up: Grappler allocates)."""
+        """The peak of `size` per replica (None: out of memory), after a first call apart."""
         if not self._warm:
             device_lib.measured_peak(lambda: self._add(1), self.search.devices)
             self._discard()
@@ -449,8 +391,7 @@ class _Trials:
         return peak
 
     def update(self):
-        """The update's peak on a window of one sample (None where it ran out of
-        memory), at its second call (the first sets it up); then everything put back."""
+        """The update's peak (None: out of memory) on a one-sample window, at its second call."""
         several, applied = self.search.workers > 1, []
         try:
             self._add(1)
@@ -464,8 +405,7 @@ class _Trials:
                 self.restore()
             raise
         if peak is None and several:
-            # Its collectives were in flight: other workers may wait in them, where the
-            # restore's own would wait for theirs (find_micro_batch).
+            # collectives in flight: no restore (find_micro_batch)
             return peak
         self.restore()
         if applied == [False]:  # skipped (check_finite): the optimizer did not run
@@ -474,17 +414,15 @@ class _Trials:
         return peak
 
     def restore(self):
-        """Discards the open window, and writes every saved variable's value back."""
+        """Discards the open window and writes every saved value back."""
         self._discard()
         put_back(self.strategy, self._saved)
 
 
 def put_back(strategy, saved):
-    """Writes each (variable, host value) of `saved` into the buffer the variable holds,
-    each component of a distributed one, one after another. An assign would move the
-    variable into the value's buffer, wherever the allocator placed it: weights and
-    optimizer slots so moved after a search's trials split the device's free memory,
-    and a size the search found no longer fit in training (window.assign_in_place)."""
+    """Writes each (variable, host value) into the variable's own buffer, component by
+    component: an assign would move it into the value's buffer, and weights and slots so moved
+    split the device's free memory, so that a size the search found no longer fit."""
     with strategy.scope():
         for variable, value in saved:
             inner = variable if isinstance(variable, tf.Variable) else variable.value
@@ -499,19 +437,13 @@ def put_back(strategy, saved):
 
 
 class EffectiveWindows:
-    """Each effective batch added to the open window as mini-batches of B (every TF2
-    path's training with a micro-batch), trained again at half B where it runs out of
-    memory, which the rest of the run keeps (one warning line each time): the update
-    does not depend on how a window is cut. The variables a pass may change beside the
-    window's own (`state`: batch-norm statistics, seed generators, metrics, totals) are
-    copied to the host before each window and put back before the retry. Not tried
-    again (one line, OutOfMemory): the update (weights and optimizer change only
-    there), and anything under several replicas (it aborts the collectives)."""
+    """Adds each effective batch as mini-batches of B (every TF2 path), at half B from then on where
+    one runs out of memory; `state` (batch-norm statistics, seeds, metrics) is saved on the host
+    before each window for a retry. Not retried (OutOfMemory): an update, or several replicas."""
 
     def __init__(self, add, window, state):
-        """`add(batch, size)`: adds the effective batch to the open window as mini-batches
-        of `size` per replica (an int32 scalar tensor: halving traces nothing again),
-        returns the mini-batches; `window`: the window step it adds to."""
+        """`add(batch, size)` adds the batch to the open window as mini-batches of `size` per
+        replica (an int32 tensor: halving traces nothing new) and returns how many."""
         self.add_batch, self.window = add, window
         self.state = list({id(v): v for v in state}.values())
         self._discard = tf.function(window.discard)
@@ -523,9 +455,7 @@ class EffectiveWindows:
             return [tf.identity(v) for v in self.state]
 
     def add(self, batch, found):
-        """Adds `batch` as mini-batches of found's B. Returns (the mini-batches, `found`,
-        or found with B halved where one ran out of memory). NothingFits: one sample ran
-        out of memory; OutOfMemory: a mini-batch did, under several replicas."""
+        """Adds `batch`; returns (the mini-batches, `found` or, where one ran out, B halved)."""
         if self.window.strategy.num_replicas_in_sync > 1:
             try:
                 return self._added(batch, found), found
@@ -551,8 +481,7 @@ class EffectiveWindows:
         return int(self.add_batch(batch, tf.constant(found.micro_batch_size, tf.int32)))
 
     def apply(self, apply):
-        """Runs `apply` (the window's update) and returns what it returns; OutOfMemory
-        where it ran out of memory (the weights and optimizer may be partly updated)."""
+        """Runs the window's update `apply`; OutOfMemory where it runs out (partly applied)."""
         try:
             return apply()
         except device_lib.DEVICE_ERRORS as error:
@@ -566,8 +495,7 @@ class EffectiveWindows:
 
 
 def _halved(found, batch):
-    """`found` with half the micro-batch that ran out of memory on `batch` (at most its
-    samples), said in one warning line; NothingFits where that was one sample."""
+    """`found` with half the B that ran out of memory on `batch`; NothingFits where B was 1."""
     first = tf.nest.flatten(batch)[0]
     samples = int(tf.shape(first)[0])
     ran_out = min(found.micro_batch_size, samples)
