@@ -1,9 +1,5 @@
-"""The device's memory, as the micro-batch search reads it: its size (device_memory),
-the margin kept free (default_margin), a run's peak (measured_peak) and whether an
-error says the memory ran out (is_out_of_memory). The CPU stands in for a GPU under
-TensorFlow's BFC allocator with a limit (CPU_BFC_ENV, CPU_LIMIT_ENV, set before
-TensorFlow starts), as one region where reserve_cpu_memory ran.
-"""
+"""The device's memory as the micro-batch search reads it; the CPU stands in for a GPU under the
+BFC allocator with a limit (CPU_BFC_ENV, CPU_LIMIT_ENV, set before TensorFlow starts)."""
 
 import os
 import re
@@ -11,20 +7,16 @@ import subprocess
 
 import tensorflow as tf
 
-# The default margin (the budget's fraction kept free): more where the allocator grows
-# by regions that double (the CPU's BFC allocator unless reserve_cpu_memory made it one
-# region; a GPU's with memory growth): it runs out well before its limit.
+# Default margins: more where the allocator grows by doubling regions (the CPU's, unless
+# reserve_cpu_memory ran; a GPU's with memory growth): it runs out well before its limit.
 MARGIN, GROWING_MARGIN = 0.1, 0.25
 MIB = 1 << 20
 RESERVE_SLACK_MB = 4  # reserve_cpu_memory's region: the CPU's limit less this
 CPU_BFC_ENV, CPU_LIMIT_ENV = "TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB"
-# An allocation failure that is not a ResourceExhaustedError (cuBLAS's, cuDNN's, the
-# CUDA driver's, raised as InternalError or UnknownError) says so in its text.
+# The out-of-memory text of cuBLAS, cuDNN and the driver (raised as InternalError, UnknownError)
 OUT_OF_MEMORY_TEXT = re.compile(r"\bOOM\b|out of memory|ALLOC_FAILED", re.IGNORECASE)
 DEVICE_ERRORS = (tf.errors.ResourceExhaustedError, tf.errors.InternalError,
                  tf.errors.UnknownError)
-# Whether reserve_cpu_memory made this process's CPU allocator one region: a fact of the
-# process, as lasting as TensorFlow's allocator; default_margin reads it.
 _cpu_one_region = False
 
 
@@ -52,11 +44,8 @@ def cpu_runs_bfc():
 
 
 def device_memory(device=None):
-    """The device's memory in bytes: on the CPU the BFC allocator's limit
-    (CPU_BFC_ENV=true, CPU_LIMIT_ENV=M MiB); on a GPU its logical device's memory limit,
-    else its total as NVIDIA's driver says (NVML, else nvidia-smi; the GPU found through
-    CUDA_VISIBLE_DEVICES). `device`: "GPU:0", "CPU:0", a full name; None: the first GPU,
-    else the CPU. ValueError where it cannot be read, saying how to give a budget."""
+    """The device's memory in bytes: the CPU's BFC limit, a GPU's logical memory limit or else its
+    total (NVML, nvidia-smi); `device` None: the first GPU, else the CPU. ValueError: unknown."""
     name = _short_name(device)
     kind, index = name.split(":")
     if kind == "CPU":
@@ -79,11 +68,9 @@ def device_memory(device=None):
 
 
 def reserve_cpu_memory(megabytes=None):
-    """Makes the CPU's BFC allocator hold its memory as one region, as a GPU's is held,
-    so that it runs out of memory at its limit (not where its next region, twice the
-    last, does not fit); default_margin is then MARGIN there. Call it before TensorFlow
-    allocates on the CPU. `megabytes`: the region's MiB; None: the limit less
-    RESERVE_SLACK_MB. ValueError: the CPU's allocator is not BFC, or no size is known."""
+    """Makes the CPU's BFC allocator one region, as a GPU's, so it runs out at its limit (not
+    where its next doubled region does not fit); call before TensorFlow allocates on the CPU.
+    `megabytes`: None: the limit less RESERVE_SLACK_MB. ValueError: the allocator is not BFC."""
     if not cpu_runs_bfc():
         raise ValueError(f"the CPU's allocator grows no regions to reserve: set "
                          f"{CPU_BFC_ENV}=true before TensorFlow starts")
@@ -96,9 +83,7 @@ def reserve_cpu_memory(megabytes=None):
 
 
 def default_margin(device=None):
-    """The margin kept free on `device` where none is given: GROWING_MARGIN where its
-    allocator grows (the CPU's, unless reserved; a GPU with memory growth), else
-    MARGIN."""
+    """`device`'s margin where none is given: GROWING_MARGIN where its allocator grows."""
     kind, index = _short_name(device).split(":")
     if kind == "GPU":
         physical, _ = _gpu_of_logical(int(index))
@@ -135,7 +120,7 @@ def _nvidia_total(physical):
             return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
         finally:
             pynvml.nvmlShutdown()
-    except Exception:  # NVML absent or failing in any way: nvidia-smi next
+    except Exception:  # NVML absent or failing: nvidia-smi next
         pass
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
@@ -167,9 +152,7 @@ def devices_of(strategy):
 
 
 def measured_peak(run, devices, hold=0):
-    """run()'s peak in bytes, the largest over the devices, or None where it ran out of
-    memory (another error is raised). `hold`: bytes held on each device meanwhile
-    (Search.hold), not counted; None where they do not fit."""
+    """run()'s peak in bytes over the devices, None: out of memory; `hold` a device not counted."""
     held = []
     try:
         for device in devices if hold else ():
@@ -192,5 +175,4 @@ def _reset_peaks(devices):
 
 
 def _peak(devices):
-    """The largest peak over the devices since their last reset, in bytes."""
     return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
