@@ -1,10 +1,6 @@
-"""Batch statistics under accumulation: the moving statistics of the layers that keep
-them (Keras's BatchNormalization), one step per update on the window's moments.
-
-A layer kind that keeps batch statistics is supported by `_keras_src.batch_norm_layers`
-(which finds the layers, by type) and `_keras_src.captured_moments` (which records each
-call's moments): docs/batch-norm.md says how to add one.
-"""
+"""Batch norm's moving statistics under accumulation, one step per update on the window's
+moments. A layer kind is added in `_keras_src.batch_norm_layers` (finds the layers) and
+`_keras_src.captured_moments` (records each call's moments): see docs/batch-norm.md."""
 
 import collections
 import logging
@@ -17,24 +13,17 @@ from gradient_averaging import window as window_lib
 
 
 class BatchStatistics:
-    """A model's BatchNormalization layers under accumulation: their moving statistics.
-
-    With bn_statistics="update" (the default) a layer in training mode takes one
-    moving-average step per update, on the mean and (biased) variance of every value the
-    window reduced for it, as the direct batch computes them: each mini-batch's moments
-    are kept as float64 sums, around the moving mean (count, sum and sum of squares of
-    x - moving mean, so no large numbers cancel), added across mini-batches and, under a
-    tf.distribute strategy, across replicas (one all-reduce per update), and merged
-    once. A layer called twice in a forward pass steps twice, in order. A skipped window
-    leaves them as they were. The normalization inside each forward pass stays that of
-    the mini-batch (of the replica's share): one pass cannot know the window's.
-    "mini_batch" is Keras's own behaviour: a step per mini-batch on its moments.
-    """
+    """A model's BatchNormalization layers' moving statistics. bn_statistics="update": one step
+    per update (per call, in order), on the mean and biased variance of all the window's values,
+    as the direct batch computes them: float64 count, sum and sum of squares of x - moving mean
+    (so no large numbers cancel), summed over mini-batches and replicas (one all-reduce). A
+    skipped window leaves them. A pass normalizes by its own (replica's) mini-batch: it cannot
+    know the window's. "mini_batch": Keras's own, a step per mini-batch."""
 
     def __init__(self, model, bn_statistics="update"):
         self.per_update = arguments.check_bn_statistics(bn_statistics) == "update"
         self.layers = []
-        # Only a model with batch norm needs Keras's internals (_keras_src checks them).
+        # Only a model with batch norm needs Keras's internals (_keras_src checks them)
         if any(v.name in ("moving_mean", "moving_variance")
                for v in model.non_trainable_variables):
             from gradient_averaging import _keras_src
@@ -52,12 +41,12 @@ class BatchStatistics:
 
     @property
     def size(self):
-        """The flat float64 vector of a window's sums: count, sum, sum of squares per call
-        and channel, then per layer the mini-batches that gave it one value a channel."""
+        """The length of a window's float64 sums: count, sum, sum of squares per call and channel,
+        then per layer the mini-batches that gave it one value a channel."""
         return sum(3 * channels for _, channels in self.keys) + len(self.layers)
 
     def capture(self, moments):
-        """While the block runs a forward pass: its layers' moments, into `moments`."""
+        """A context: the forward pass inside it appends its layers' moments to `moments`."""
         return self._internals.captured_moments(self.layers, moments)
 
     def held(self, before, after):
@@ -71,8 +60,7 @@ class BatchStatistics:
         return [tf.cast(non_trainable[i], tf.float64) for i in self._shift_positions]
 
     def discover(self, model, weights, non_trainable, x):
-        """Learns the calls a forward pass makes (`keys`), from a pass traced on `x` whose
-        results are never used."""
+        """Learns the calls a forward pass makes (`keys`) from a pass traced on `x`, unused."""
         if self.keys is not None or not self.layers:
             return
         moments = []
@@ -102,13 +90,8 @@ class BatchStatistics:
         return total + tf.concat(parts + [tf.cast(tf.stack(single), tf.float64)], 0)
 
     def end_window(self, total, move):
-        """Cross-replica, once per window, from its sums (all replicas'): per update, one
-        moving-average step per call where `move` (a bool tensor) says the window counts.
-
-        Returns:
-          the window's count, per layer, of mini-batches that gave it one value a channel
-          (for warn_single_values).
-        """
+        """Once per window, cross-replica, on all replicas' sums: the steps where `move` (a bool
+        tensor) holds; returns the per-layer single-value counts for warn_single_values."""
         if self.per_update:
             self._step(total, move)
         return total[self.size - len(self.layers):]
@@ -128,7 +111,7 @@ class BatchStatistics:
         finite = window_lib.all_finite([total])
 
         def assign():
-            for index, seen, mean, variance in steps:  # in call order: a step per call
+            for index, seen, mean, variance in steps:  # in call order
                 layer = self.layers[index]
                 for variable, value in ((layer.moving_mean, mean),
                                         (layer.moving_variance, variance)):
