@@ -1,33 +1,20 @@
 """Gradient accumulation in a TF2 training loop: your own Keras model, dataset and loss.
 
-The same update as the post's TF1 mechanism (`trainer.py` in the checkout), written the
-TF2 way:
-
     with strategy.scope():                       # optional: tf.distribute
         model = make_model()
         optimizer = keras.optimizers.Adam(1e-3)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=8)
 
-Two classes train a window of N mini-batches, to the same weights (bit for bit), both on
-the one window step (window_step.WindowStep: sums in place, the vote, the apply):
-  * `WindowAccumulator`, one compiled call per window (`fit_accumulated`'s default): a
-    loop inside the call hands the window's mini-batches to the step one at a time,
-    taken from a tf.data iterator (`fit`) or from a stacked window (`apply_stacked`).
-  * `MiniBatchAccumulator`, one call per mini-batch, for loops that need Python between
-    mini-batches (or your own `train_step`): `accumulate` adds a mini-batch, `apply`
-    applies the window.
-Each mini-batch adds the gradient of the SUM of its per-sample losses; the window's sum
-divided by its samples is applied, exactly the gradient of the mean loss over every
-sample of the window, whatever the sizes of its mini-batches (a short last one, a partial
-window). The model runs on its weights' values (`stateless_call`); its other state
-(dropout's seed generators) is written back after each mini-batch.
-
-Under a `tf.distribute` strategy each mini-batch is the GLOBAL one, and replica r of K
-receives only its share of it (replicas.py). Sums stay on their replica: a mini-batch
-communicates nothing; once per window a one-number vote (is anything non-finite?) is
-summed over the replicas, and the optimizer all-reduces (sums) the replicas' shares of
-the mean.
+`WindowAccumulator` (one compiled call per window, the default) and `MiniBatchAccumulator`
+(one call per mini-batch, for Python between them) run one window step (window_step) to the
+same weights, bit for bit. Each mini-batch adds the gradient of the SUM of its per-sample
+losses; the window's sum over its samples is applied: exactly the mean loss's gradient,
+whatever the mini-batches' sizes. The model runs on its weights' values (`stateless_call`),
+its other state (dropout's seed generators) written back after each mini-batch. Under
+`tf.distribute` each mini-batch is the GLOBAL one, each replica training its share; sums stay
+on their replica (a mini-batch communicates nothing), the replicas sum a one-number vote
+(anything non-finite?) per window and the optimizer all-reduces the mean's shares.
 """
 
 import collections
@@ -51,24 +38,16 @@ FitSummary = collections.namedtuple(
 
 
 def stack_window(mini_batches):
-    """N global mini-batches of (x, y) as one stacked window: (xs, ys, sizes) arrays.
-
-    Args:
-      mini_batches: a sequence of (x, y); x and y may be nested structures of arrays.
-
-    Returns:
-      (xs, ys, sizes): each array stacked on a new leading axis, [N, B, ...], with B the
-      largest mini-batch; shorter mini-batches are padded with zeros, which the window
-      step leaves out by `sizes` (int32 [N], each mini-batch's samples).
-    """
+    """N global mini-batches (x, y) (nested structures of arrays) as one stacked window:
+    (xs, ys, sizes), xs and ys on a new leading axis, [N, B, ...], B the largest, shorter ones
+    zero-padded; sizes, int32 [N], each one's samples (the window step skips the padding)."""
     (xs, ys), sizes = window_lib.stack_padded([tuple(batch) for batch in mini_batches])
     return xs, ys, sizes
 
 
 def _loss_parts(loss_fn, y, outputs, pass_losses, n_local):
-    """A mini-batch's loss as window_step.Parts: loss_fn's losses summed and divided by
-    the samples, or, where it returns (losses, weights), the weighted sum divided by
-    the summed weights; the pass's add_loss losses once per sample."""
+    """A mini-batch's loss as window_step.Parts: loss_fn's losses summed, over the samples (or
+    weighted, over the summed weights); the pass's add_loss losses once per sample."""
     out = loss_fn(y, outputs)
     if isinstance(out, tuple) and len(out) == 2:
         losses, weights = out
@@ -83,7 +62,7 @@ def _loss_parts(loss_fn, y, outputs, pass_losses, n_local):
         parts = [window_lib.Part(tf.reduce_sum(tf.cast(out, window_lib.accumulator_dtype(out))),
                                n_local, None, window_lib.SAMPLES)]
     if pass_losses:  # each a mean over the samples: once per sample
-        # In float32: a float16 layer's activity loss (mixed precision) is float16.
+        # float32: a float16 layer's activity loss (mixed precision) is float16.
         parts.append(window_lib.Part(tf.cast(n_local, tf.float32) * tf.add_n(
             [tf.cast(loss, tf.float32) for loss in pass_losses]), n_local, None,
             window_lib.SAMPLES))
@@ -97,9 +76,8 @@ def _has_activity_regularizer(model):
 
 
 def _spec(t, leading):
-    """A TensorSpec of `t` (a tensor, an array or a TensorSpec) with its first `leading`
-    axes of any size. An array's is read off it, not copied into a tensor: apply_effective
-    takes one per window."""
+    """A TensorSpec of `t` (tensor, array or spec), its first `leading` axes of any size; an
+    array's is read off it, not copied to a tensor (apply_effective takes one per window)."""
     numeric = isinstance(t, np.ndarray) and t.dtype.kind in "biufc"  # not text, objects
     if not (numeric or isinstance(t, tf.TensorSpec) or tf.is_tensor(t)):
         t = tf.convert_to_tensor(t)
@@ -108,18 +86,13 @@ def _spec(t, leading):
 
 
 class _Accumulator:
-    """What both accumulators share: the model, optimizer and strategy, the window step,
-    a mini-batch's pass, their counters.
+    """What both accumulators share: the window step, a mini-batch's pass, the counters.
 
     Attributes:
-      updates: updates applied so far (as the optimizer's `iterations` counts them).
-      skipped_windows: windows skipped for a non-finite value (check_finite).
-      loss_total, samples_total: replica-local float64 variables, monitoring only (never
-        reset): the running sum of finite per-sample losses and their samples.
-      statistics: the model's batch_statistics.BatchStatistics.
-      step: the window_step.WindowStep.
-      apply_step: tf.function() -> (applied, single): applies the open window
-        (WindowStep.apply).
+      updates, skipped_windows: windows applied (as optimizer.iterations counts) and skipped.
+      loss_total, samples_total: replica-local float64 variables behind loss_totals.
+      statistics, step: the batch_statistics.BatchStatistics, the window_step.WindowStep.
+      apply_step: tf.function() -> (applied, single): applies the open window.
     """
 
     def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True,
@@ -127,19 +100,16 @@ class _Accumulator:
         """Builds the optimizer beside the model's variables.
 
         Args:
-          model: a Keras model; created under `strategy.scope()` if a strategy is used.
-          optimizer: a Keras optimizer, created under the same scope.
-          loss_fn: (y_true, y_pred) -> per-sample losses, shape [batch] (e.g. a Keras
-            loss with reduction=None); the applied gradient is that of their mean.
-          strategy: a tf.distribute.Strategy, or None for the default (one device).
-          check_finite: skip (not apply) a window holding a NaN or Inf loss or
-            gradient; costs one small reduction per window.
-          bn_statistics: "update": BatchNormalization layers take one moving-average step
-            per update, on the window's statistics (see batch_statistics);
-            "mini_batch": a step per mini-batch, as Keras takes them.
-          jit_compile: compile each mini-batch's pass (forward and backward) with XLA.
-          average_gradients: N, mini-batches per update, for `fit` (as `accumulate` and
-            AveragingOptimizer take it where they are made).
+          model, optimizer: Keras's, made under `strategy.scope()` if `strategy` (a
+            tf.distribute.Strategy; None: the default, one device) is given.
+          loss_fn: (y_true, y_pred) -> per-sample losses, shape [batch] (a Keras loss with
+            reduction=None), or (losses, weights); the gradient applied is their mean's.
+          check_finite: skip a window holding a NaN or Inf loss or gradient (one small
+            reduction per window).
+          bn_statistics: "update": BatchNormalization takes one moving-average step per
+            update, on the window's statistics; "mini_batch": one per mini-batch, as Keras.
+          jit_compile: XLA-compile each mini-batch's pass (forward and backward).
+          average_gradients: N, mini-batches per update, for `fit`.
         """
         self.average_gradients = (None if average_gradients is None
                                   else arguments.check_average_gradients(average_gradients))
@@ -173,14 +143,12 @@ class _Accumulator:
         self.apply_step = tf.function(self.step.apply)
         self._effective_windows = {}  # apply_effective's, by the batches' signature
         self._found = {}  # the MicroBatch fit_effective found, by what changes it
-        self.parallel_mini_batches = 1  # one call per mini-batch (WindowAccumulator's own)
+        self.parallel_mini_batches = 1  # WindowAccumulator sets its own
         self.updates = 0
         self.skipped_windows = 0
 
     def _gradients(self, weights, state, x, y, n_local):
-        """One mini-batch's pass on values (XLA compiles it under jit_compile):
-        (per term, the gradients of its sum, the model's other state, the parts' values,
-        the batch-norm sums)."""
+        """A mini-batch's pass: (per term its sum's gradients, state, parts, batch-norm sums)."""
         def objective(outputs, pass_losses, unused_state):
             return _loss_parts(self.loss_fn, y, outputs, pass_losses, n_local), None
 
@@ -189,9 +157,7 @@ class _Accumulator:
                 step_lib.pass_moments(self.statistics, step))
 
     def _replica_mini_batches(self, batches, n_locals):
-        """Adds this replica's shares of a group of global mini-batches to the window, in
-        order; their passes may run at once (step_lib.run_passes). Returns a token that
-        exists once all are added."""
+        """Adds this replica's shares of mini-batches in order; -> a token once all are added."""
         def run(batch, weights, state):
             (x, y), n_local = batch
             gradients, state, parts, moments = self._pass(weights, state, x, y, n_local)
@@ -206,20 +172,18 @@ class _Accumulator:
         return step_lib.last_of(tokens)
 
     def _add(self, batches):
-        """Cross-replica: adds a group of global mini-batches (x, y), in order, each
-        replica its shares."""
+        """Cross-replica: adds global mini-batches (x, y) in order, each replica its shares."""
         shares = [replicas_lib.distribute(self.strategy, batch) for batch in batches]
         return self.strategy.run(self._replica_mini_batches, args=(
             [share for share, _ in shares], [n_local for _, n_local in shares]))
 
     def _build(self, x, y):
-        """The window step's batch-norm sums and its parts (one pass traced), for
-        mini-batches like (x, y) (tensors, arrays or specs): once, before training."""
+        """Sets the window step up, once before training, for mini-batches like (x, y) or specs."""
         x_spec, y_spec = (tf.nest.map_structure(lambda t: _spec(t, 1), t) for t in (x, y))
         self.step.build_statistics(self.model, x_spec)
 
         @tf.function(input_signature=[x_spec, y_spec])
-        def one_pass(x, y):  # traced only, for the parts of the loss
+        def one_pass(x, y):  # traced only
             self._gradients([tf.convert_to_tensor(v) for v in self.variables],
                             [tf.convert_to_tensor(v) for v in self.model.non_trainable_variables],
                             x, y, tf.shape(tf.nest.flatten(x)[0])[0])
@@ -242,9 +206,7 @@ class _Accumulator:
         return applied
 
     def trial_window(self, spec):
-        """The micro_batch.Trial of this accumulator (find_micro_batch's trials): the add
-        training runs for batches like `spec` ((x, y), a tf.data element spec or a batch),
-        the window step, the variables a trial may change, training's apply."""
+        """The micro_batch.Trial for batches like `spec` ((x, y), element spec or batch)."""
         windows = self._windows(spec)
         state = (self.model.trainable_variables + list(self.optimizer.variables)
                  + windows.state)
@@ -253,8 +215,7 @@ class _Accumulator:
                                      * self.strategy.num_replicas_in_sync, self.apply_step)
 
     def _windows(self, spec):
-        """The micro_batch.EffectiveWindows adding batches like `spec` (one trace per
-        spec, for any samples and any B)."""
+        """The micro_batch.EffectiveWindows for batches like `spec` (one trace per spec)."""
         signature = tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))
         key = repr(signature)
         if key not in self._effective_windows:
@@ -265,16 +226,13 @@ class _Accumulator:
 
     def fit_effective(self, dataset, micro_batch_size="auto", callback=None, budget=None,
                       margin=None):
-        """One pass over `dataset`, each batch an effective batch: one update each, as
-        mini-batches of `micro_batch_size` per replica, the last one shorter. "auto": the
-        largest that fits, found before training on the first batch (find_micro_batch,
-        within `budget` bytes less `margin`; again only where E, the batches' spec,
-        budget or margin changed). A tf.data dataset's element spec says where batches
-        differ beyond their samples (sequences padded per batch). callback(mini_batch)
-        runs after each mini-batch's update. Returns the FitSummary, its micro_batch B's
-        cut (halved where a window ran out of memory: apply_effective). Raises
-        micro_batch.OutOfMemory (in an update, or under several replicas) and
-        micro_batch.NothingFits (one sample does not fit)."""
+        """One pass over `dataset`, one update per batch (an effective batch), as mini-batches
+        of `micro_batch_size` per replica. "auto": the largest that fits, found on the first
+        batch before training (find_micro_batch, within `budget` bytes less `margin`), again
+        only where E, the batches' spec, budget or margin changed; a tf.data element spec says
+        where batches differ beyond their samples (padded sequences). Returns the FitSummary,
+        its micro_batch the B trained (halved where a window ran out of memory). Raises
+        micro_batch.OutOfMemory (in an update, or under several replicas), NothingFits."""
         size = arguments.check_micro_batch_size(micro_batch_size)
         budget, margin = arguments.check_budget(budget), arguments.check_margin(margin)
         counts = _FitCounts(self, 1)
@@ -305,11 +263,10 @@ class _Accumulator:
         return counts.summary(False, applied)._replace(micro_batch=found)
 
     def apply_effective(self, batch, found, spec=None):
-        """Trains the effective batch `batch` (x, y) as one update, in mini-batches of
-        found's B per replica (a micro_batch.MicroBatch), the last one shorter; `spec`:
-        the batches' (a tf.data element spec; None: `batch`'s). Returns (applied: False
-        where the window was skipped, the mini-batches, `found`, B halved where a window
-        ran out of memory: micro_batch.EffectiveWindows, whose errors it raises)."""
+        """Trains the effective batch (x, y) as one update, in mini-batches of `found`'s B
+        per replica (a micro_batch.MicroBatch); `spec`: the batches' (None: `batch`'s).
+        Returns (applied, mini-batches, `found` with B halved where a window ran out of
+        memory); raises micro_batch.EffectiveWindows's errors."""
         windows = self._windows(batch if spec is None else spec)
         if self.step.rescale:
             self.step.expected.assign(micro_batch_lib.mini_batches_of(
@@ -319,15 +276,11 @@ class _Accumulator:
         return self._counted(bool(applied), single.numpy()), count, found
 
     def loss_totals(self):
-        """(sum of per-sample training losses, samples) so far, over all replicas.
-
-        Mini-batches whose loss was not finite are left out of both.
-        """
+        """(sum of finite per-sample training losses, their samples) so far, all replicas."""
         return float(self.loss_total.read_value()), float(self.samples_total.read_value())
 
 
 def _window_size(accumulator):
-    """N for a fit: the accumulator's."""
     if accumulator.average_gradients is None:
         raise ValueError(f"{type(accumulator).__name__} has no average_gradients: make "
                          "it with average_gradients=N")
@@ -335,8 +288,7 @@ def _window_size(accumulator):
 
 
 class _FitCounts:
-    """A fit's mini-batches and log lines, the same for both accumulators; its updates and
-    skipped windows are the accumulator's counts (_Accumulator._counted) since it began."""
+    """A fit's mini-batches and log lines; its updates, skips: the accumulator's since it began."""
 
     def __init__(self, accumulator, average_gradients):
         self.accumulator = accumulator
@@ -362,20 +314,11 @@ class _FitCounts:
                           self.accumulator.skipped_windows - skipped)
 
 
-# ---------------------------------------------------------------- one call per window
-
-
 class WindowAccumulator(_Accumulator):
-    """Trains a whole window of N mini-batches in one compiled call.
-
-    Attributes:
-      window_step: tf.function(xs, ys, sizes) -> (applied, single): trains one stacked
-        window (compiled on the first; see apply_stacked).
-      parallel_mini_batches: P, the mini-batches whose passes the window loop runs at
-        once (1, the default: one mini-batch's activations alive at a time, as B alone
-        holds; each one more costs a mini-batch's activations and gradients, and may be
-        faster where one pass leaves the device idle: small mini-batches).
-    """
+    """Trains a whole window of N mini-batches in one compiled call (window_step). Arguments
+    as _Accumulator's, and parallel_mini_batches: P, the mini-batches whose passes run at once
+    (1: one mini-batch's activations alive at a time; each more costs a mini-batch's
+    activations and gradients, and may be faster where one pass leaves the device idle)."""
 
     def __init__(self, *args, parallel_mini_batches=1, **kwargs):
         super().__init__(*args, **kwargs)
@@ -403,59 +346,29 @@ class WindowAccumulator(_Accumulator):
         return window_step
 
     def build_window(self, xs, ys, sizes):
-        """Compiles the window step for windows stacked like (xs, ys, sizes), untrained.
-
-        `apply_stacked` does this on its first window; call it first to keep the tracing
-        and TensorFlow's set-up of the function out of a timed loop: it runs the step once
-        on an empty window, which trains nothing. Any N and B then run without retracing.
-        Under a multi-worker strategy every worker must call it (the empty window still
-        votes). Under jit_compile XLA compiles each mini-batch's pass for each shape it
-        meets, on the first of each.
-        """
+        """Compiles the window step for windows stacked like (xs, ys, sizes), as apply_stacked
+        does on its first: call it to keep tracing out of a timed loop. Any N and B then run
+        untraced (under jit_compile XLA compiles each pass per new shape). It runs the step on
+        an empty window, which trains nothing but votes: under multi-worker, call it on all."""
         if self.window_step is None:
             self.window_step = self._compile_window_step(xs, ys, sizes)
             self.window_step(*tf.nest.map_structure(lambda t: t[:0], (xs, ys, sizes)))
 
     def apply_window(self, mini_batches):
-        """Trains one whole window, given as its N global mini-batches, in one call.
-
-        The window's mini-batches may differ in size (each weighs by its samples).
-
-        Args:
-          mini_batches: a sequence of (x, y) global mini-batches.
-
-        Returns:
-          True where the window was applied, False where it was skipped.
-        """
+        """apply_stacked for one window given as its N global mini-batches (x, y), of any sizes."""
         return self.apply_stacked(*stack_window(mini_batches))
 
     def apply_stacked(self, xs, ys, sizes):
-        """Trains one whole window, stacked as `stack_window` returns it, in one call.
-
-        The loop in the call hands mini-batch i, xs[i, :sizes[i]], to the window step, one
-        at a time; the sample-weighted mean is applied, or the window is skipped whole
-        where a loss or gradient is NaN or Inf (check_finite). The stacked inputs
-        themselves are the window's N x B samples: `fit` on a tf.data dataset takes the
-        mini-batches one at a time instead.
-
-        Args:
-          xs, ys: the mini-batches stacked on a new leading axis, [N, B, ...] and
-            [N, B]. Numpy arrays are copied into tensors on each call; tensors (e.g. a
-            tf.gather from the training set) are not.
-          sizes: int [N], each mini-batch's samples.
-
-        Returns:
-          True where the window was applied, False where it was skipped.
-        """
+        """Trains one window stacked as stack_window returns it (all N x B samples at once), in
+        one call, mini-batch i (xs[i, :sizes[i]]) at a time; returns whether it was applied.
+        Numpy arrays are copied into tensors on each call; tensors (a tf.gather) are not."""
         self.build_window(xs, ys, sizes)
         if self.step.rescale:
             self.step.expected.assign(len(sizes))
         return self._counted(*(v.numpy() for v in self.window_step(xs, ys, sizes)))
 
     def _effective_add(self, signature):
-        """The tf.function adding one effective batch (x, y) to the open window as
-        mini-batches of `size` samples per replica, one at a time: (batch, size) ->
-        mini-batches; one trace for every batch size and micro-batch."""
+        """tf.function (batch, size) -> mini-batches: adds batch cut into `size` per replica."""
         self._build(*signature)
         replicas = self.strategy.num_replicas_in_sync
 
@@ -467,8 +380,7 @@ class WindowAccumulator(_Accumulator):
         return add
 
     def _iterator_step(self, average_gradients, element_spec):
-        """The tf.function that pulls one window of up to N mini-batches from an
-        iterator, one at a time, and applies it: -> (mini-batches, applied, single)."""
+        """A tf.function training up to N mini-batches of an iterator: -> (N, applied, single)."""
         if average_gradients not in self._iterator_steps:
             self._build(*element_spec)
 
@@ -483,26 +395,13 @@ class WindowAccumulator(_Accumulator):
         return self._iterator_steps[average_gradients]
 
     def fit(self, dataset, *, callback=None, warn_partial=True):
-        """One pass over `dataset`, one compiled call per N mini-batches.
-
-        The call takes the window's mini-batches from the dataset's iterator one at a
-        time, so a window's inputs are never all on the device at once. A trailing
-        partial window is applied as the mean over its samples. A window with a
-        non-finite loss or gradient is skipped, with a warning (check_finite).
-
-        Args:
-          dataset: a tf.data.Dataset of (x, y) global mini-batches, or any iterable of
-            them (made a dataset here). Under a multi-worker strategy every worker must
-            yield the same batches.
-          callback: called as callback(mini_batch) for each mini-batch (1-based),
-            after its window's update.
-          warn_partial: log a warning when a partial window is applied.
-
-        Returns:
-          FitSummary(mini_batches, updates, partial_window, skipped_windows):
-          partial_window is the number of mini-batches in the trailing partial window
-          (0 if none).
-        """
+        """One pass over `dataset`, a tf.data.Dataset of (x, y) global mini-batches or any
+        iterable of them (under multi-worker, the same on every worker): one compiled call per
+        N, taken from its iterator one at a time (a window's inputs are never all on the
+        device). A trailing partial window is applied as its mean; a window with a non-finite
+        loss or gradient is skipped, with a warning. callback(mini_batch) runs for each
+        mini-batch (1-based), after its window's update. Returns the FitSummary,
+        partial_window the trailing partial window's mini-batches (0 if none)."""
         counts = _FitCounts(self, _window_size(self))
         dataset = _as_dataset(dataset)
         applied = False
@@ -545,20 +444,10 @@ def _as_dataset(dataset):
         output_signature=tf.nest.map_structure(lambda t: _spec(t, 1), first))
 
 
-# ---------------------------------------------------------------- one call per mini-batch
-
-
 class MiniBatchAccumulator(_Accumulator):
-    """Sums mini-batch gradients in variables, one call per mini-batch; applies their
-    sample-weighted mean once per window.
-
-    Attributes:
-      mini_batch_step: tf.function(x, y): adds one global mini-batch's summed gradients.
-      apply_step: tf.function() -> (applied, single): applies sums / samples unless the
-        open window holds a NaN or Inf loss or gradient on any replica (the replicas'
-        vote), then opens the next window either way.
-      window: mini-batches accumulated since the last update (a Python count).
-    """
+    """Sums mini-batch gradients in variables, one call per mini-batch (`accumulate`), and
+    applies their sample-weighted mean once per window (`apply`); arguments as _Accumulator's.
+    window: the mini-batches accumulated since the last update."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -597,23 +486,15 @@ class MiniBatchAccumulator(_Accumulator):
         self.window += 1
 
     def apply(self):
-        """Applies the mean gradient of the open window (full or partial).
-
-        With check_finite, a window holding a NaN or Inf loss or gradient is skipped
-        instead: nothing is applied, the optimizer does not step, the window is emptied.
-
-        Returns:
-          True where the window was applied, False where it was skipped.
-        """
+        """Applies the open window's mean gradient (full or partial) and empties the window;
+        returns False where it was skipped (a NaN or Inf on any replica; no optimizer step)."""
         if not self.window:
             raise ValueError("no mini-batch accumulated since the last update")
         self.window = 0
         return self._counted(*(v.numpy() for v in self.apply_step()))
 
     def _effective_add(self, signature):
-        """Adds one effective batch (x, y) to the open window as mini-batches of `size`
-        samples per replica, one call each: (batch, size) -> mini-batches. The window is
-        applied by the caller (fit_effective)."""
+        """As WindowAccumulator's, one call per mini-batch; the caller applies the window."""
         self.build(*signature)  # for batches shaped like the signature, in any axis it opens
         replicas = self.strategy.num_replicas_in_sync
 
@@ -632,11 +513,7 @@ class MiniBatchAccumulator(_Accumulator):
         return add
 
     def fit(self, dataset, *, callback=None, warn_partial=True):
-        """One pass over `dataset`, one call per mini-batch, an update every N.
-
-        As WindowAccumulator.fit; callback(mini_batch) runs after each mini-batch,
-        after the update it completed, if any.
-        """
+        """As WindowAccumulator.fit, per mini-batch; callback after each, and any update it ends."""
         counts = _FitCounts(self, _window_size(self))
         for x, y in dataset:
             self.accumulate(x, y)
@@ -655,28 +532,12 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, 
                     jit_compile=False, micro_batch_size=None, budget=None,
                     margin=None, parallel_mini_batches=1):
     """Trains a Keras model on `dataset`, one update per `average_gradients` mini-batches,
-    or, given `micro_batch_size` instead, one update per batch of `dataset` (each an
-    effective batch) trained as mini-batches of that size ("auto": the largest that
-    fits; see _Accumulator.fit_effective).
-
-    Each update applies the gradient of the mean loss over all samples of its window, as
-    one batch of those samples would; see WindowAccumulator.fit and _Accumulator for the
-    arguments.
-
-    Args:
-      one_call: train each window in one compiled call (WindowAccumulator); False: one
-        call per mini-batch (MiniBatchAccumulator).
-      parallel_mini_batches: with one_call, P, the mini-batches whose passes the
-        window runs at once (WindowAccumulator.parallel_mini_batches).
-
-    Returns:
-      FitSummary(mini_batches, updates, partial_window, skipped_windows, micro_batch).
-
-    Raises:
-      ValueError: both average_gradients (other than 1) and micro_batch_size, or
-        neither, or a bad value, or parallel_mini_batches without one_call (before any
-        training).
-    """
+    or, given `micro_batch_size` instead, one per batch of `dataset` (an effective batch)
+    trained as mini-batches of that size ("auto": the largest that fits); returns the
+    FitSummary. one_call=False: one call per mini-batch (MiniBatchAccumulator), not per
+    window (WindowAccumulator); other arguments as theirs, their fit's and fit_effective's.
+    Raises ValueError, before any training, for both average_gradients (other than 1) and
+    micro_batch_size, or neither, a bad value, or parallel_mini_batches without one_call."""
     average_gradients, micro_batch_size = arguments.check_window(average_gradients,
                                                                  micro_batch_size)
     budget, margin = arguments.check_budget(budget), arguments.check_margin(margin)
