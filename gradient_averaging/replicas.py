@@ -1,26 +1,15 @@
-"""A mini-batch split across a tf.distribute strategy's replicas, and the replica-local
-variables a window keeps.
-
-Each mini-batch is the GLOBAL one: replica r of K receives only its share of it, samples
-[n*r//K, n*(r+1)//K), cut on the host, so the result does not depend on the replica
-count and nothing a replica receives grows with K.
-"""
+"""Each GLOBAL mini-batch split across a tf.distribute strategy's replicas, cut on the host so
+that the result does not depend on the replica count and a replica receives only its share;
+and the replica-local variables a window keeps."""
 
 import tensorflow as tf
 
 
 def replica_share(data, sizes, replica, replicas):
-    """Replica `replica`'s share of each stacked mini-batch: samples [n*r//K, n*(r+1)//K).
-
-    Args:
-      data: a nested structure of [N, B, ...] tensors.
-      sizes: int32 [N], the global mini-batches' samples.
-      replica, replicas: r and K.
-
-    Returns:
-      (share, local_sizes): each tensor [N, ceil(B/K), ...], the share of mini-batch i
-      first in row i and zeros after it; int32 [N], the share's samples.
-    """
+    """Replica r of K's (`replica`, `replicas`) share of each stacked mini-batch, samples
+    [n*r//K, n*(r+1)//K). `data`: nested [N, B, ...] tensors; `sizes`: int32 [N], each global
+    mini-batch's samples. Returns (share, local_sizes): tensors [N, ceil(B/K), ...], row i the
+    share of mini-batch i then zeros; int32 [N], each share's samples."""
     sizes = tf.convert_to_tensor(sizes, tf.int32)
     start, stop = sizes * replica // replicas, sizes * (replica + 1) // replicas
     local_sizes = stop - start
@@ -60,13 +49,11 @@ def distribute(strategy, batch):
 
 
 class WorkerFailed(RuntimeError):
-    """Another worker of a collective strategy failed or went away while a collective
-    was in flight; its message is one line that says what to do, and what this worker's
-    collective raised (its first line): the evidence where no worker's output says why."""
+    """A peer worker failed or left during a collective. Its one-line message: `message` (what
+    to do), then this worker's error's first line: evidence where no worker's output says why."""
 
     def __init__(self, message, error):
-        # A graph's error opens with "Graph execution error:" and the node's traceback
-        # (indented lines); the first line after those says what happened.
+        # The first line after a graph error's header and its node's (indented) traceback.
         lines = (getattr(error, "message", None) or str(error)).splitlines()
         cause = [line for line in lines if line.strip() and not line[0].isspace()
                  and not line.startswith(("Graph execution error", "Detected at node"))]
@@ -80,9 +67,8 @@ COLLECTIVE_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
 
 
 def workers(strategy):
-    """The worker processes of `strategy`'s cluster (1 without one): a
-    MultiWorkerMirroredStrategy's TF_CONFIG, its chief task counted as a worker, as
-    TensorFlow counts it (and experiment/workers.py does)."""
+    """Worker processes in `strategy`'s cluster (1 without one), the chief counted as a worker,
+    as TensorFlow and experiment/workers.py count them."""
     resolver = getattr(strategy, "cluster_resolver", None)
     if resolver is None:
         return 1
@@ -91,8 +77,7 @@ def workers(strategy):
 
 
 def local_variable(initial_value, aggregation, name):
-    """A replica-local variable: updates stay on the replica; a cross-replica read
-    aggregates."""
+    """A replica-local variable: updates stay on the replica; a cross-replica read aggregates."""
     return tf.Variable(initial_value, trainable=False, name=name,
                        synchronization=tf.VariableSynchronization.ON_READ,
                        aggregation=aggregation)
