@@ -1,6 +1,5 @@
-"""The arguments every path takes, checked before anything is built or trained: a wrong
-one is a ValueError (a TypeError for N of the wrong type) whose line names it, what it
-must be, and what was given."""
+"""Checks of every path's arguments, before anything is built: a wrong one is a ValueError (a
+TypeError for N of the wrong type) whose line names it, what it must be and what was given."""
 
 import numbers
 
@@ -8,8 +7,7 @@ BN_STATISTICS = ("update", "mini_batch")
 
 
 def check_average_gradients(value, name="average_gradients"):
-    """N, mini-batches per update, as a Python int, checked once for every caller: an
-    integer (numpy's too; not a bool or a float: TypeError) >= 1 (ValueError)."""
+    """N as a Python int >= 1 (ValueError); numpy integers pass, a bool or float is a TypeError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int >= 1 (mini-batches per update), "
                         f"got {value!r} ({type(value).__name__})")
@@ -19,8 +17,7 @@ def check_average_gradients(value, name="average_gradients"):
 
 
 def check_parallel_mini_batches(value):
-    """P, the mini-batches whose passes a window loop may run at once, checked for every
-    caller: an int >= 1."""
+    """P, the mini-batches whose passes a window loop may run at once, as an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError("parallel_mini_batches must be an int >= 1 (mini-batches whose "
                          f"passes may run at once), got {value!r}")
@@ -47,9 +44,8 @@ def check_micro_batch_size(value, name="micro_batch_size"):
 
 
 def check_window(average_gradients, micro_batch_size):
-    """One way to say a window, checked before any training: N mini-batches per update,
-    or each batch one update cut into mini-batches of `micro_batch_size` (N then None or
-    1). Returns (N, micro_batch_size): N is 1 where the micro-batch is given."""
+    """(N, None) for N mini-batches per update, or (1, micro_batch_size) for each batch one
+    update cut into mini-batches of that size (N then None or 1); else a ValueError."""
     if micro_batch_size is None:
         if average_gradients is None:
             raise ValueError("give average_gradients=N (mini-batches per update) or "
@@ -83,8 +79,7 @@ def check_budget(budget):
 
 
 def check_bn_statistics(bn_statistics):
-    """One of BN_STATISTICS: a step of the moving statistics per update or per
-    mini-batch (batch_statistics)."""
+    """One of BN_STATISTICS: a moving-statistics step per update or per mini-batch."""
     if bn_statistics not in BN_STATISTICS:
         raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}; "
                          f"got {bn_statistics!r}")
