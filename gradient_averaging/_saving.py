@@ -1,20 +1,16 @@
 """A saved AccumulatingModel loads in any process that has run `import gradient_averaging`.
 
-Keras finds a saved custom class by its registered name in its registry of custom objects
-(`keras.saving.get_custom_objects()`), which `keras_fit` fills when it is imported. The
-package imports `keras_fit` only on use, and imports no Keras itself (the TF1 part must
-not), so this module puts a stand-in under that name instead, once Keras is imported: at
-once where it already is, else by a one-shot import hook that runs after Keras's own
-`__init__`. Loading a file then imports `keras_fit`, whose class replaces the stand-in.
-`import gradient_averaging` costs this module and one finder on `sys.meta_path` (removed
-when Keras is imported), nothing of Keras, TensorFlow or the TF2 path.
+Keras finds a saved class by its name in `keras.saving.get_custom_objects()`, which importing
+`keras_fit` fills; but the package imports `keras_fit` only on use, and no Keras (the TF1 part
+must not). So a stand-in is registered under that name once Keras is imported (at once, or by a
+one-shot import hook after Keras's `__init__`); loading imports `keras_fit`, whose class replaces
+it. Start-up costs this module and one `sys.meta_path` finder: no Keras, TensorFlow or TF2 path.
 """
 
 import importlib
 import sys
 
-# keras_fit's registration (package "tf2_accumulator", the first release's name, so that
-# its files load too).
+# keras_fit's name; "tf2_accumulator" is the first release's package, so its files load too.
 REGISTERED_NAME = "tf2_accumulator>AccumulatingModel"
 
 
@@ -23,8 +19,7 @@ class AccumulatingModelStandIn:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        # By name, on first load, as the package's own exports load (no import edge
-        # from the package's start-up to the Keras path).
+        # By name, on first load: no import edge from the package's start-up to Keras.
         keras_fit = importlib.import_module(f"{__package__}.keras_fit")
         return keras_fit.AccumulatingModel.from_config(config, custom_objects)
 
@@ -32,20 +27,18 @@ class AccumulatingModelStandIn:
 def _register(keras):
     """The stand-in under REGISTERED_NAME, unless keras_fit's class is there already."""
     get_custom_objects = getattr(getattr(keras, "saving", None), "get_custom_objects", None)
-    if get_custom_objects is not None:  # Keras 3's; without it loading fails as before
+    if get_custom_objects is not None:  # Keras 3's; else no stand-in, and loading fails
         get_custom_objects().setdefault(REGISTERED_NAME, AccumulatingModelStandIn)
 
 
 class _AfterKerasImport:
-    """A finder on sys.meta_path: finds `keras` with the finders after it, and registers
-    the stand-in once Keras's `__init__` has run; then leaves sys.meta_path. (No
-    importlib.abc base, nor importlib.util: they would cost `import gradient_averaging`
-    18 ms and 3 ms of modules.)"""
+    """One-shot sys.meta_path finder: finds `keras` with the later finders and registers the
+    stand-in after Keras's `__init__` runs. (No importlib.abc or importlib.util: slow to import.)"""
 
     def find_spec(self, name, path=None, target=None):
         if name != "keras":
             return None
-        sys.meta_path.remove(self)  # one shot
+        sys.meta_path.remove(self)
         for finder in list(sys.meta_path):
             spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
             if spec is not None:
@@ -65,8 +58,8 @@ class _AfterKerasImport:
 
 
 def register_when_keras_is_imported():
-    """Registers the stand-in now if Keras is imported, else when it is (never where it
-    cannot be: `sys.modules["keras"] = None`)."""
+    """Registers the stand-in now if Keras is imported, else when it is (never if
+    `sys.modules["keras"]` is None)."""
     if "keras" in sys.modules:
         if sys.modules["keras"] is not None:
             _register(sys.modules["keras"])
