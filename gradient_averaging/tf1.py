@@ -1,21 +1,9 @@
 """AveragingOptimizer: gradient averaging as a drop-in tf.compat.v1.train.Optimizer.
 
-Legacy TF1 code changes one line, where the optimizer is made:
-
     opt = AveragingOptimizer(tf.compat.v1.train.AdamOptimizer(1e-3), average_gradients=8)
-    train_op = opt.minimize(loss, global_step=global_step)   # run once per mini-batch
-    ...
-    sess.run(opt.flush_op())                                 # a trailing partial window
-    # under MonitoredTrainingSession: chief_only_hooks=[opt.flush_hook()], which flushes
-    # before the final checkpoint
-
-Each run of `train_op` adds its mini-batch's gradients to accumulator variables; the
-Nth run also applies their (weighted) mean with the wrapped optimizer and resets the
-window. The window lives only in variables, so a Saver, MonitoredTrainingSession
-checkpoints and hooks see an ordinary one-op-per-step training loop, and `global_step`
-counts updates, not mini-batches. A lock makes each run's add-and-maybe-apply atomic, so
-runs from several threads never mix windows; the wrapped optimizer's variables keep the
-names they have without the wrapper, so checkpoints move between plain and wrapped runs.
+    train_op = opt.minimize(loss, global_step=global_step)  # run once per mini-batch
+    sess.run(opt.flush_op())  # a trailing partial window
+    # MonitoredTrainingSession: chief_only_hooks=[opt.flush_hook()], before the last save
 """
 
 import contextlib
@@ -35,8 +23,7 @@ from gradient_averaging.window import zeros
 
 v1 = tf.compat.v1
 
-# The collection that holds each AveragingOptimizer's flush op, so that a graph imported
-# from a meta graph or a SavedModel finds it (the train op is in GraphKeys.TRAIN_OP).
+# Collection of the flush ops, so that a graph imported from a meta graph or SavedModel finds them.
 FLUSH_OPS = "averaging_optimizer_flush_ops"
 _COUNT_LIMIT = 2 ** 62  # ResourceCountUpTo's ceiling: never reached
 
@@ -46,8 +33,7 @@ def _values(grad):
 
 
 def _zero_rows(acc, touched, rows, summed):
-    """Zeroes only the window's rows: O(rows x width), not O(table). (A scalar update
-    would need no zeros, but scatters it row by row, several times slower.)"""
+    """Zeroes only the window's rows (`acc`'s from a block of zeros: a scalar update is slower)."""
     return tf.group(
         acc.scatter_update(tf.IndexedSlices(tf.zeros_like(summed), rows)),
         tf.raw_ops.ResourceScatterUpdate(  # a scalar update: no zeros the table's size
@@ -66,8 +52,7 @@ def _absolute(scope):
 
 
 def _top_level(item, graph):
-    """Whether a collection item can be fetched from `graph` itself: not an op or tensor
-    of a cond/while branch (a function graph, or a v1 control-flow context)."""
+    """Whether a collection item can be fetched from `graph` itself, not a cond/while branch."""
     op = item.op if isinstance(item, tf.Tensor) else item
     if not isinstance(op, tf.Operation):
         return True  # variables, v1 control-flow contexts, savers...
@@ -77,14 +62,9 @@ def _top_level(item, graph):
 
 @contextlib.contextmanager
 def _collections_kept_clean(graph):
-    """Drops what the block adds to `graph`'s collections from inside branches.
-
-    cond_v2's branch graphs share the outer graph's collections, so the wrapped
-    optimizer's apply op (added to TRAIN_OP), or a summary made in `after_update`, would
-    name an op the outer graph lacks, and import_meta_graph would fail on it. Variables
-    (slots, beta powers, EMA shadows: made under init_scope in `graph`) stay. TRAIN_OP
-    keeps nothing the block adds: the caller puts the train op itself there.
-    """
+    """Drops what the block adds to `graph`'s collections from inside cond_v2 branches (which
+    share them: import_meta_graph fails on an op the outer graph lacks, like the wrapped apply
+    op). Variables stay; TRAIN_OP keeps nothing the block adds: the caller adds the train op."""
     before = {key: {id(item) for item in graph.get_collection(key)}
               for key in graph.get_all_collection_keys()}
     yield
@@ -99,21 +79,11 @@ class _Window:
     """One graph's window: accumulators, counters, its lock and the flush op."""
 
     def __init__(self, scope, variables, sparse):
-        """Creates the variables in name scope `scope`, outside any caller context.
-
-        `tf.Variable` (not get_variable) ignores the caller's variable scope and its
-        reuse/AUTO_REUSE, and `scope` is unique in the graph, so two optimizers never
-        share a window, and a graph rebuilt the same way gets the same names (which a
-        Saver's checkpoint needs). The window is the same at every N, so a checkpoint
-        restores into a graph with another N. Call under init_scope: it drops the
-        caller's control dependencies and cond/while contexts, so the initializers need
-        no feed.
-
-        Args:
-          scope: an absolute name scope, ending in "/".
-          variables: the trained variables.
-          sparse: var -> whether its gradient is an IndexedSlices.
-        """
+        """Call under init_scope, so the initializers need no feed. `scope`: absolute (ends in
+        "/") and unique in the graph, and `tf.Variable` ignores the caller's variable scope and
+        reuse: two optimizers never share a window, and a graph rebuilt alike gets the same
+        names, as a Saver needs. The window does not depend on N, so checkpoints restore across
+        N. `sparse`: var -> whether its gradient is an IndexedSlices."""
         self.accumulators = {}  # var -> dense accumulator shaped like var
         self.touched = {}  # var -> bool [rows] (sparse gradients only): rows in the window
         self.flush_op = None
@@ -131,8 +101,7 @@ class _Window:
             self.weight_sum = _window_variable(tf.constant(0, tf.float64), "weight_sum")
             self.skipped_windows = _window_variable(tf.constant(0, tf.int64),
                                                     "skipped_windows")
-            # Beside the count, so that workers sharing the window on a parameter server
-            # (replica_device_setter) share the lock too.
+            # Beside the count: workers sharing the window on a parameter server share the lock.
             with tf.device(self.count.device):
                 self.mutex = tf.raw_ops.MutexV2(shared_name=scope + "lock", name="lock")
 
@@ -142,13 +111,9 @@ class _Window:
 
     @contextlib.contextmanager
     def locked(self, after):
-        """Ops built in the block run holding the window's lock, taken once the tensors
-        in `after` are computed (a mini-batch's gradients: never under the lock).
-
-        The lock is released when its tensor dies, right after the block's ops ran (or
-        the run failed). Yields a _Held: append to its `ops` the ops the release waits
-        for; after the block, its `released` op is the end of the locked work.
-        """
+        """Ops built in the block hold the window's lock, taken once `after` (a mini-batch's
+        gradients: never under the lock) is computed, released even if the run fails. Yields a
+        _Held: append to `ops` what the release waits for; then `released` ends the work."""
         held = _Held()
         # Both on the mutex's device: a lock cannot travel between devices.
         graph = v1.get_default_graph()
@@ -174,10 +139,7 @@ def _window_variable(initial_value, name):
 
 
 class FlushHook(v1.train.SessionRunHook):
-    """Runs an AveragingOptimizer's flush op when the session ends (AveragingOptimizer.
-    flush_hook). A MonitoredSession ends its hooks in the order they are listed, at the
-    end of the data (OutOfRangeError) as after a stop, and its CheckpointSaverHook saves
-    the final checkpoint in its own `end`: this hook must come before it."""
+    """Runs a flush op as the session ends (AveragingOptimizer.flush_hook says where to list it)."""
 
     def __init__(self, flush_op):
         self.flush_op = flush_op
@@ -187,40 +149,35 @@ class FlushHook(v1.train.SessionRunHook):
 
 
 class AveragingOptimizer(v1.train.Optimizer):
-    """Applies the mean gradient of N mini-batches with any v1 optimizer.
+    """Applies the (weighted) mean gradient of N mini-batches with any v1 optimizer.
 
-    `minimize` / `apply_gradients` return one op, run once per mini-batch with that
-    mini-batch's feed, from one thread or several. With N == 1 the gradients go straight
-    to the wrapped optimizer (with `transform_gradients`, `check_finite` and
-    `after_update` still honoured), so training is that of the wrapped optimizer exactly.
-    """
+    `minimize`/`apply_gradients` return one op, run once per mini-batch with its feed, from any
+    thread (a lock keeps runs from mixing windows): it adds the gradients to accumulator
+    variables, and every Nth run applies their mean and resets them. The window lives only in
+    variables, so Savers and hooks see a one-op-per-step loop and `global_step` counts updates;
+    the wrapped optimizer's variables keep their unwrapped names, so checkpoints move between
+    plain and wrapped runs. N == 1 trains exactly as the wrapped optimizer (transform_gradients,
+    check_finite and after_update still apply). The window accessors (flush_op, window_count...)
+    raise RuntimeError until this graph's train op is built."""
 
     def __init__(self, optimizer, average_gradients, check_finite=True,
                  transform_gradients=None, name=None, after_update=None):
-        """Wraps `optimizer`.
+        """Wraps `optimizer` (a v1 Optimizer), which computes the gradients and applies the mean.
 
         Args:
-          optimizer: a tf.compat.v1.train.Optimizer; its compute_gradients computes the
-            gradients, its apply_gradients applies the mean (its variables, slots and
-            Adam's beta powers, get the names they have without the wrapper).
           average_gradients: N, mini-batches per update; an int >= 1.
-          check_finite: skip a window (nothing applied, global_step unchanged)
-            whose gradients, sums or averaged gradients hold a NaN or Inf, counting it
-            in `skipped_windows`.
-          transform_gradients: optional function from the averaged list of
-            (gradient, variable) pairs to the list to apply, e.g. clipping by global
-            norm; it runs once per update, on the mean, not per mini-batch.
-          name: name scope of the window's variables; default "Averaging" + the
-            wrapped optimizer's name.
-          after_update: optional function of no arguments that builds ops to run once
-            per applied update, after the apply, in the same run (an EMA of the
-            weights: `lambda: ema.apply(var_list)`); it may return an op, a list of ops
-            or None. It is called once for the train op and once for `flush_op`.
+          check_finite: skip a window whose gradients, sums or means hold a NaN or Inf
+            (nothing applied, global_step unchanged), counting it in `skipped_windows`.
+          transform_gradients: optional function from the averaged (gradient, variable)
+            list to the list to apply (e.g. clipping by global norm), once per update.
+          name: the window variables' name scope; default "Averaging" + the wrapped name.
+          after_update: optional function of no arguments building ops to run after each
+            applied update, in the same run (an EMA: `lambda: ema.apply(var_list)`); returns
+            an op, a list of ops or None. Called twice: for the train op and for flush_op.
 
         Raises:
           ValueError: `optimizer` is not a v1 Optimizer, or N < 1.
-          TypeError: N is not an int (a bool, None, a float...).
-        """
+          TypeError: N is not an int (a bool, None, a float...)."""
         if not isinstance(optimizer, v1.train.Optimizer):
             raise ValueError(f"optimizer must be a tf.compat.v1.train.Optimizer, got "
                              f"{type(optimizer).__name__}")
@@ -240,8 +197,6 @@ class AveragingOptimizer(v1.train.Optimizer):
     def average_gradients(self):
         return self._n
 
-    # ------------------------------------------------------------------ the v1 interface
-
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's own compute_gradients (loss scaling, clipping...)."""
         return self._optimizer.compute_gradients(*args, **kwargs)
@@ -249,12 +204,9 @@ class AveragingOptimizer(v1.train.Optimizer):
     def minimize(self, loss, global_step=None, var_list=None,
                  gate_gradients=v1.train.Optimizer.GATE_OP, aggregation_method=None,
                  colocate_gradients_with_ops=False, name=None, grad_loss=None, weight=None):
-        """compute_gradients then apply_gradients; the op to run once per mini-batch.
-
-        Args:
-          weight: this mini-batch's weight in the mean, a scalar (e.g. its sample
-            count); None counts every mini-batch equally. Others as in v1 minimize.
-        """
+        """compute_gradients then apply_gradients. `weight`: this mini-batch's scalar weight
+        (e.g. its sample count; None: all equal): the update is sum(w_k g_k) / sum(w_k), and a
+        window whose weights sum to <= 0 is skipped (counted in skipped_windows)."""
         grads_and_vars = self.compute_gradients(
             loss, var_list=var_list, gate_gradients=gate_gradients,
             aggregation_method=aggregation_method,
@@ -263,58 +215,27 @@ class AveragingOptimizer(v1.train.Optimizer):
                                     weight=weight)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, weight=None):
-        """Builds the op that accumulates one mini-batch and applies every Nth run.
-
-        Args:
-          grads_and_vars: (gradient, variable) pairs of one mini-batch, as returned by
-            compute_gradients; pairs whose gradient is None are left out.
-          global_step: optional variable, incremented once per applied update.
-          name: name of the returned op.
-          weight: as in `minimize`: the update is sum(w_k g_k) / sum(w_k); a window
-            whose weights sum to zero or less is skipped (counted in skipped_windows).
-
-        Returns:
-          One op to run per mini-batch, with that mini-batch's feed; also added to
-          GraphKeys.TRAIN_OP, as a plain optimizer's apply op is.
-
-        Raises:
-          ValueError: no variable has a gradient, or `weight` is not a scalar.
-          RuntimeError: this optimizer already built its op in this graph.
-        """
+        """The op to run once per mini-batch (pairs with a None gradient left out), also added
+        to GraphKeys.TRAIN_OP; `global_step` grows once per applied update; `weight` as in
+        `minimize`. Raises ValueError (no variable has a gradient, a non-scalar `weight`) and
+        RuntimeError (this optimizer already built its op in this graph)."""
         return self._build(grads_and_vars, global_step, name, weight, apply_when_full=True)
 
     def accumulate_gradients(self, grads_and_vars, global_step=None, name=None, weight=None):
-        """As apply_gradients, but the op only adds the mini-batch: `flush_op()` applies.
-
-        For a loop that decides itself when a window ends (the experiment's `graph`
-        averager runs it N times, then flush_op); `global_step` is the one flush_op
-        advances.
-        """
+        """As apply_gradients, but the op only adds the mini-batch; `flush_op()` applies the
+        window and advances `global_step` (for a loop that ends windows itself)."""
         return self._build(grads_and_vars, global_step, name, weight, apply_when_full=False)
 
     def flush_op(self):
-        """The op (no feed needed) that applies an open partial window; else a no-op.
-
-        Also in the graph's collection FLUSH_OPS, and named "<window scope>/flush".
-
-        Raises:
-          RuntimeError: minimize/apply_gradients has not been built in this graph.
-        """
+        """The op (no feed) applying an open partial window, else doing nothing; also in
+        collection FLUSH_OPS, and named "<window scope>/flush"."""
         return self._window("flush_op").flush_op
 
     def flush_hook(self):
-        """A SessionRunHook that runs flush_op() as the session ends, so that the final
-        checkpoint holds the partial window's update (at the end of the data, or after a
-        stop hook).
-
-        MonitoredTrainingSession puts `chief_only_hooks` before its CheckpointSaverHook
-        and `hooks` after it: pass this one in `chief_only_hooks` (or list it before a
-        CheckpointSaverHook of your own). In `hooks` it flushes after the final save,
-        and that checkpoint does not hold the update.
-
-        Raises:
-          RuntimeError: minimize/apply_gradients has not been built in this graph.
-        """
+        """A SessionRunHook running flush_op() as the session ends (end of data or a stop), so
+        that the final checkpoint holds the partial window's update. Hooks end in the order
+        listed and a CheckpointSaverHook saves in its `end`, so list this one before it: in
+        MonitoredTrainingSession's `chief_only_hooks` (before its saver), not `hooks` (after)."""
         return FlushHook(self.flush_op())
 
     @property
@@ -332,11 +253,8 @@ class AveragingOptimizer(v1.train.Optimizer):
         return self._window("accumulator").accumulators.get(var)
 
     def window_variables(self):
-        """This graph's window: accumulators, touched rows, count, weight sum, skipped.
-
-        A plain run's checkpoint has none of them: restore it with
-        `Saver(var_list=[v for v in global_variables() if v not in window_variables()])`.
-        """
+        """This graph's window variables; a plain run's checkpoint has none, restore it with
+        `Saver(var_list=[v for v in global_variables() if v not in window_variables()])`."""
         return self._window("window_variables").variables()
 
     def get_slot(self, var, name):
@@ -351,8 +269,6 @@ class AveragingOptimizer(v1.train.Optimizer):
         """The wrapped optimizer's variables and this graph's window variables."""
         window = self._windows.get(_outermost_graph())
         return self._optimizer.variables() + (window.variables() if window else [])
-
-    # ------------------------------------------------------------------ the window
 
     def _window(self, what):
         window = self._windows.get(_outermost_graph())
@@ -375,9 +291,7 @@ class AveragingOptimizer(v1.train.Optimizer):
             weight = tf.convert_to_tensor(weight)
             if weight.shape.rank not in (None, 0):
                 raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
-        # The wrapped optimizer is called in the caller's name scope, wherever it is
-        # built, so that its non-slot variables (Adam's beta powers) are named as without
-        # the wrapper.
+        # The wrapped optimizer runs in the caller's name scope: its beta powers keep their names.
         caller_scope = _absolute(v1.get_default_graph().get_name_scope())
         with tf.init_scope(), v1.name_scope(name, self.get_name()) as scope:
             window = self._windows[graph] = _Window(
@@ -410,8 +324,7 @@ class AveragingOptimizer(v1.train.Optimizer):
         with window.locked(inputs) as held:
             added = []
             for g, v in pairs:
-                # A gradient summed in a wider type is cast after the last add: one
-                # widened copy at a time.
+                # A widening cast waits for the previous add: one widened copy at a time.
                 widened = _values(g).dtype.base_dtype != window.accumulators[v].dtype
                 with tf.control_dependencies(added[-1:] if widened else []):
                     added.append(self._accumulate(window, g, v, weight))
@@ -435,10 +348,8 @@ class AveragingOptimizer(v1.train.Optimizer):
         return held.released
 
     def _direct_or_window(self, pairs, window, global_step, weight, caller_scope):
-        """N == 1: the wrapped optimizer's apply of the gradients as they are (its bits),
-        unless a window is open (restored from a run with another N) or the mini-batch's
-        weight is not positive: then as N > 1 (applied with the open window, or
-        skipped)."""
+        """N == 1: the gradients applied as they are (bit-exact), unless a window is open
+        (restored from another N) or the weight is <= 0: then as N > 1."""
         use_window = window.count.read_value() > 0
         if weight is not None:
             use_window = tf.logical_or(use_window, tf.cast(weight, tf.float64) <= 0)
@@ -464,15 +375,10 @@ class AveragingOptimizer(v1.train.Optimizer):
                 updates=tf.constant(True)))
 
     def _apply_window(self, window, global_step, caller_scope):
-        """The mean of the window, applied by the wrapped optimizer; then a reset.
-
-        Each dense accumulator is divided in place, one after another, and the wrapped
-        optimizer reads the mean from it: one quotient the size of a variable alive at a
-        time, and no copy of the window. Sparse accumulators are applied as IndexedSlices
-        of the touched rows only, so a sparse-aware optimizer (Momentum, Adagrad...)
-        leaves the other rows' slots alone, as it would for the whole batch at once; only
-        those rows are reset.
-        """
+        """Applies the window's mean, then resets it. Dense sums are divided in place one by one
+        and read there (one quotient alive at a time, no copy of the window). Sparse sums apply
+        and reset only the touched rows, so a sparse-aware optimizer leaves the other rows'
+        slots alone, as it would for the whole batch at once."""
         weight_sum = window.weight_sum.read_value()
         pairs, resets, divided, dense = [], [], [], []
         for var, acc in window.accumulators.items():
@@ -493,9 +399,7 @@ class AveragingOptimizer(v1.train.Optimizer):
             pairs.append((grad, var))
 
         def reset():
-            # One after another, zeros written into each sum's buffer (not added: the
-            # wrapped optimizer may have applied a non-finite mean, which no addition
-            # zeroes).
+            # Zeros assigned one sum after another (no addition zeroes a non-finite sum).
             ops = zero_sums(dense)
             for r in resets:
                 with tf.control_dependencies(ops[-1:]):
@@ -508,12 +412,8 @@ class AveragingOptimizer(v1.train.Optimizer):
 
     def _apply_or_skip(self, averaged, window, global_step, reset, caller_scope,
                        positive=None):
-        """Transforms and applies the `averaged` pairs, then builds `reset()` after it.
-
-        A window whose weights sum to zero or less (`positive` false) or, with
-        check_finite, holds a non-finite value, only resets, and counts itself in
-        skipped_windows.
-        """
+        """Transforms and applies `averaged`, then `reset()`; a window with `positive` false or
+        (with check_finite) a non-finite value only resets, counted in skipped_windows."""
         pairs = list(self._transform(averaged)) if self._transform else averaged
 
         def apply():
@@ -537,18 +437,14 @@ class AveragingOptimizer(v1.train.Optimizer):
 
 def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget=None,
                      margin=None, device=None):
-    """The largest micro-batch B whose run of `train_op` (the AveragingOptimizer
-    `optimizer`'s, in `session`) fits in the device's memory, for updates of E samples:
-    micro_batch's one search (largest_that_fits) on runs of `train_op` on the first B
-    samples of `feed` into an empty window (the update once: `flush_op` on a window of
-    one sample), every global and local variable loaded back after each, so that training
-    goes on as if nothing ran. Train each update as found.average_gradients runs of the
-    op, the last on found.last samples, each mini-batch's samples its `weight`, then
-    `flush_op`. `feed`: one batch's feed_dict (a value whose leading dimension is its
-    samples is cut, repeated where a trial needs more; any other fed as it is); budget,
-    margin: as micro_batch.find_micro_batch's; device: where the graph trains (None: the
-    first GPU, else the CPU). Returns a micro_batch.MicroBatch. Raises ValueError (bad
-    arguments, a device whose memory or peak cannot be read) and NothingFits."""
+    """The largest micro-batch (a micro_batch.MicroBatch) whose run of `optimizer`'s `train_op`
+    fits `device`'s memory (None: the first GPU, else the CPU) for updates of `effective_batch`
+    samples. Trials run `train_op` on B samples of `feed` into an empty window, and `flush_op`
+    once on one sample, loading every variable back after each. Train each update as
+    found.average_gradients runs, the last on found.last samples, each weighted by its samples,
+    then `flush_op`. `feed`: one batch's feed_dict; values with a leading samples dimension are
+    cut or repeated, others fed as they are. budget, margin: as micro_batch.find_micro_batch's.
+    Raises ValueError (bad arguments, unreadable device memory or peak) and NothingFits."""
     start = time.perf_counter()
     device = device or device_lib.default_device()
     search = micro_batch_lib.Search.on_devices([device], effective_batch, budget, margin)
@@ -559,7 +455,7 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
 
 
 class _GraphTrials:
-    """find_micro_batch's trials on a TF1 graph: every variable loaded back after each."""
+    """find_micro_batch's trials on a TF1 graph."""
 
     def __init__(self, session, optimizer, train_op, feed, device):
         self.session, self.train_op, self.device = session, train_op, device
