@@ -6,19 +6,9 @@
                       metrics=["accuracy"])
     model.fit(x, y, batch_size=32, epochs=3, callbacks=[...])   # 8 x 32 per update
 
-or, the batch you want and the micro-batch that fits found for you:
-
-    model = accumulate(make_model(), micro_batch_size="auto")
+    model = accumulate(make_model(), micro_batch_size="auto")   # or: the micro-batch found
     model.compile(...)
-    model.fit(x, y, batch_size=2048, epochs=3)    # one update per 2,048, cut to fit
-
-The AccumulatingModel's train function trains a whole window of Keras's batches in one
-compiled call, on the one window step (gradient_averaging.window_step) that the TF2
-accumulators use too, with Keras's compiled loss and metrics. With a micro-batch size it
-takes each batch from Keras's iterator first, so that a window that runs out of memory
-can be trained again at half the micro-batch (micro_batch.EffectiveWindows); "auto" finds
-it before training (micro_batch.find_micro_batch).
-"""
+    model.fit(x, y, batch_size=2048, epochs=3)    # one update per 2,048, cut to fit"""
 
 import contextlib
 import math
@@ -35,7 +25,6 @@ from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
-# Refused here, in one line, where this Keras lacks or changed an internal fit relies on.
 _keras_src.require(_keras_src.FIT)
 
 # The trainer's steps a model may override; AccumulatingModel runs Keras's own instead.
@@ -44,41 +33,21 @@ OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 
 def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="update", *,
                micro_batch_size=None, budget=None, margin=None, parallel_mini_batches=1):
-    """`model` for Keras's `compile`/`fit`, training with exact gradient averaging.
-
-    Each update applies the gradient of the mean loss over the window's samples, as one
-    batch of N*B would, for any optimizer: a short last batch and the partial window at
-    an epoch's end weigh by their samples. See AccumulatingModel.
+    """An AccumulatingModel of `model` (sharing its weights) for Keras's `compile`/`fit`:
+    each update applies the gradient of the mean loss over its window's samples, as one
+    batch of N*B would, for any optimizer (a short batch weighs by its samples).
 
     Args:
-      model: a Keras model (made under the strategy's scope if one is used), whose class
-        keeps Keras's own `train_step`.
+      model: made in the strategy's scope if any; its class must not override OWN_STEPS (TypeError).
       average_gradients: N, mini-batches (fit's batch_size) per update.
-      check_finite: skip (not apply) a window holding a NaN or Inf loss or gradient.
-      bn_statistics: "update": BatchNormalization layers take one moving-average step
-        per update on the window's statistics (the direct batch's); "mini_batch": a step
-        per mini-batch, as Keras takes them (batch_statistics.BatchStatistics).
-      micro_batch_size: instead of N: each batch fit is given (its batch_size, or a
-        dataset's batches) is one update, its effective batch, trained as mini-batches
-        of this many samples per replica, the last one shorter; "auto": the largest
-        that fits, found before fit trains, on its first batch
-        (micro_batch.find_micro_batch).
-      budget: with "auto", the device memory to use in bytes (None: the device's).
-      margin: with "auto", the fraction of the budget kept free (None: the device's
-        default, device.default_margin).
-      parallel_mini_batches: P, the mini-batches whose passes a window runs at once: 1
-        holds one mini-batch's activations at a time, as B alone does; each one more
-        costs a mini-batch's activations and gradients, and may be faster where one
-        pass leaves the device idle (small mini-batches).
-
-    Returns:
-      An AccumulatingModel wrapping `model` (which it shares: its weights are `model`'s).
-
-    Raises:
-      TypeError: `model`'s class overrides a step of Keras's trainer (train_step,
-        compute_loss, compute_metrics, test_step), which the AccumulatingModel would
-        replace without running it.
-    """
+      check_finite: skip, not apply, a window with a NaN or Inf loss or gradient.
+      bn_statistics: "update": BatchNormalization takes one moving-average step per update,
+        on the window's statistics; "mini_batch": one per mini-batch, as Keras does.
+      micro_batch_size: instead of N: each batch fit is given is one update, trained in
+        mini-batches of this many samples per replica; "auto": the largest that fits.
+      budget, margin: with "auto", memory to use in bytes, fraction kept free (None: the device's).
+      parallel_mini_batches: P, mini-batch passes run at once; each beyond 1 costs a
+        mini-batch's activations and gradients, and may be faster on small mini-batches."""
     own = [name for name in OWN_STEPS
            if getattr(type(model), name) is not getattr(keras.Model, name)]
     if own:
@@ -104,9 +73,7 @@ def _any_samples(spec):
 
 
 def _next_batch(iterator, step):
-    """The next batch of Keras's iterator for a call's `step`-th step (of compile's
-    steps_per_execution), or None where it ended; StopIteration where it ended before
-    the call's first, as Keras's own train and test functions end an epoch."""
+    """The next batch, None at the iterator's end; StopIteration (Keras's epoch end) at step 0."""
     try:
         return next(iterator)
     except (StopIteration, tf.errors.OutOfRangeError):
@@ -115,48 +82,21 @@ def _next_batch(iterator, step):
         return None
 
 
-# Registered under the name the first release used, so that its .keras files load.
+# The first release's package name, so that its .keras files load.
 @keras.saving.register_keras_serializable(package="tf2_accumulator")
 class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     """A Keras model whose `fit` applies one update per window of N mini-batches.
 
-    Keras's `fit` runs as it is; what changes is its train function
-    (`make_train_function`, which Keras lets a model override): one call takes the
-    next N of the mini-batches Keras makes of its inputs (numpy, a tf.data.Dataset...;
-    shuffled as Keras shuffles them) from Keras's iterator, one at a time, hands each to
-    the window step (its gradients added into the window's sums, Keras's loss tracker
-    and compiled metrics updated as Keras's own train_step updates them), and applies
-    the sample-weighted mean. Windows never cross an epoch's end: the last, partial one
-    is applied before `on_epoch_end`. Everything else is Keras's own: callbacks see one
-    batch per update (the progress bar counts updates), `evaluate`, `predict` and
-    validation run the wrapped model, `save`/`load_model` round-trip (in any process
-    that imports gradient_averaging: _saving.py). Under Keras's jit_compile, XLA
-    compiles each mini-batch's pass.
-
-    With a micro_batch_size, each batch Keras makes is one window, an effective batch:
-    the train function takes it from Keras's iterator, a call cuts it, on each replica,
-    into mini-batches of that size and adds them, and another applies the window. On one
-    replica, a window that runs out of memory is trained again at half the micro-batch,
-    which the rest of the run keeps (micro_batch.EffectiveWindows); "auto" finds it
-    before training (fit's _cut_batches). `evaluate` (and fit's validation) evaluates
-    each batch in mini-batches of the micro-batch too.
-
-    Under a MultiWorkerMirroredStrategy of several workers (one TF_CONFIG each), where
-    Keras 3's own fit fails (keras-team/keras#20585), fit, evaluate and predict run: the
-    model is built from its data's spec, not from a first batch reduced eagerly
-    (_keras_src.SpecBuilt), and evaluation reads the metrics across the replicas as the
-    train function does. Each worker reads the whole data; Keras's autosharding gives
-    each replica its share of every global batch (docs/multi-worker.md).
-
-    Attributes:
-      model: the wrapped Keras model.
-      average_gradients: N (1 where each batch is an effective batch).
-      micro_batch_size: None, "auto" or B per replica, as given.
-      micro_batch: the micro_batch.MicroBatch fit cuts its batches by (B halved where a
-        window ran out of memory), or None before fit.
-      parallel_mini_batches: P, the mini-batches whose passes a window runs at once.
-      skipped_windows: windows skipped for a non-finite loss or gradient so far.
-    """
+    Only the train function changes (`make_train_function`, which Keras lets a model override): a
+    call adds N mini-batches from Keras's iterator to the window step (shared with the TF2
+    accumulators; metrics updated as Keras's train_step would) and applies their sample-weighted
+    mean; an epoch's partial last window is applied before `on_epoch_end`. The rest is Keras's:
+    callbacks see one batch per update; `evaluate`, `predict` and validation run the wrapped
+    `model`; `save`/`load_model` round-trip where gradient_averaging is imported. With a
+    micro_batch_size (N is 1) each batch is a window cut per replica into mini-batches, trained
+    again at half the micro-batch where one replica runs out of memory. Under several workers, where
+    Keras 3's fit fails (keras-team/keras#20585), the model is built from the data's spec; each
+    worker reads all the data, autosharded (docs/multi-worker.md). Attributes: the arguments."""
 
     def __init__(self, model, average_gradients=None, check_finite=True,
                  bn_statistics="update", micro_batch_size=None, budget=None,
@@ -181,6 +121,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     @property
     def micro_batch(self):
+        """The MicroBatch fit cuts by (halved after running out of memory); None before fit."""
         return self._cut
 
     def call(self, inputs, training=None):
@@ -188,6 +129,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     @property
     def skipped_windows(self):
+        """Windows skipped so far for a non-finite loss or gradient."""
         return 0 if self._skipped is None else int(self._skipped.read_value())
 
     def get_config(self):
@@ -208,16 +150,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             *, validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, steps_per_epoch=None, **kwargs):
-        """Keras's `fit`, one update per N batches of `batch_size` (the mini-batches), or
-        with a micro_batch_size one update per batch (the effective batch).
-
-        The arguments are Keras's, those after `callbacks` by keyword (the ones this does
-        not read, `**kwargs`, passed on as given, so that Keras's own signature holds);
-        `steps_per_epoch` counts mini-batches and must be a multiple of N. The returned
-        History has one entry per epoch as usual; callbacks receive one batch per update.
-        With a micro_batch_size, validation evaluates each batch in mini-batches of the
-        micro-batch (make_test_function).
-        """
+        """Keras's `fit`: one update per N batches, or per batch with a micro_batch_size;
+        `steps_per_epoch` counts mini-batches, a multiple of N (else ValueError)."""
         kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
         if self.micro_batch_size is not None and batch_size is not None:
             arguments.check_effective_batch(batch_size, "batch_size")
@@ -232,9 +166,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             steps_per_epoch //= self.average_gradients
         windows = self._windows(x, y, sample_weight, batch_size, shuffle, class_weight)
         spec = windows.get_tf_dataset().element_spec
-        # Keras would build the metrics from its first element too; built here, before
-        # the window step, whose variables need the optimizer's.
-        _keras_src.symbolic_build(self, spec)
+        _keras_src.symbolic_build(self, spec)  # first: the window step needs optimizer variables
         self._make_window(spec)
         if self.micro_batch_size is not None:
             self._cut_batches(windows)
@@ -255,13 +187,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 "keras.callbacks.BackupAndRestore resumes from its last backup)", error) from None
 
     def _chief_writes(self, callbacks):
-        """Under several workers, on a worker other than the chief: Keras's callbacks
-        that write (ModelCheckpoint, TensorBoard, BackupAndRestore; Keras 3's have no
-        worker logic) write to a directory of this worker's own, removed after fit, so
-        that each file is written once, by the chief. Every worker still runs them (a
-        save reads the variables, in step with the other workers). A BackupAndRestore
-        restores from its backup_dir on every worker: where the workers are machines,
-        that directory must be on storage they all read (docs/multi-worker.md)."""
+        """Off the chief, Keras 3's writing callbacks (no worker logic) run in step but write to a
+        temporary directory; BackupAndRestore restores from backup_dir, which all must read."""
         strategy = self.distribute_strategy
         if replicas_lib.workers(strategy) == 1 or strategy.extended.should_checkpoint:
             return contextlib.nullcontext()
@@ -271,8 +198,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                                     tempfile.mkdtemp(prefix="gradient_averaging_worker_"))
 
     def _make_window(self, spec):
-        """The window step for this model and optimizer (again after a new compile), its
-        counters, and the train function to be traced again with them."""
+        """The window step and its counters, again after a new compile (another optimizer)."""
         window = self._window
         if window is not None and window.optimizer is self.optimizer:
             return
@@ -303,11 +229,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         window.learn_layout(one_pass.get_concrete_function)
 
     def _cut_batches(self, windows):
-        """Each batch an effective batch: the MicroBatch that cuts them, of fit's first
-        batch's samples, made before training, again only where those, the window step
-        (a new compile: another optimizer) or the batches' spec changed. "auto": found
-        while fit's input pipeline holds what it holds in training (its next batches,
-        prefetched: on the CPU, device memory)."""
+        """The MicroBatch of fit's first batch, made again where its samples, window step or
+        spec changed; "auto" searches with the pipeline's batches prefetched, as in training."""
         dataset = windows.get_tf_dataset()
         batches = iter(dataset)
         first = next(batches)
@@ -324,10 +247,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self._cut_for = key
 
     def trial_window(self, spec):
-        """The micro_batch.Trial of this model (find_micro_batch's trials): the add fit
-        trains batches like `spec` by (Keras's (x, y[, sample_weight])), given the same
-        samples on every replica, the window step, the variables a trial may change,
-        training's apply."""
+        """The micro_batch.Trial find_micro_batch measures: fit's add of batches like `spec`
+        (the same samples on every replica), the window step, what a trial may change."""
         self.make_train_function()
         state = (self.trainable_variables + self.non_trainable_variables
                  + list(self.optimizer.variables) + self.metrics_variables
@@ -336,9 +257,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                                      state, self.parallel_mini_batches, self._apply_window)
 
     def _windows(self, x, y, sample_weight, batch_size, shuffle, class_weight):
-        """The _WindowAdapter of fit's inputs; the last one again for the same tf.data
-        dataset (a new pipeline's first iterator is slow, a pass over it again fast: fit
-        called again and again on one dataset must not pay it each time)."""
+        """The _WindowAdapter of fit's inputs; the last one for the same dataset (slow to start)."""
         is_dataset = _keras_src.data_adapters.is_tf_dataset(x)
         if is_dataset:
             cached = getattr(self, "_last_windows", None)
@@ -353,9 +272,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return windows
 
     def make_train_function(self, force=False):
-        """Keras's train function, compile's steps_per_execution windows per call (fewer
-        where the iterator ends): -> the logs, or StopIteration where the iterator had
-        no mini-batch left."""
+        """Keras's train function: steps_per_execution windows a call; StopIteration at the end."""
         if self.train_function is not None and not force:
             return self.train_function
         if self._window is None:
@@ -364,17 +281,14 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             self._window.expected.assign(self.average_gradients)
         self._pass = (tf.function(self._mini_batch_pass, jit_compile=True)
                       if self.jit_compile else self._mini_batch_pass)
-        # The effective batch's apply, a call of its own; the search's trials measure it.
-        self._apply_window = tf.function(self._apply_counted)
+        self._apply_window = tf.function(self._apply_counted)  # its own call: trials time it
         self._adds = {}  # the EffectiveWindows by the batches' spec (_effective_windows)
         self.train_function = (self._window_train_function() if self.micro_batch_size is None
                                else self._effective_train_function())
         return self.train_function
 
     def _replica_mini_batches(self, group):
-        """Replica context: adds a group of mini-batches to the window. Their passes may
-        run at once: each on the model's state and the metrics as the one before left
-        them, as values (step_lib.run_passes)."""
+        """Replica context: adds mini-batches; passes may run at once, each on the last's state."""
         window = self._window
         state, metrics = self.non_trainable_variables, self.metrics_variables
 
@@ -395,7 +309,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return step_lib.last_of([window.add(*result) for result in results])
 
     def _window_train_function(self):
-        """The train function of windows of N mini-batches, each window one call."""
+        """The train function: one call per window of N mini-batches."""
         window, strategy = self._window, self.distribute_strategy
         average_gradients = self.average_gradients
 
@@ -414,7 +328,6 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self._window_function = window_from  # traced on the first window
 
         def train_function(iterator):
-            # A call is compile's steps_per_execution steps (windows), as Keras counts them.
             logs = None
             for _ in range(self.steps_per_execution):
                 count, step_logs = window_from(iterator)
@@ -428,9 +341,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return train_function
 
     def _effective_windows(self, spec):
-        """The micro_batch.EffectiveWindows of batches like `spec` (any samples): each
-        replica cuts its share (a plain tensor under a strategy: the whole) into
-        mini-batches of the size given, one trace for any samples and size."""
+        """The EffectiveWindows of batches like `spec`, one trace for any samples and size: each
+        replica cuts its share (of a plain tensor: the whole) into mini-batches."""
         key = repr(spec)
         if key not in self._adds:
             strategy = self.distribute_strategy
@@ -450,10 +362,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return self._adds[key]
 
     def _effective_train_function(self):
-        """The train function where each batch is an effective batch: it takes the batch
-        from Keras's iterator, eagerly, adds it as mini-batches of the MicroBatch's B
-        (again at half B where it runs out of memory, on one replica:
-        micro_batch.EffectiveWindows), then applies the window in a call of its own."""
+        """The train function of effective batches: each taken eagerly, added, then applied."""
         window, replicas = self._window, self.distribute_strategy.num_replicas_in_sync
 
         def train_function(iterator):
@@ -473,22 +382,16 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return train_function
 
     def _apply_counted(self):
-        """Applies the window, counts a skipped one and the batch-norm layers' single
-        values: -> (applied, the metrics' results)."""
+        """Applies the window, counting a skip and batch-norm single values -> (applied, logs)."""
         applied, single = self._window.apply()
         self._skipped.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
         self._single_values.assign_add(single)
         return applied, self.get_metrics_result()
 
     def make_test_function(self, force=False):
-        """Keras's test function on one device without a micro_batch_size; else one that
-        evaluates each batch in mini-batches of the micro-batch training uses (the
-        whole batch before fit knows one), so that evaluation fits where training does,
-        and divides as training does: the batch's loss is the sums of its mini-batches'
-        and replicas' losses over the sums of their divisors (one all-reduce), as on one
-        device. (Keras's own, under a strategy, averages the replicas' means; under
-        several workers it reduces each step's logs along an axis they do not have, and
-        fails: keras-team/keras#20585.) The compiled metrics are Keras's, over the batch."""
+        """Keras's own on one device without a micro_batch_size; else each batch is evaluated in
+        training's mini-batches (whole before fit), its loss the summed losses over the summed
+        divisors of all mini-batches and replicas (Keras's own averages the replicas' means)."""
         strategy = self.distribute_strategy
         if self.micro_batch_size is None and strategy.num_replicas_in_sync == 1:
             return super().make_test_function(force)
@@ -506,8 +409,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 batch = _next_batch(iterator, step)
                 if batch is None:
                     break
-                # test_on_batch's (x, y, None): no sample weights to cut.
-                if isinstance(batch, tuple):
+                if isinstance(batch, tuple):  # test_on_batch's (x, y, None)
                     batch = tuple(t for t in batch if t is not None)
                 logs = test_batch(batch, tf.constant(self._evaluated_by(), tf.int32))
             return logs
@@ -516,8 +418,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return test_function
 
     def _replica_test(self, data, size):
-        """Replica context: evaluates this replica's share of a batch in mini-batches of
-        `size` (0: whole), one at a time, and logs the batch's loss across replicas."""
+        """Replica context: evaluates in mini-batches of `size` (0: whole), logs the loss."""
         samples = tf.shape(tf.nest.flatten(data)[0], out_type=tf.int32)[0]
         size = tf.where(size > 0, size, tf.maximum(samples, 1))
         count = tf.maximum((samples + size - 1) // size, 1)
@@ -538,8 +439,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         _keras_src.log_window(self, loss, part_values, tf.cast(samples, tf.float32))
 
     def _evaluated_parts(self, data):
-        """One mini-batch evaluated: its compiled metrics updated, and its parts' values
-        (window_step.part_values) with its samples after them."""
+        """Updates the metrics on one mini-batch -> its parts' values, then its samples."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         n = tf.shape(tf.nest.flatten(x)[0])[0]
         records = []
@@ -560,8 +460,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return tf.concat([step_lib.part_values(parts), [tf.cast(n, tf.float64)]], 0)
 
     def _evaluated_by(self):
-        """The mini-batch evaluation cuts a batch into, per replica; 0: none (the whole
-        batch)."""
+        """The per-replica mini-batch size evaluation cuts a batch into; 0: the whole batch."""
         if self._cut is not None:
             return self._cut.micro_batch_size
         if isinstance(self.micro_batch_size, int):
@@ -570,9 +469,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
                          n_local):
-        """One mini-batch's pass on values, on Keras's compiled loss and metrics (XLA
-        compiles it under jit_compile): (per term, the gradients of its sum, the model's
-        other state, the metrics' values, the parts' values, the batch-norm sums)."""
+        """A mini-batch's pass on values -> (terms' gradients, state, metrics, parts, moments)."""
         window = self._window
 
         def objective(y_pred, pass_losses, non_trainable_values):
@@ -598,8 +495,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
 
 class _SingleValueWarning(keras.callbacks.Callback):
-    """Warns, once per layer, of a BatchNormalization layer that normalized one value
-    per channel: checked after each epoch's first window and at each epoch's end."""
+    """Warns once of each BatchNormalization layer that normalized one value per channel."""
 
     def __init__(self, accumulating):
         super().__init__()
@@ -625,9 +521,7 @@ class _SingleValueWarning(keras.callbacks.Callback):
 
 
 class _WindowAdapter(_keras_src.DataAdapter):
-    """Keras's data adapter of the mini-batches, counted in windows of N: Keras runs the
-    train function once per window, and each call takes the window's mini-batches from
-    Keras's iterator of them (the last window of an epoch partial)."""
+    """Keras's adapter of the mini-batches, counted in windows of N: one train call each."""
 
     def __init__(self, mini_batches, average_gradients):
         self.mini_batches = mini_batches
