@@ -96,7 +96,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     micro_batch_size (N is 1) each batch is a window cut per replica into mini-batches, trained
     again at half the micro-batch where one replica runs out of memory. Under several workers, where
     Keras 3's fit fails (keras-team/keras#20585), the model is built from the data's spec; each
-    worker reads all the data, autosharded (docs/multi-worker.md). Attributes: the arguments."""
+    worker reads all the data, autosharded (docs/multi-worker.md). Attributes: accumulate's args."""
 
     def __init__(self, model, average_gradients=None, check_finite=True,
                  bn_statistics="update", micro_batch_size=None, budget=None,
