@@ -591,6 +591,18 @@ def test_all_finite_is_one_scalar_over_every_tensor():
         assert sess.run([ok, nan, inf, all_finite([])]) == [True, False, False, True]
 
 
+def test_all_finite_sees_opposite_infinities_and_does_not_overflow_a_narrow_type():
+    """float32 is checked by its sum: +Inf and -Inf together sum to NaN, not to a finite
+    number. float16 is checked element by element: finite values whose sum is over
+    float16's largest (65504) are finite."""
+    with tf.Graph().as_default(), v1.Session() as sess:
+        checks = [all_finite([tf.constant([np.inf, -np.inf, 1.0])]),
+                  all_finite([tf.constant([np.inf, -np.inf], tf.float64)]),
+                  all_finite([tf.fill([8], tf.constant(60000.0, tf.float16))]),
+                  all_finite([tf.constant([3e38, 1.0])])]
+        assert sess.run(checks) == [False, False, True, True]
+
+
 # ---------------------------------------------------------------- export
 
 def _feeds_xy(feeds):
