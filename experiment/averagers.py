@@ -172,7 +172,7 @@ class FusedAverager(Averager):
     """`fused`: one session call per update, the window loop in the graph.
 
     The N mini-batches are fed together, stacked on a new leading axis (shorter ones
-    padded); the library's TF1 window loop (gradient_averaging.window.sum_window: one
+    padded); a TF1 window loop in the graph (_sum_window: one
     mini-batch at a time, so the activations held are one mini-batch's, not N's) computes
     each mini-batch's gradients with the optimizer's own compute_gradients and adds them
     up, in order, float16 and bfloat16 into float32 sums; the mean is applied in the same
@@ -215,9 +215,9 @@ class FusedAverager(Averager):
             return grads, losses.write(i, tf.cast(loss, tf.float32))
 
         zeros = [tf.zeros(v.shape, window_lib.accumulator_dtype(v)) for v in self.variables]
-        sums, losses = window_lib.sum_window(
+        sums, losses = _sum_window(
             mini_batch, zeros, tf.TensorArray(tf.float32, size=tf.shape(self.sizes)[0]),
-            [w if batched else window_lib.Unbatched(w)
+            [w if batched else _Unbatched(w)
              for w, batched in zip(self.window_inputs, self._batched)], self.sizes)
         weight_sum = tf.reduce_sum(weights)
         pairs = [(tf.cast(s / tf.cast(weight_sum, s.dtype), v.dtype.base_dtype), v)
@@ -283,6 +283,38 @@ class FusedAverager(Averager):
             while len(self._window) <= int(k):
                 self._window.append({})
             self._window[int(k)][sess.graph.get_tensor_by_name(tensor_name)] = value
+
+
+def _sum_window(mini_batch_gradients, sums, state, data, sizes,
+                parallel_iterations=window_lib.PARALLEL_ITERATIONS):
+    """FusedAverager's window loop: sums each mini-batch's gradients in order, as loop values
+    (without automatic control dependencies, a graph cannot order in-place additions). Returns
+    (sums, state); at most `parallel_iterations` mini-batches' activations are held at once.
+
+    Args:
+      mini_batch_gradients: (i, batch, state) -> (gradients, state), a gradient None where the
+        loss does not reach it; `batch`: `data` sliced [i, :sizes[i]] (an `_Unbatched`: [i]).
+      sums: a zero tensor per gradient, in its sum's dtype.
+      data: a nested structure of stacked tensors, [N, B, ...], or `_Unbatched` ones [N, ...].
+    """
+    def body(i, state, sums):
+        batch = tf.nest.map_structure(
+            lambda t: t.values[i] if isinstance(t, _Unbatched) else t[i, :sizes[i]], data)
+        gradients, state = mini_batch_gradients(i, batch, state)
+        sums = [s if g is None else s + tf.cast(g, s.dtype) for s, g in zip(sums, gradients)]
+        return i + 1, state, sums
+
+    _, state, sums = tf.while_loop(
+        lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
+        parallel_iterations=parallel_iterations)
+    return sums, state
+
+
+class _Unbatched:
+    """Per-mini-batch values without a sample axis (a seed each): _sum_window hands i its row."""
+
+    def __init__(self, values):
+        self.values = values
 
 
 def _reusing(existing):

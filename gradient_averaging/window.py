@@ -1,5 +1,5 @@
-"""The window's building blocks for every path: finite checks, stacking, in-place sums, the TF1
-loop; no Keras (the TF1 optimizer wrapper imports it). A window: N mini-batches whose gradients
+"""The window's building blocks for every path: finite checks, stacking, in-place sums; no
+Keras (the TF1 optimizer wrapper imports it). A window: N mini-batches whose gradients
 make one update, stacked (where a caller stacks them) on a new leading axis as [N, B, ...]."""
 
 import collections
@@ -106,31 +106,6 @@ def _empty(shape, dtype, alignment):
     raw = np.empty(nbytes + alignment, np.uint8)
     start = -raw.ctypes.data % alignment
     return raw[start:start + nbytes].view(dtype).reshape(shape)
-
-
-def sum_window(mini_batch_gradients, sums, state, data, sizes,
-               parallel_iterations=PARALLEL_ITERATIONS):
-    """The TF1 graph's window loop: sums each mini-batch's gradients in order, as loop values
-    (without automatic control dependencies, a graph cannot order in-place additions). Returns
-    (sums, state); at most `parallel_iterations` mini-batches' activations are held at once.
-
-    Args:
-      mini_batch_gradients: (i, batch, state) -> (gradients, state), a gradient None where the
-        loss does not reach it; `batch`: `data` sliced [i, :sizes[i]] (an `Unbatched`: [i]).
-      sums: a zero tensor per gradient, in its sum's dtype.
-      data: a nested structure of stacked tensors, [N, B, ...], or `Unbatched` ones [N, ...].
-    """
-    def body(i, state, sums):
-        batch = tf.nest.map_structure(
-            lambda t: t.values[i] if isinstance(t, Unbatched) else t[i, :sizes[i]], data)
-        gradients, state = mini_batch_gradients(i, batch, state)
-        sums = [s if g is None else s + tf.cast(g, s.dtype) for s, g in zip(sums, gradients)]
-        return i + 1, state, sums
-
-    _, state, sums = tf.while_loop(
-        lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
-        parallel_iterations=parallel_iterations)
-    return sums, state
 
 
 def in_groups(count, add, parallel=1):
@@ -267,10 +242,3 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
     with tf.control_dependencies(done):
         values = [buffer.read_value() for buffer in buffers]
     return values, (tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True))
-
-
-class Unbatched:
-    """Per-mini-batch values without a sample axis (a seed each): sum_window hands i its row."""
-
-    def __init__(self, values):
-        self.values = values
