@@ -50,8 +50,7 @@ def _resolve(target):
 def _code_names(function):
     """Every name `function`'s code (its nested functions' too) loads, stores or calls."""
     function = inspect.unwrap(getattr(function, "fget", function))
-    names, codes = set(), [getattr(function, "__code__", None)]  # None: not Python's
-    codes = [code for code in codes if code is not None]
+    names, codes = set(), [function.__code__] if hasattr(function, "__code__") else []  # C's: none
     while codes:
         code = codes.pop()
         names.update(code.co_names)
@@ -284,11 +283,6 @@ def elsewhere(callbacks, directory):
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def loss_tracker(model):
-    """The Mean metric that fit's logs call `loss` (Trainer._loss_tracker)."""
-    return model._loss_tracker
-
-
 # ---------------------------------------------------------------- batch normalization
 
 
@@ -374,19 +368,15 @@ def _activity_losses_are_means():
 
 
 def summed_activity(model):
-    """None, or records -> the context manager recording summed_activity_layers' losses apart."""
-    layers = summed_activity_layers(model)
-    return functools.partial(activity_losses_apart, layers) if layers else None
-
-
-def summed_activity_layers(model):
-    """The model's layers whose activity regularizer this Keras adds as a sum over the batch: the
-    direct batch adds the sum over the window's samples, so the window sums them undivided."""
+    """None, or records -> the context manager recording apart the losses of the model's layers
+    whose activity regularizer this Keras adds as a sum over the batch: the direct batch adds the
+    sum over the window's samples, so the window sums them undivided."""
     if _activity_losses_are_means():
-        return []
+        return None
     require(ACTIVITY)
-    return [layer for layer in model._flatten_layers()
-            if getattr(layer, "activity_regularizer", None) is not None]
+    layers = [layer for layer in model._flatten_layers()
+              if getattr(layer, "activity_regularizer", None) is not None]
+    return functools.partial(activity_losses_apart, layers) if layers else None
 
 
 @contextlib.contextmanager
@@ -506,12 +496,11 @@ def log_window(model, loss, part_values, samples):
     """Replica context: logs the window's loss weighed by its samples (Keras weighs by a batch's
     static size, which fit's partial last batch lacks), and once per window each output's
     (`part_values`, weighted by loss_weights, in loss_parts' order), unweighted."""
-    loss_tracker(model).update_state(loss, sample_weight=samples)
+    model._loss_tracker.update_state(loss, sample_weight=samples)  # fit's logs' `loss`
     compile_loss = model._compile_loss
     if compile_loss is None or len(compile_loss.metrics) < 2:
         return
-    for metric, entry, index in zip(compile_loss.metrics, compile_loss._flat_losses,
-                                    range(len(compile_loss.metrics))):
+    for index, (metric, entry) in enumerate(zip(compile_loss.metrics, compile_loss._flat_losses)):
         value = part_values[index]
         if entry.loss_weights is not None:
             weight = tf.cast(entry.loss_weights, value.dtype)
