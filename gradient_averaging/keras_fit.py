@@ -56,10 +56,8 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
             "replace without running it; accumulate inside your own training loop instead, "
             "with gradient_averaging.MiniBatchAccumulator (accumulate(x, y) per mini-batch, "
             "apply() every N)")
-    return AccumulatingModel(model, average_gradients, check_finite=check_finite,
-                             bn_statistics=bn_statistics, micro_batch_size=micro_batch_size,
-                             budget=budget, margin=margin,
-                             parallel_mini_batches=parallel_mini_batches)
+    return AccumulatingModel(model, average_gradients, check_finite, bn_statistics,
+                             micro_batch_size, budget, margin, parallel_mini_batches)
 
 
 def _any_samples(spec):
@@ -70,6 +68,15 @@ def _any_samples(spec):
         return t
 
     return tf.nest.map_structure(relaxed, spec)
+
+
+def _with_added_losses(parts, pass_losses, n):
+    """`parts` and, as one Part, a pass's add_loss losses (each a mean over the `n` samples)."""
+    if pass_losses:
+        total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
+                          for loss in pass_losses])
+        parts.append(window_lib.Part(total * tf.cast(n, total.dtype), n, None, window_lib.SAMPLES))
+    return parts
 
 
 def _next_batch(iterator, step):
@@ -171,7 +178,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         if self.micro_batch_size is not None:
             self._cut_batches(windows)
         if self._window.statistics:
-            callbacks = list(callbacks or []) + [_SingleValueWarning(self)]
+            callbacks = list(callbacks or []) + [
+                _SingleValueWarning(self._window.statistics, self._single_values)]
         try:
             with self._chief_writes(callbacks):
                 return super().fit(windows, epochs=epochs, verbose=verbose,
@@ -310,7 +318,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     def _window_train_function(self):
         """The train function: one call per window of N mini-batches."""
-        window, strategy = self._window, self.distribute_strategy
+        strategy = self.distribute_strategy
         average_gradients = self.average_gradients
 
         @tf.function
@@ -319,11 +327,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                 strategy, iterator, average_gradients,
                 lambda group: strategy.run(self._replica_mini_batches, args=(group,)),
                 self.parallel_mini_batches)
-            applied, single = window.apply()
-            self._skipped.assign_add(tf.cast(
-                tf.logical_and(count > 0, tf.logical_not(applied)), tf.int64))
-            self._single_values.assign_add(single)
-            return count, self.get_metrics_result()
+            return count, self._apply_counted(count)[1]
 
         self._window_function = window_from  # traced on the first window
 
@@ -381,10 +385,13 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
         return train_function
 
-    def _apply_counted(self):
-        """Applies the window, counting a skip and batch-norm single values -> (applied, logs)."""
+    def _apply_counted(self, count=None):
+        """Applies the window, counting a skip (of a window of `count` > 0 mini-batches where
+        given) and batch-norm single values -> (applied, logs)."""
         applied, single = self._window.apply()
-        self._skipped.assign_add(tf.cast(tf.logical_not(applied), tf.int64))
+        skipped = (tf.logical_not(applied) if count is None
+                   else tf.logical_and(count > 0, tf.logical_not(applied)))
+        self._skipped.assign_add(tf.cast(skipped, tf.int64))
         self._single_values.assign_add(single)
         return applied, self.get_metrics_result()
 
@@ -446,13 +453,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         summed_activity = _keras_src.summed_activity(self)
         with summed_activity(records) if summed_activity else contextlib.nullcontext():
             y_pred = self(x, training=False)
-        parts = _keras_src.loss_parts(self, y, y_pred, sample_weight)
-        pass_losses = step_lib.data_losses(self, self.losses)
-        if pass_losses:
-            total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
-                              for loss in pass_losses])
-            parts.append(window_lib.Part(total * tf.cast(n, total.dtype), n, None,
-                                       window_lib.SAMPLES))
+        parts = _with_added_losses(_keras_src.loss_parts(self, y, y_pred, sample_weight),
+                                   step_lib.data_losses(self, self.losses), n)
         if records:
             parts.append(window_lib.Part(tf.add_n([tf.cast(r, tf.float32) for r in records]),
                                        None, None, None))
@@ -463,9 +465,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         """The per-replica mini-batch size evaluation cuts a batch into; 0: the whole batch."""
         if self._cut is not None:
             return self._cut.micro_batch_size
-        if isinstance(self.micro_batch_size, int):
-            return self.micro_batch_size
-        return 0
+        return self.micro_batch_size if isinstance(self.micro_batch_size, int) else 0
 
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
                          n_local):
@@ -473,12 +473,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         window = self._window
 
         def objective(y_pred, pass_losses, non_trainable_values):
-            parts = _keras_src.loss_parts(self, y, y_pred, sample_weight)
-            if pass_losses:  # add_loss's, each a mean over the samples, as Keras adds them
-                total = tf.add_n([tf.reduce_sum(tf.cast(loss, keras.config.floatx()))
-                                  for loss in pass_losses])
-                parts.append(window_lib.Part(total * tf.cast(n_local, total.dtype), n_local,
-                                           None, window_lib.SAMPLES))
+            parts = _with_added_losses(_keras_src.loss_parts(self, y, y_pred, sample_weight),
+                                       pass_losses, n_local)
             if not parts:
                 raise ValueError("No loss to compute. Provide a `loss` argument in "
                                  "`compile()`.")
@@ -497,9 +493,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 class _SingleValueWarning(keras.callbacks.Callback):
     """Warns once of each BatchNormalization layer that normalized one value per channel."""
 
-    def __init__(self, accumulating):
+    def __init__(self, statistics, single_values):
         super().__init__()
-        self.accumulating = accumulating
+        self.statistics, self.single_values = statistics, single_values
         self._first = False
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -514,14 +510,13 @@ class _SingleValueWarning(keras.callbacks.Callback):
         self._check()
 
     def _check(self):
-        statistics = self.accumulating._window.statistics  # noqa: SLF001 (this module's model)
-        if statistics:
-            values = self.accumulating._single_values.numpy()  # noqa: SLF001 (this module's model)
-            statistics.warn_single_values(values)
+        self.statistics.warn_single_values(self.single_values.numpy())
 
 
 class _WindowAdapter(_keras_src.DataAdapter):
     """Keras's adapter of the mini-batches, counted in windows of N: one train call each."""
+
+    has_partial_batch, partial_batch_size = False, None
 
     def __init__(self, mini_batches, average_gradients):
         self.mini_batches = mini_batches
@@ -543,14 +538,6 @@ class _WindowAdapter(_keras_src.DataAdapter):
     @property
     def batch_size(self):
         return self.mini_batches.batch_size
-
-    @property
-    def has_partial_batch(self):
-        return False
-
-    @property
-    def partial_batch_size(self):
-        return None
 
     def on_epoch_begin(self):
         self.mini_batches.on_epoch_begin()
