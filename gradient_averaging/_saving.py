@@ -39,13 +39,9 @@ class _AfterKerasImport:
         if name != "keras":
             return None
         sys.meta_path.remove(self)
-        for finder in list(sys.meta_path):
-            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None:
-                break
-        else:
-            return None
-        if not hasattr(spec.loader, "exec_module"):
+        finders = [finder for finder in sys.meta_path if hasattr(finder, "find_spec")]
+        spec = next(filter(None, (f.find_spec(name, path, target) for f in finders)), None)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
             return spec
         exec_module = spec.loader.exec_module
 
