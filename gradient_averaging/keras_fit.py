@@ -79,14 +79,19 @@ def _with_added_losses(parts, pass_losses, n):
     return parts
 
 
-def _next_batch(iterator, step):
-    """The next batch, None at the iterator's end; StopIteration (Keras's epoch end) at step 0."""
-    try:
-        return next(iterator)
-    except (StopIteration, tf.errors.OutOfRangeError):
-        if not step:
-            raise StopIteration from None
-        return None
+def _run_batches(iterator, steps, run):
+    """`run(batch)` -> logs on each of up to `steps` batches -> the last logs; StopIteration
+    (Keras's epoch end) where the iterator has none."""
+    logs = None
+    for step in range(steps):
+        try:
+            batch = next(iterator)
+        except (StopIteration, tf.errors.OutOfRangeError):
+            if not step:
+                raise StopIteration from None
+            break
+        logs = run(batch)
+    return logs
 
 
 # The first release's package name, so that its .keras files load.
@@ -371,17 +376,15 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
         def train_function(iterator):
             windows = self._effective_windows(iterator.element_spec)
-            logs = None
-            for step in range(self.steps_per_execution):  # a window each
-                batch = _next_batch(iterator, step)
-                if batch is None:
-                    break
+
+            def train_window(batch):
                 if window.rescale:
                     window.expected.assign(micro_batch_lib.mini_batches_of(
                         batch, self._cut.micro_batch_size * replicas))
                 _, self._cut = windows.add(batch, self._cut)
-                _, logs = windows.apply(self._apply_window)
-            return logs
+                return windows.apply(self._apply_window)[1]
+
+            return _run_batches(iterator, self.steps_per_execution, train_window)
 
         return train_function
 
@@ -397,8 +400,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     def make_test_function(self, force=False):
         """Keras's own on one device without a micro_batch_size; else each batch is evaluated in
-        training's mini-batches (whole before fit), its loss the summed losses over the summed
-        divisors of all mini-batches and replicas (Keras's own averages the replicas' means)."""
+        training's mini-batches (whole before an "auto" fit), its loss the summed losses over the
+        summed divisors of all mini-batches and replicas (Keras's averages the replicas' means)."""
         strategy = self.distribute_strategy
         if self.micro_batch_size is None and strategy.num_replicas_in_sync == 1:
             return super().make_test_function(force)
@@ -410,16 +413,15 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             strategy.run(self._replica_test, args=(data, size))
             return self.get_metrics_result()
 
+        def test(batch):
+            if isinstance(batch, tuple):  # test_on_batch's (x, y, None)
+                batch = tuple(t for t in batch if t is not None)
+            size = (self._cut.micro_batch_size if self._cut is not None  # per replica; 0: whole
+                    else self.micro_batch_size if isinstance(self.micro_batch_size, int) else 0)
+            return test_batch(batch, tf.constant(size, tf.int32))
+
         def test_function(iterator):
-            logs = None
-            for step in range(self.steps_per_execution):
-                batch = _next_batch(iterator, step)
-                if batch is None:
-                    break
-                if isinstance(batch, tuple):  # test_on_batch's (x, y, None)
-                    batch = tuple(t for t in batch if t is not None)
-                logs = test_batch(batch, tf.constant(self._evaluated_by(), tf.int32))
-            return logs
+            return _run_batches(iterator, self.steps_per_execution, test)
 
         self.test_function = test_function
         return test_function
@@ -461,12 +463,6 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return tf.concat([step_lib.part_values(parts), [tf.cast(n, tf.float64)]], 0)
 
-    def _evaluated_by(self):
-        """The per-replica mini-batch size evaluation cuts a batch into; 0: the whole batch."""
-        if self._cut is not None:
-            return self._cut.micro_batch_size
-        return self.micro_batch_size if isinstance(self.micro_batch_size, int) else 0
-
     def _mini_batch_pass(self, weights, non_trainable, metrics_values, x, y, sample_weight,
                          n_local):
         """A mini-batch's pass on values -> (terms' gradients, state, metrics, parts, moments)."""
@@ -491,7 +487,8 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
 
 class _SingleValueWarning(keras.callbacks.Callback):
-    """Warns once of each BatchNormalization layer that normalized one value per channel."""
+    """Warns once of each BatchNormalization layer that normalized one value per channel,
+    checked after an epoch's first batch and at its end."""
 
     def __init__(self, statistics, single_values):
         super().__init__()
@@ -504,12 +501,9 @@ class _SingleValueWarning(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self._first:
             self._first = False
-            self._check()
+            self.on_epoch_end()
 
-    def on_epoch_end(self, epoch, logs=None):
-        self._check()
-
-    def _check(self):
+    def on_epoch_end(self, epoch=None, logs=None):
         self.statistics.warn_single_values(self.single_values.numpy())
 
 
