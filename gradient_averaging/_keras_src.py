@@ -82,8 +82,9 @@ def mentions(paths, target, *names, why):
                     "mentions", target, check)
 
 
-def has(paths, target, make, *attributes):
-    """`make(the class at target)`, an instance without variables, has each of `attributes`."""
+def has(paths, target, *attributes, make=lambda cls: cls(name=_PROBE)):
+    """`make(the class at target)`, an instance without variables (by default one named _PROBE),
+    has each of `attributes`."""
     def check():
         instance = make(_resolve(target))
         missing = [a for a in attributes if not hasattr(instance, a)]
@@ -131,14 +132,13 @@ INTERNALS = (
     mentions((FIT,), "keras:Model.evaluate", "_maybe_symbolic_build", why="SpecBuilt"),
     mentions((FIT,), "keras.src.trainers.epoch_iterator:EpochIterator.__init__",
              "data_adapter", why="SpecBuilt reads the iterator's adapter"),
-    has((FIT,), "keras:Model", lambda cls: cls(name=_PROBE), "_distribute_strategy",
-        "_loss_tracker", "_compile_loss"),
+    has((FIT,), "keras:Model", "_distribute_strategy", "_loss_tracker", "_compile_loss"),
     # loss_parts, log_window: CompileLoss's flat losses, reduced as Loss.__call__ reduces them.
     exists((FIT,), f"{_COMPILE_LOSS}.Loss", "loss", "loss_weights"),
     mentions((FIT,), f"{_COMPILE_LOSS}.call", "_flat_losses", why="loss_parts"),
     mentions((FIT,), f"{_COMPILE_LOSS}.build", "_flat_losses", why="loss_parts"),
     exists((FIT,), _COMPILE_LOSS, "metrics"),
-    has((FIT,), f"{_LOSS}:Loss", lambda cls: cls(name=_PROBE), "reduction", "dtype", "name"),
+    has((FIT,), f"{_LOSS}:Loss", "reduction", "dtype", "name"),
     takes((FIT,), f"{_LOSS}:Loss.call", None, None, None),
     takes((FIT,), f"{_LOSS}:reduce_weighted_values", None, None, None, None, None),
     takes((FIT,), f"{_LOSS}:apply_mask", None, None, None, reduction="sum"),
@@ -146,7 +146,7 @@ INTERNALS = (
     takes((FIT,), "keras.src.backend.common.masking:get_keras_mask", None),
     exists((FIT,), "keras.src.tree", "flatten", "map_structure"),
     exists((FIT,), "keras.src.ops", "convert_to_tensor"),
-    has((FIT,), "keras.callbacks:BackupAndRestore", lambda cls: cls(_PROBE), *_BACKUP_PATHS),
+    has((FIT,), "keras.callbacks:BackupAndRestore", *_BACKUP_PATHS, make=lambda cls: cls(_PROBE)),
     # one_variable_at_a_time: Keras's TensorFlow optimizer calls update_step(gradient, variable,
     # learning_rate) per variable through the attribute, so an instance's own is called.
     takes((APPLY, FIT), "keras:optimizers.Optimizer.update_step", None, None, None, None),
@@ -155,11 +155,11 @@ INTERNALS = (
              "update_step", why="one_variable_at_a_time orders its calls"),
     takes((BATCH_NORM, BN_UPDATE, ACTIVITY), f"{_LAYERS}._flatten_layers", None,
           include_self=False),
-    has((BATCH_NORM, BN_UPDATE), _BN, lambda cls: cls(name=_PROBE), "synchronized"),
+    has((BATCH_NORM, BN_UPDATE), _BN, "synchronized"),
     # captured_moments: each pass's batch-norm moments, from _moments.
     takes((BN_UPDATE,), f"{_BN}._moments", None, None, None),
     mentions((BN_UPDATE,), f"{_BN}.call", "_moments", why="captured_moments"),
-    has((BN_UPDATE,), _BN, lambda cls: cls(name=_PROBE), "_reduction_axes"),
+    has((BN_UPDATE,), _BN, "_reduction_axes"),
     # without_weight_regularization: Layer.losses lists the layers' own losses, then the weights'.
     mentions((REGULARIZED,), f"{_LAYERS}.losses", "_get_own_losses",
              "_get_regularization_losses", why="without_weight_regularization"),
@@ -201,8 +201,8 @@ def check_release(version, failed):
     release = (int(match[1]), int(match[2])) if match else None
     if release is not None and TESTED[0] <= release <= TESTED[1]:
         return
-    relation = ("newer than" if release is not None and release > TESTED[1] else
-                "older than" if release is not None else "not one of")
+    relation = ("not one of" if release is None else
+                "newer than" if release > TESTED[1] else "older than")
     outcome = (f"the {', '.join(sorted(failed))} lack Keras internals and are refused" if failed
                else "every Keras internal it uses is there, so it runs")
     warnings.warn(f"gradient_averaging: keras {version} is {relation} the Keras releases it "
@@ -257,11 +257,9 @@ _WRITES = {keras.callbacks.ModelCheckpoint: ("filepath",),
 def elsewhere(callbacks, directory):
     """For a worker not the chief: while the block runs, Keras's callbacks in _WRITES write under
     `directory` (made, then removed), a BackupAndRestore's copied there first to restore it."""
-    saved = []
-    for callback in callbacks:
-        for kind, names in _WRITES.items():
-            if isinstance(callback, kind):
-                saved.append((callback, {name: getattr(callback, name) for name in names}))
+    saved = [(callback, {name: getattr(callback, name) for name in names})
+             for callback in callbacks for kind, names in _WRITES.items()
+             if isinstance(callback, kind)]
     os.makedirs(directory, exist_ok=True)
     try:
         for index, (callback, paths) in enumerate(saved):
@@ -361,7 +359,7 @@ def _moments(layer, original, index, records, inputs, mask):
 def _activity_losses_are_means():
     """Whether this Keras adds an activity regularizer's loss as a mean over rows (3.14 on)."""
     with tf.init_scope():  # eager, even while a step is traced
-        layer = keras.layers.ActivityRegularization(l1=1.0, name="gradient_averaging_probe")
+        layer = keras.layers.ActivityRegularization(l1=1.0, name=_PROBE)
         layer(tf.ones([2, 1]))
         loss, = layer.losses
         return float(loss) == 1.0
