@@ -114,8 +114,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
                  bn_statistics="update", micro_batch_size=None, budget=None,
                  margin=None, parallel_mini_batches=1, **kwargs):
         super().__init__(**kwargs)
-        self.parallel_mini_batches = arguments.check_parallel_mini_batches(
-            parallel_mini_batches)
+        self.parallel_mini_batches = arguments.check_parallel_mini_batches(parallel_mini_batches)
         self.model = model
         if model.built:  # its weights are ours: count_params(), summary() before fit
             self.built = True
@@ -212,8 +211,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
     def _make_window(self, spec):
         """The window step and its counters, again after a new compile (another optimizer)."""
-        window = self._window
-        if window is not None and window.optimizer is self.optimizer:
+        if self._window is not None and self._window.optimizer is self.optimizer:
             return
         statistics = statistics_lib.BatchStatistics(self, self.bn_statistics)
         window = step_lib.WindowStep(
@@ -272,10 +270,9 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def _windows(self, x, y, sample_weight, batch_size, shuffle, class_weight):
         """The _WindowAdapter of fit's inputs; the last one for the same dataset (slow to start)."""
         is_dataset = _keras_src.data_adapters.is_tf_dataset(x)
-        if is_dataset:
-            cached = getattr(self, "_last_windows", None)
-            if cached is not None and cached[0] is x and cached[1] == class_weight:
-                return cached[2]
+        cached = getattr(self, "_last_windows", (None, None, None))
+        if is_dataset and cached[0] is x and cached[1] == class_weight:
+            return cached[2]
         mini_batches = _keras_src.data_adapters.get_data_adapter(
             x, y, sample_weight, batch_size=batch_size or (None if is_dataset else 32),
             shuffle=shuffle and not is_dataset, class_weight=class_weight)
