@@ -449,46 +449,31 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
     device = device or device_lib.default_device()
     search = micro_batch_lib.Search.on_devices([device], effective_batch, budget, margin)
     search.start = start
-    trials = _GraphTrials(session, optimizer, train_op, feed, device)
-    trials.peak(1)  # the first run sets the graph up (Grappler allocates): not a trial
-    return micro_batch_lib.largest_that_fits(trials.peak, trials.update, search).found()
+    with session.graph.as_default():
+        variables = v1.global_variables() + v1.local_variables()
+    saved = session.run(variables)
+    values = {key: np.asarray(value) for key, value in feed.items()}
+    samples = next((len(v) for v in values.values() if v.ndim), None)
+    if not samples:
+        raise ValueError("feed holds no batch: no value has a leading dimension of samples")
+    count, flush = optimizer.window_count, optimizer.flush_op()
 
+    def run(size):
+        index = np.arange(size) % samples
+        count.load(0, session)
+        session.run(train_op, {key: value[index] if value.ndim and len(value) == samples
+                               else value for key, value in values.items()})
 
-class _GraphTrials:
-    """find_micro_batch's trials on a TF1 graph."""
-
-    def __init__(self, session, optimizer, train_op, feed, device):
-        self.session, self.train_op, self.device = session, train_op, device
-        with session.graph.as_default():
-            self.variables = v1.global_variables() + v1.local_variables()
-        self.saved = session.run(self.variables)
-        self.values = {key: np.asarray(value) for key, value in feed.items()}
-        self.samples = next((len(v) for v in self.values.values() if v.ndim), None)
-        if not self.samples:
-            raise ValueError("feed holds no batch: no value has a leading dimension of samples")
-        self.count, self.flush = optimizer.window_count, optimizer.flush_op()
-
-    def _restore(self):
-        for variable, value in zip(self.variables, self.saved):
-            variable.load(value, self.session)
-
-    def _run(self, size):
-        index = np.arange(size) % self.samples
-        self.count.load(0, self.session)
-        self.session.run(self.train_op, {
-            key: value[index] if value.ndim and len(value) == self.samples else value
-            for key, value in self.values.items()})
-
-    def peak(self, size):
+    def peak(size, then=None):
+        """The peak of `size` samples into an empty window, or (`then`) of then() after them."""
         try:
-            return device_lib.measured_peak(lambda: self._run(size), [self.device])
+            if then:
+                run(size)
+            return device_lib.measured_peak(then or (lambda: run(size)), [device])
         finally:
-            self._restore()
+            for variable, value in zip(variables, saved):
+                variable.load(value, session)
 
-    def update(self):
-        try:
-            self._run(1)
-            return device_lib.measured_peak(lambda: self.session.run(self.flush),
-                                            [self.device])
-        finally:
-            self._restore()
+    peak(1)  # the first run sets the graph up (Grappler allocates): not a trial
+    return micro_batch_lib.largest_that_fits(
+        peak, lambda: peak(1, lambda: session.run(flush)), search).found()
