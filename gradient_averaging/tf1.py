@@ -46,11 +46,6 @@ def _outermost_graph():
         return v1.get_default_graph()
 
 
-def _absolute(scope):
-    """`scope` (a graph's get_name_scope()) as a string name_scope re-enters as is."""
-    return scope + "/" if scope else ""
-
-
 def _top_level(item, graph):
     """Whether a collection item can be fetched from `graph` itself, not a cond/while branch."""
     op = item.op if isinstance(item, tf.Tensor) else item
@@ -76,7 +71,8 @@ def _collections_kept_clean(graph):
 
 
 class _Window:
-    """One graph's window: accumulators, counters, its lock and the flush op."""
+    """One graph's window: accumulators, counters, its lock and the flush op; `global_step`
+    and `caller_scope` (where the wrapped optimizer applies) for its updates, set by _build."""
 
     def __init__(self, scope, variables, sparse):
         """Call under init_scope, so the initializers need no feed. `scope`: absolute (ends in
@@ -291,34 +287,31 @@ class AveragingOptimizer(v1.train.Optimizer):
             weight = tf.convert_to_tensor(weight)
             if weight.shape.rank not in (None, 0):
                 raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
-        # The wrapped optimizer runs in the caller's name scope: its beta powers keep their names.
-        caller_scope = _absolute(v1.get_default_graph().get_name_scope())
+        # The wrapped optimizer runs in the caller's name scope (ending in "/": name_scope enters
+        # it as is): its beta powers keep their names.
+        caller_scope = v1.get_default_graph().get_name_scope()
         with tf.init_scope(), v1.name_scope(name, self.get_name()) as scope:
             window = self._windows[graph] = _Window(
                 scope, [v for _, v in pairs], {v: isinstance(g, tf.IndexedSlices)
                                                for g, v in pairs})
+        window.global_step, window.caller_scope = global_step, caller_scope and caller_scope + "/"
         with _collections_kept_clean(graph), v1.name_scope(scope):
             if self._n == 1 and apply_when_full:
-                train_op = self._direct_or_window(pairs, window, global_step, weight,
-                                                  caller_scope)
+                train_op = self._direct_or_window(pairs, window, weight)
             else:
-                train_op = self._accumulate_then(pairs, window, global_step, weight,
-                                                 caller_scope, apply_when_full)
+                train_op = self._accumulate_then(pairs, window, weight, apply_when_full)
             train_op = tf.group(train_op, name="train")
         # Built now, not in flush_op(): the graph may be finalized by then.
         with _collections_kept_clean(graph), tf.init_scope(), v1.name_scope(scope):
             with window.locked([]) as held:
                 held.ops.append(tf.cond(window.count.read_value() > 0,
-                                        lambda: self._apply_window(window, global_step,
-                                                                   caller_scope),
-                                        tf.no_op))
+                                        lambda: self._apply_window(window), tf.no_op))
             window.flush_op = tf.group(held.released, name="flush")
             v1.add_to_collection(FLUSH_OPS, window.flush_op)
         v1.add_to_collection(v1.GraphKeys.TRAIN_OP, train_op)
         return train_op
 
-    def _accumulate_then(self, pairs, window, global_step, weight, caller_scope,
-                         apply_when_full):
+    def _accumulate_then(self, pairs, window, weight, apply_when_full):
         """Under the lock: adds the mini-batch, counts it, applies a full window."""
         inputs = [_values(g) for g, _ in pairs] + ([] if weight is None else [weight])
         with window.locked(inputs) as held:
@@ -336,18 +329,16 @@ class AveragingOptimizer(v1.train.Optimizer):
                     held.ops.append(window.count.assign_add(1, read_value=False))
                 elif self._n == 1:  # always full
                     with tf.control_dependencies([window.count.assign_add(1)]):
-                        held.ops.append(self._apply_window(window, global_step, caller_scope))
+                        held.ops.append(self._apply_window(window))
                 else:
                     # One op adds 1 and returns the count before (ResourceCountUpTo).
                     before = tf.raw_ops.ResourceCountUpTo(
                         resource=window.count.handle, limit=_COUNT_LIMIT, T=tf.int64)
                     full = before >= self._n - 1
-                    held.ops.append(tf.cond(
-                        full, lambda: self._apply_window(window, global_step, caller_scope),
-                        tf.no_op))
+                    held.ops.append(tf.cond(full, lambda: self._apply_window(window), tf.no_op))
         return held.released
 
-    def _direct_or_window(self, pairs, window, global_step, weight, caller_scope):
+    def _direct_or_window(self, pairs, window, weight):
         """N == 1: the gradients applied as they are (bit-exact), unless a window is open
         (restored from another N) or the weight is <= 0: then as N > 1."""
         use_window = window.count.read_value() > 0
@@ -355,10 +346,8 @@ class AveragingOptimizer(v1.train.Optimizer):
             use_window = tf.logical_or(use_window, tf.cast(weight, tf.float64) <= 0)
         return tf.cond(
             use_window,
-            lambda: self._accumulate_then(pairs, window, global_step, weight, caller_scope,
-                                          apply_when_full=True),
-            lambda: self._apply_or_skip(pairs, window, global_step, reset=list,
-                                        caller_scope=caller_scope))
+            lambda: self._accumulate_then(pairs, window, weight, apply_when_full=True),
+            lambda: self._apply_or_skip(pairs, window, reset=list))
 
     def _accumulate(self, window, grad, var, weight):
         """Adds weight * grad to var's accumulator; sparse rows by scatter_add."""
@@ -374,7 +363,7 @@ class AveragingOptimizer(v1.train.Optimizer):
                 resource=window.touched[var].handle, indices=grad.indices,
                 updates=tf.constant(True)))
 
-    def _apply_window(self, window, global_step, caller_scope):
+    def _apply_window(self, window):
         """Applies the window's mean, then resets it. Dense sums are divided in place one by one
         and read there (one quotient alive at a time, no copy of the window). Sparse sums apply
         and reset only the touched rows, so a sparse-aware optimizer leaves the other rows'
@@ -407,18 +396,16 @@ class AveragingOptimizer(v1.train.Optimizer):
             return ops + [window.count.assign(0, read_value=False),
                           window.weight_sum.assign(0, read_value=False)]
 
-        return self._apply_or_skip(pairs, window, global_step, reset, caller_scope,
-                                   positive=weight_sum > 0)
+        return self._apply_or_skip(pairs, window, reset, positive=weight_sum > 0)
 
-    def _apply_or_skip(self, averaged, window, global_step, reset, caller_scope,
-                       positive=None):
+    def _apply_or_skip(self, averaged, window, reset, positive=None):
         """Transforms and applies `averaged`, then `reset()`; a window with `positive` false or
         (with check_finite) a non-finite value only resets, counted in skipped_windows."""
         pairs = list(self._transform(averaged)) if self._transform else averaged
 
         def apply():
-            with v1.name_scope(caller_scope):
-                applied = self._optimizer.apply_gradients(pairs, global_step=global_step)
+            with v1.name_scope(window.caller_scope):
+                applied = self._optimizer.apply_gradients(pairs, global_step=window.global_step)
             with tf.control_dependencies([applied]):  # the reads of the means come first
                 after = self._after_update() if self._after_update else None
                 after = [op for op in tf.nest.flatten(after) if op is not None]
