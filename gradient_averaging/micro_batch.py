@@ -123,9 +123,11 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
         spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, tf.as_dtype(t.dtype)),
                                      sample)
     trial = trainer.trial_window(spec)
-    search = Search.on(trial.window.strategy, effective_batch, budget, margin,
-                       xla=bool(getattr(trainer, "jit_compile", False)))
-    search.start = start
+    strategy = trial.window.strategy  # this worker's devices, all replicas' E
+    search = Search.on_devices(device_lib.devices_of(strategy), effective_batch, budget, margin,
+                               strategy.num_replicas_in_sync,
+                               xla=bool(getattr(trainer, "jit_compile", False)))
+    search.start, search.workers = start, replicas_lib.workers(strategy)
     trials = _Trials(trial, _sized(sample, effective_batch), search)
     several = search.workers > 1
     try:
@@ -193,14 +195,6 @@ class Search:
         self.predicted = None  # the peak predicted at `most`, taken untried
         self.workers = 1  # the worker processes whose updates run in step
         self.grid = grid(self.most) if xla else None
-
-    @classmethod
-    def on(cls, strategy, effective_batch, budget=None, margin=None, xla=False):
-        """The search for E on `strategy`'s devices (this worker's own), as on_devices."""
-        search = cls.on_devices(device_lib.devices_of(strategy), effective_batch, budget,
-                                margin, strategy.num_replicas_in_sync, xla)
-        search.workers = replicas_lib.workers(strategy)
-        return search
 
     @classmethod
     def on_devices(cls, devices, effective_batch, budget=None, margin=None, replicas=1,
@@ -456,23 +450,19 @@ class EffectiveWindows:
 
     def add(self, batch, found):
         """Adds `batch`; returns (the mini-batches, `found` or, where one ran out, B halved)."""
-        if self.window.strategy.num_replicas_in_sync > 1:
-            try:
-                return self._added(batch, found), found
-            except device_lib.DEVICE_ERRORS as error:
-                if not device_lib.is_out_of_memory(error):
-                    raise
-            raise OutOfMemory(
-                f"out of memory at micro-batch {found.micro_batch_size} per replica, under "
-                f"{found.replicas} replicas: not tried again (an out-of-memory error aborts "
-                "the replicas' collectives); give a smaller micro_batch_size")
-        saved = [np.array(value, copy=True) for value in self._read()]
+        several = self.window.strategy.num_replicas_in_sync > 1
+        saved = None if several else [np.array(value, copy=True) for value in self._read()]
         while True:
             try:
                 return self._added(batch, found), found
             except device_lib.DEVICE_ERRORS as error:
                 if not device_lib.is_out_of_memory(error):
                     raise
+            if several:
+                raise OutOfMemory(
+                    f"out of memory at micro-batch {found.micro_batch_size} per replica, under "
+                    f"{found.replicas} replicas: not tried again (an out-of-memory error aborts "
+                    "the replicas' collectives); give a smaller micro_batch_size")
             self._discard()
             put_back(self.window.strategy, zip(self.state, saved))
             found = _halved(found, batch)
