@@ -22,10 +22,8 @@ _cpu_one_region = False
 
 def is_out_of_memory(error):
     """Whether a TensorFlow error says the device's memory ran out."""
-    if isinstance(error, tf.errors.ResourceExhaustedError):
-        return True
-    return (isinstance(error, (tf.errors.InternalError, tf.errors.UnknownError))
-            and bool(OUT_OF_MEMORY_TEXT.search(str(error))))
+    return isinstance(error, tf.errors.ResourceExhaustedError) or (
+        isinstance(error, DEVICE_ERRORS) and bool(OUT_OF_MEMORY_TEXT.search(str(error))))
 
 
 def default_device():
@@ -158,7 +156,8 @@ def measured_peak(run, devices, hold=0):
         for device in devices if hold else ():
             with tf.device(device):  # uninitialized: no page is touched
                 held.append(tf.raw_ops.Empty(shape=[hold // 4], dtype=tf.float32, init=False))
-        _reset_peaks(devices)
+        for device in devices:
+            tf.config.experimental.reset_memory_stats(device)
         run()
     except DEVICE_ERRORS as error:
         if not is_out_of_memory(error):
@@ -166,13 +165,4 @@ def measured_peak(run, devices, hold=0):
         return None
     finally:
         del held[:]
-    return _peak(devices) - (hold // 4) * 4
-
-
-def _reset_peaks(devices):
-    for device in devices:
-        tf.config.experimental.reset_memory_stats(device)
-
-
-def _peak(devices):
-    return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices)
+    return max(tf.config.experimental.get_memory_info(d)["peak"] for d in devices) - hold // 4 * 4
