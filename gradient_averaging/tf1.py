@@ -49,10 +49,9 @@ def _outermost_graph():
 def _top_level(item, graph):
     """Whether a collection item can be fetched from `graph` itself, not a cond/while branch."""
     op = item.op if isinstance(item, tf.Tensor) else item
-    if not isinstance(op, tf.Operation):
-        return True  # variables, v1 control-flow contexts, savers...
-    return (op.graph is graph
-            and op._get_control_flow_context() is None)  # noqa: SLF001 (no public API)
+    return not isinstance(op, tf.Operation) or (  # else a variable, a v1 control-flow context...
+        op.graph is graph
+        and op._get_control_flow_context() is None)  # noqa: SLF001 (no public API)
 
 
 @contextlib.contextmanager
@@ -95,8 +94,7 @@ class _Window:
             self.count = _window_variable(tf.constant(0, tf.int64), "count")
             # float64 holds sample counts exactly; cast to each accumulator's type.
             self.weight_sum = _window_variable(tf.constant(0, tf.float64), "weight_sum")
-            self.skipped_windows = _window_variable(tf.constant(0, tf.int64),
-                                                    "skipped_windows")
+            self.skipped_windows = _window_variable(tf.constant(0, tf.int64), "skipped_windows")
             # Beside the count: workers sharing the window on a parameter server share the lock.
             with tf.device(self.count.device):
                 self.mutex = tf.raw_ops.MutexV2(shared_name=scope + "lock", name="lock")
