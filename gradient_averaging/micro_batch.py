@@ -142,7 +142,7 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
         traces = getattr(trial.add, "experimental_get_tracing_count", None)
         found = search.found(traces() if traces else None)
         if several:
-            found = agreed(trial.window.strategy, found)
+            found = agreed(strategy, found)
     except replicas_lib.COLLECTIVE_ERRORS as error:
         if not several:
             raise
@@ -363,8 +363,6 @@ class _Trials:
 
     def __init__(self, trial, held, search):
         self.trial, self.held, self.search = trial, held, search
-        self.strategy = trial.window.strategy
-        self._apply = trial.apply
         self._discard = tf.function(trial.window.discard)
         unique = {id(v): v for v in trial.state}
         self._saved = [(v, np.array(v.numpy(), copy=True)) for v in unique.values()]
@@ -389,17 +387,16 @@ class _Trials:
         several, applied = self.search.workers > 1, []
         try:
             self._add(1)
-            peak = device_lib.measured_peak(self._apply, self.search.devices)
+            peak = device_lib.measured_peak(self.trial.apply, self.search.devices)
             if peak is not None:
                 self._add(1)
                 peak = device_lib.measured_peak(
-                    lambda: applied.append(bool(self._apply()[0])), self.search.devices)
+                    lambda: applied.append(bool(self.trial.apply()[0])), self.search.devices)
         except BaseException:
             if not several:
                 self.restore()
             raise
-        if peak is None and several:
-            # collectives in flight: no restore (find_micro_batch)
+        if peak is None and several:  # collectives in flight: no restore (find_micro_batch)
             return peak
         self.restore()
         if applied == [False]:  # skipped (check_finite): the optimizer did not run
@@ -410,7 +407,7 @@ class _Trials:
     def restore(self):
         """Discards the open window and writes every saved value back."""
         self._discard()
-        put_back(self.strategy, self._saved)
+        put_back(self.trial.window.strategy, self._saved)
 
 
 def put_back(strategy, saved):
@@ -441,12 +438,11 @@ class EffectiveWindows:
         self.add_batch, self.window = add, window
         self.state = list({id(v): v for v in state}.values())
         self._discard = tf.function(window.discard)
-        self._read = tf.function(self._host_values)
 
-    def _host_values(self):
-        """The state's values read in one call, onto the host."""
-        with tf.device("CPU:0"):
-            return [tf.identity(v) for v in self.state]
+        def host_values():  # the state's values read in one call, onto the host
+            with tf.device("CPU:0"):
+                return [tf.identity(v) for v in self.state]
+        self._read = tf.function(host_values)
 
     def add(self, batch, found):
         """Adds `batch`; returns (the mini-batches, `found` or, where one ran out, B halved)."""
