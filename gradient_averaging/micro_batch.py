@@ -262,14 +262,12 @@ class Search:
         else:
             self.over[size] = peak
         if size == 1 and not self.fits:
-            raise NothingFits(_nothing_fits("a mini-batch of one sample", peak, self.budget,
-                                            self.margin))
+            raise NothingFits(self._nothing_fits("a mini-batch of one sample", peak))
 
     def record_update(self, peak):
         """Records an update's peak (None: out of memory); NothingFits where it is over."""
         if peak is None or peak > self.limit:
-            line = _nothing_fits("the update (the optimizer's apply)", peak, self.budget,
-                                 self.margin)
+            line = self._nothing_fits("the update (the optimizer's apply)", peak)
             if self.workers > 1:
                 line += ("; under several workers" + (" its collectives were in flight:"
                                                       if peak is None else "") +
@@ -277,6 +275,14 @@ class Search:
                          "other workers stop too")
             raise NothingFits(line)
         self.update_peak = max(peak, self.update_peak or 0)
+
+    def _nothing_fits(self, what, peak):
+        mib, budget, margin = device_lib.MIB, self.budget, self.margin
+        needs = ("ran out of the device's memory" if peak is None
+                 else f"peaks at {peak / mib:.1f} MiB on the device")
+        return (f"{what} {needs}, over the {budget * (1 - margin) / mib:.1f} MiB it may use (a "
+                f"{budget / mib:.1f} MiB budget, {margin:.0%} kept free): no micro-batch "
+                "fits; give a larger budget or a smaller margin, or free the device's memory")
 
     def found(self, traces=None):
         """The MicroBatch of the largest size that fit."""
@@ -287,15 +293,6 @@ class Search:
                     budget=self.budget, margin=self.margin, trials=tuple(self.trials),
                     traces=traces, seconds=time.perf_counter() - self.start,
                     predicted=bool(self.predicted))
-
-
-def _nothing_fits(what, peak, budget, margin):
-    mib = device_lib.MIB
-    needs = ("ran out of the device's memory" if peak is None
-             else f"peaks at {peak / mib:.1f} MiB on the device")
-    return (f"{what} {needs}, over the {budget * (1 - margin) / mib:.1f} MiB it may use (a "
-            f"{budget / mib:.1f} MiB budget, {margin:.0%} kept free): no micro-batch fits; "
-            "give a larger budget or a smaller margin, or free the device's memory")
 
 
 def _slope(fits, largest):
