@@ -181,10 +181,8 @@ class AveragingOptimizer(v1.train.Optimizer):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{arg} must be a function or None, got {type(fn).__name__}")
         super().__init__(use_locking=False, name=name or "Averaging" + optimizer.get_name())
-        self._optimizer = optimizer
-        self._check_finite = check_finite
-        self._transform = transform_gradients
-        self._after_update = after_update
+        self._optimizer, self._check_finite = optimizer, check_finite
+        self._transform, self._after_update = transform_gradients, after_update
         self._windows = {}  # outermost graph -> _Window
 
     @property
@@ -449,8 +447,7 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
         session.run(train_op, {key: value[index] if value.ndim and len(value) == samples
                                else value for key, value in values.items()})
 
-    def peak(size, then=None):
-        """The peak of `size` samples into an empty window, or (`then`) of then() after them."""
+    def peak(size, then=None):  # of the run of `size` samples, or (`then`) of then() after it
         try:
             if then:
                 run(size)
