@@ -1,25 +1,16 @@
 """Peak tensor memory of each training path, as a device's allocator counts it.
 
-    python -m tools.memory --model=mlp --n=8 --b=32 --repeats=3
     python -m tools.memory --model=convnet --n=2 --n=32 --paths=accumulate,window
 
-Host RSS hides what a step holds under TensorFlow's own floor. The BFC allocator (the
-GPU's; on the CPU with TF_CPU_ALLOCATOR_USE_BFC=true) counts live tensors, and under a
-limit (TF_CPU_BFC_MEM_LIMIT_IN_MB) raises an OOM as a device of that size would. One
-figure is one fresh process, a probe: it builds the model, trains one update as a
-warm-up (tracing, optimizer slots), resets the allocator's peak, trains one more update
-and prints the peak as JSON. One inter-op thread, as a GPU runs one stream (the peak
-depends on the order ops run in); oneDNN off, so that an OOM in a convolution raises
-instead of crashing. The probe first makes the CPU's allocator one region
-(device.reserve_cpu_memory: its limit's, or RESERVE_MB without one), as TensorFlow
-holds a GPU's memory by default: an allocator that grows region by region runs out of
-memory well before its limit and scatters an update's chunks. The peak still varies from
-process to process, fixed in each by its warm-up: the BFC allocator hands out a free
-chunk of up to twice the request whole, and counts it whole; so a figure is the median of
-several probes, and the growth in N compares the peaks most of them landed on
-(usual_peak). With a GPU visible (--gpu) the probe reads the GPU's allocator instead.
-
-The parent imports no TensorFlow: only the probes do.
+Host RSS hides a step under TensorFlow's floor; the BFC allocator (the GPU's, or the CPU's with
+TF_CPU_ALLOCATOR_USE_BFC=true) counts live tensors and, under TF_CPU_BFC_MEM_LIMIT_IN_MB,
+raises an OOM as a device that size would. A figure is one fresh process (a probe): a warm-up
+update, the peak reset, a measured update. One inter-op thread, as a GPU runs one stream (the
+peak depends on op order); oneDNN off, so a convolution's OOM raises instead of crashing; the
+CPU's allocator one region, as a GPU's (one growing by regions runs out before its limit).
+The BFC allocator hands out a free chunk of up to twice the request whole, so the peak varies
+between processes: a figure is the median of several probes, growth in N uses usual_peak.
+The parent imports no TensorFlow.
 """
 
 import concurrent.futures
@@ -43,25 +34,18 @@ from tools.bench_section import xplanes
 FLAGS = flags.FLAGS
 
 MIB = 1 << 20
-# The paths, each a small function below (_PATHS); B alone, the direct batch and Keras's
-# own accumulation are the references a path's peak is compared with; the _p2 paths run
-# two mini-batches' passes at once (parallel_mini_batches=2), for the option's price.
+# The paths (_PATHS): alone (B alone), direct and keras are the references; the _p2 paths run
+# parallel_mini_batches=2.
 PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1",
          "accumulate_p2", "window_p2")
-# The TF1 graph's own direct batch (plain Adam on N*B): the reference of the tf1 path's
-# weights, which come from another graph than the Keras model's; and its own B alone
-# (plain Adam at B, N updates): the tf1 path's bound, since a TF1 session holds what
-# Keras does not (the zeros its variables were initialized from, in the initializer's
-# cached constant, for as long as it lives).
+# The TF1 graph's own direct batch and B alone (plain Adam): the tf1 path's weights' reference
+# and its bound (a TF1 session holds its variables' initial zeros for as long as it lives).
 TF1_REFERENCES = ("tf1_direct", "tf1_alone")
 REFERENCES = TF1_REFERENCES + ("dense_direct",)
 # dense_direct: the direct batch with an Embedding's gradient made dense before Adam, the
-# reference of the accumulating paths' weights on a language model: the window applies
-# its mean dense, and Keras's Adam applies a batch's rows otherwise where ids repeat
-# (docs/tf2-engine.md); on the other models it is the direct batch.
-# The bound's margin: 5% of it, at least 4 MiB (small models).
-MARGIN, MARGIN_MIN_MB = 0.05, 4.0
-PROBE_TIMEOUT = 600  # seconds; a probe takes 5-15 s
+# accumulating paths' weights' reference on a language model (the window applies its mean dense).
+MARGIN, MARGIN_MIN_MB = 0.05, 4.0  # the bound's margin
+PROBE_TIMEOUT = 600  # seconds
 PROFILE_TOP = 8  # the tensors a profiled probe lists, alive at its peak
 RESERVE_MB = 2048  # the CPU's one region where a probe has no limit (above every peak)
 
@@ -86,33 +70,20 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
     """One measurement in a fresh process.
 
     Args:
-      model: one of models.MODELS. path: one of PATHS.
-      n, b: N mini-batches of B samples per update.
-      limit_mb: the device's memory in MiB (None: all of it).
-      gpu: measure GPU:0 (the GPU visible to the probe) instead of the CPU.
-      save: a .npz file for the trainable weights after the two updates (a test
-        compares paths by them), or None.
-      micro_batch: the accumulate path only: each update one effective batch of N*B
-        samples, cut into micro-batches of this size ("auto": found by fit; the result
-        gives it, its search's seconds and trials).
-      timed: updates timed after the measured one; `update_ms` is the fastest of them
-        and the measured update (on a shared machine, a neighbour slows some of them).
-      held: where the peak's growth in N is measured, the samples (at least N*B) the
-        process holds on the device before the warm-up, the same at every N, and feeds
-        a batch at a time; None: N*B samples, in a tf.data dataset of batches (_fit).
-      jit_compile: the direct and accumulate paths only: compiled with
-        jit_compile=True (XLA), as Keras compiles by default on a GPU.
-      profile: run the measured update under TensorFlow's profiler and list the tensors
-        alive at its peak that it allocated (`at_peak`) and the largest allocation of
-        each op name (`largest_by_op`): _profiled.
+      limit_mb: the device's memory (None: all of it).
+      save: a .npz file for the trainable weights after the two updates, or None.
+      micro_batch: accumulate only: one effective batch of N*B cut into micro-batches of
+        this size ("auto": found by fit).
+      timed: updates timed after the measured one; update_ms is the fastest of all.
+      held: for growth in N: samples (at least N*B) held on the device before the warm-up,
+        the same at every N; None: N*B samples in a tf.data dataset.
+      jit_compile: direct and accumulate only: compiled with XLA.
+      profile: adds at_peak and largest_by_op (_profiled).
 
     Returns:
-      The probe's dict: its spec (model, path, n, b, limit_mb, gpu, ...), `seconds` (the
-      process's wall time), and either peak_mb, current_mb (before the measured update),
-      update_ms, weights_mb, largest_mb, accumulators_mb, oom=False (and with
-      micro_batch: micro_batch_size, search_s, trials, and halved: the sizes training
-      ran out of memory at and halved); or oom=True, phase ("warm-up"
-      or "update") and message; or `error` (a crash, a timeout: one line).
+      The spec, seconds, and either peak_mb, current_mb (before the update), update_ms,
+      weights_mb, largest_mb, accumulators_mb, oom=False (with micro_batch also
+      micro_batch_size, search_s, trials, halved); or oom=True, phase, message; or error.
     """
     if model not in models.MODELS or path not in PATHS + REFERENCES:
         raise ValueError(f"model must be one of {models.MODELS} and path one of {PATHS}. "
@@ -127,8 +98,7 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
 
 
 def probes(specs, jobs=1, log=None):
-    """probe(**spec) for each spec, `jobs` processes at a time (1: the default; memory
-    figures do not depend on contention, times do); the results in the specs' order."""
+    """probe(**spec) for each spec, `jobs` at a time (times depend on it), in the specs' order."""
     def one(spec):
         result = probe(**spec)
         if log:
@@ -160,24 +130,19 @@ def at_peak_text(rows):
 # ---------------------------------------------------------------- the bound and the table
 
 
-# The paths held to bound_mb; the others (TF1's session, two passes at once) to
-# bound_with_sums_mb.
+# Held to bound_mb; the others (a TF1 session, two passes at once) to bound_with_sums_mb.
 ONE_PASS_TF2 = ("accumulate", "window", "mini_batch")
 
 
 def bound_mb(alone_mb, largest_mb):
-    """What a TF2 path at parallel_mini_batches=1 may cost: B alone's peak plus one
-    temporary the size of the largest variable (the sums stand in for the gradient set
-    B alone holds anyway; one variable's gradient or update in flight beside them);
-    plus MARGIN of that, MARGIN_MIN_MB at least."""
+    """B alone's peak plus one temporary of the largest variable (the sums stand in for the
+    gradients B alone holds), plus MARGIN of that, MARGIN_MIN_MB at least."""
     base = alone_mb + largest_mb
     return base + max(MARGIN * base, MARGIN_MIN_MB)
 
 
 def bound_with_sums_mb(alone_mb, accumulators_mb, largest_mb):
-    """The TF1 graph's and the _p2 paths' bound: B alone's peak, plus one accumulator
-    per trainable variable (in its accumulation dtype), plus one temporary the size of
-    the largest variable; plus MARGIN of that, MARGIN_MIN_MB at least."""
+    """bound_mb with the accumulators (in their accumulation dtype) added before the margin."""
     base = alone_mb + accumulators_mb + largest_mb
     return base + max(MARGIN * base, MARGIN_MIN_MB)
 
@@ -200,10 +165,8 @@ def summarize(results):
 
 
 def with_ratios(rows):
-    """Adds to each row the bound (from B alone's peak and the model's sizes) and the
-    ratios of its peak to the bound, to B alone, the direct batch and Keras's own
-    accumulation: None where a figure is missing. A TF1 row's B alone and direct batch
-    are the TF1 graph's own (tf1_alone, tf1_direct) where measured."""
+    """Adds bound_mb and the peak's ratios to it, alone, direct and keras (None where missing);
+    a TF1 row's alone and direct are tf1_alone and tf1_direct where measured."""
     peaks = {row["path"]: row["peak_mb"] for row in rows}
     sizes = next((row for row in rows if row["weights_mb"] is not None), None)
 
@@ -230,11 +193,7 @@ def with_ratios(rows):
 
 def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
           log=None, held=None, profile=False):
-    """Every path's peak at N x B, each the median of `repeats` probes.
-
-    The probes take turns (each repeat runs every path once). Returns a list of dicts,
-    one per path in `paths`' order: summarize's row with with_ratios' bound and ratios.
-    """
+    """Every path's row (summarize's, with_ratios') at N x B in `paths`' order; probes alternate."""
     specs = [dict(model=model, path=path, n=n, b=b, limit_mb=limit_mb, gpu=gpu, held=held,
                   profile=profile) for _ in range(repeats) for path in paths]
     results = probes(specs, jobs, log)
@@ -243,10 +202,8 @@ def table(model, n, b, paths=PATHS, repeats=3, limit_mb=None, jobs=1, gpu=False,
 
 
 def usual_peak(peaks, within=0.01):
-    """The peak most probes landed on: a process's peak can land in one of a few modes, by
-    where the allocator found room, so a median or the lowest would compare draws of
-    modes. Peaks within `within` of a mode's lowest count as that mode; its median is the
-    figure (a tie: the lower mode); None without peaks."""
+    """The median of the mode most peaks landed in (a peak lands in one of a few, by where the
+    allocator found room): a mode holds the peaks within `within` of its lowest; None if none."""
     modes = []
     for peak in sorted(peaks):
         if modes and peak <= modes[-1][0] * (1 + within):
@@ -259,9 +216,7 @@ def usual_peak(peaks, within=0.01):
 
 
 def growth(tables):
-    """How each path's peak grows with N: {n: table rows} (the same B) to one row per
-    path, its usual peak at each N (usual_peak) and the ratio of the largest N's to the
-    smallest N's."""
+    """{n: table rows} (one B) -> per path its usual_peak at each N and largest N's / smallest's."""
     ns = sorted(tables)
     rows = []
     for path in [row["path"] for row in tables[ns[0]]]:
@@ -335,8 +290,7 @@ def tf1_bound(rows):
 
 
 def growth_markdown(rows):
-    """growth's rows as markdown: the usual peak at each N, the ratio (3 digits: the
-    target is 2%), and every probe's peak."""
+    """growth's rows as markdown (the ratio to 3 digits: the target is 2%)."""
     ns = sorted(rows[0]["peaks"])
     lines = ["| path | " + " | ".join(f"N={n}" for n in ns) + f" | N={ns[-1]} / N={ns[0]} | "
              + " | ".join(f"every probe, N={n}" for n in ns) + " |",
@@ -361,25 +315,21 @@ def _compiled(model, optimizer=None, jit_compile="auto"):
 
 
 def _fit(model, x, y, batch_size, samples):
-    """One update: `fit` on a tf.data dataset built once, before the warm-up, as a run
-    that fits many updates pays its pipeline's set-up once (`fit` on numpy arrays builds
-    Keras's pipeline again in each call, counted on the CPU's allocator, which a GPU's
-    does not see)."""
+    """One update: fit on a dataset built once (fit on arrays rebuilds its pipeline each call,
+    on the CPU's allocator, which a GPU's does not see)."""
     dataset = _dataset(x, y, batch_size, samples)
     return lambda: model.fit(dataset, epochs=1, verbose=0)
 
 
-# Each path: (model name, n, b, x, y) -> (one update, the model's weights, its trainable
-# weights, a function giving the trainable weights' values[, a function giving more of
-# the result]). x, y hold N*B samples.
+# A path: (model, n, b, x, y of N*B samples) -> (one update, weights, trainable weights,
+# a function of the trainable values[, a function of more result keys]).
 
 
 def _values(variables):
     return lambda: [v.numpy() for v in variables]
 
 def _path_alone(model, n, b, x, y):
-    # Plain fit at batch B over the same N*B samples: N updates, and the input pipeline
-    # runs beside the steps as it does beside a window's mini-batches.
+    # N updates at B, the input pipeline running beside them as beside a window's mini-batches.
     net = _compiled(models.keras_model(model))
     return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
             _values(net.trainable_weights))
@@ -418,11 +368,9 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compil
 
 
 def _dataset(x, y, b, samples):
-    """The first `samples` of x and y in batches of b. Arrays stay on the host, as a
-    GPU's input pipeline keeps them, and each batch becomes a tensor as the pipeline
-    runs: a dataset of slices of the arrays copied them whole into the measured
-    allocator in some processes only, and moved every later chunk. The device tensors a
-    probe holds (`held`) are sliced as they are."""
+    """The first `samples` of x, y in batches of b. Arrays stay on the host, each batch made a
+    tensor as it runs (from_tensor_slices copied them whole into the measured allocator in
+    some processes only); device tensors (`held`) are sliced."""
     import tensorflow as tf
     if not isinstance(x, np.ndarray):
         return tf.data.Dataset.from_tensor_slices((x, y)).take(samples).batch(b)
@@ -434,8 +382,7 @@ def _dataset(x, y, b, samples):
             end = min(start + b, samples)
             yield x[start:end], y[start:end]
 
-    # Its cardinality told: Keras fit on a dataset of unknown length counted one more
-    # step per call than it had batches (Keras 3.15), and trained to other weights.
+    # Cardinality told: on a dataset of unknown length Keras 3.15's fit ran a step too many.
     return tf.data.Dataset.from_generator(batches, output_signature=(
         tf.TensorSpec((None,) + x.shape[1:], tf.as_dtype(x.dtype)),
         tf.TensorSpec((None,) + y.shape[1:], tf.as_dtype(y.dtype)))).apply(
@@ -443,9 +390,8 @@ def _dataset(x, y, b, samples):
 
 
 def _path_window(model, n, b, x, y, parallel=1):
-    # fit_accumulated(one_call=True) is WindowAccumulator(...).fit; one accumulator for
-    # the warm-up and the update keeps its tracing (and grappler's constant folding, which
-    # allocates on the CPU) out of the measured update.
+    # One accumulator for warm-up and update keeps its tracing (and grappler's constant
+    # folding, which allocates on the CPU) out of the measured update.
     from gradient_averaging.tf2 import WindowAccumulator
     net = models.keras_model(model)
     accumulator = WindowAccumulator(net, _adam(), models.sample_loss(model),
@@ -470,9 +416,8 @@ def _path_mini_batch(model, n, b, x, y):
 
 
 def _path_tf1(model, n, b, x, y, plain=None):
-    """AveragingOptimizer(Adam, N) run once per mini-batch of B; plain="direct": the plain
-    Adam on the direct batch of N*B (tf1_direct), plain="alone": on N batches of B, an
-    update each (tf1_alone)."""
+    """AveragingOptimizer(Adam, N) run per mini-batch of B; plain Adam on N*B at once
+    (plain="direct") or on N batches of B (plain="alone")."""
     import tensorflow as tf
 
     from gradient_averaging.tf1 import AveragingOptimizer
@@ -520,8 +465,7 @@ _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
 
 
 def _sizes(weights, trainable):
-    """The model's weights, its largest trainable variable and the trainable variables
-    in their accumulation dtype (float16 and bfloat16 are summed in float32), in MiB."""
+    """MiB: weights, largest trainable variable, accumulators (16-bit floats summed in float32)."""
     import tensorflow as tf
 
     def elements(v):
@@ -543,12 +487,9 @@ def _milliseconds(run):
 
 
 def _profiled(update, top=PROFILE_TOP):
-    """Runs `update` under TensorFlow's profiler and reads its allocator's events: the
-    tensors alive at the update's peak that the update allocated (what it held beyond
-    the state before it), the largest first. Returns ([the update's ms], [[the op that
-    allocated it, its shape, MiB], ...]: `top` of them, and one row summing the rest,
-    {an op's name without its scopes and number: the largest allocation ops so named
-    made in the update, MiB})."""
+    """Runs `update` under the profiler: ([ms], the `top` tensors it allocated alive at its peak
+    as [op, shape, MiB], largest first, plus a row summing the rest, {op name without scopes
+    and number: its largest allocation, MiB})."""
     import tempfile
 
     import tensorflow as tf
@@ -599,8 +540,7 @@ def _stat(stat, names):
 
 
 def run_probe(spec):
-    """One measurement in this process (started with probe_env's environment): the
-    warm-up update, the peak's reset, the measured update; returns probe's dict."""
+    """One measurement in this process (started with probe_env's environment): probe's dict."""
     import gc
 
     import tensorflow as tf
@@ -624,10 +564,8 @@ def run_probe(spec):
     try:
         x, y = models.data(spec["model"], max(spec["n"] * spec["b"], spec.get("held") or 0))
         if spec.get("held"):
-            # Held on the device before the warm-up, the same samples at every N, read a
-            # batch at a time: the peak's growth in N is then the path's, not its input's.
-            # Copied: a constant made from an array landed in the measured allocator in
-            # some processes and not in others.
+            # The same samples at every N, so growth is the path's; copied, as a constant
+            # from an array landed in the measured allocator in some processes only.
             x, y = (tf.raw_ops.DeepCopy(x=tf.constant(a)) for a in (x, y))
         update, weights, trainable, values, *more = _PATHS[spec["path"]](
             spec["model"], spec["n"], spec["b"], x, y, **cut)
