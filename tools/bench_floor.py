@@ -1,19 +1,10 @@
 """The speed of accumulation itself: each TF2 path's time per update against its floor.
 
-An update of N mini-batches of B must run N passes (forward and backward) and one apply,
-where N steps of B alone run N passes and N applies. So the floor is
-
-    N x (one training step at B alone) - (N - 1) x (the optimizer's apply alone)
-
-and what a path takes over it is what accumulating costs: adding each mini-batch's
-gradients into the sums, the window's division and zeroing, its calls. The floor's two
-terms are measured in the same interleaved rounds as the paths, Keras's own
-`gradient_accumulation_steps` and the direct batch of N*B: each round's floor from that
-round's step and apply, each ratio the median of the per-round ratios. The time judged
-is the process's CPU time: on a shared machine a block's wall-clock time waits for the
-other work too (its ratios are kept beside).
-
-A model is one entry of WORKLOADS; another (a language model, say) is one more entry.
+An update of N mini-batches of B runs N passes and one apply, N steps at B alone N passes and
+N applies: the floor is N x (a step at B alone) - (N - 1) x (the apply alone), and a path's
+time over it is what accumulating costs. The floor's terms run in the paths' interleaved
+rounds, each round's floor from that round's; a ratio is the median of the rounds' ratios.
+CPU time is judged: on a shared machine wall-clock time waits for other work (kept beside).
 """
 
 import collections
@@ -34,10 +25,8 @@ def _mnist(datasets):
     return tuple(datasets.train)
 
 
-# One model the section measures. build: () -> a fresh Keras model (seeded); data:
-# (the bench's MNIST) -> (x, y) arrays its batches are cut from; limit: the target, the
-# most a TF2 path may take of the floor; mini_batches: per timed block (at least one
-# update), so that a block is long against a call's overhead; repeats: rounds.
+# build: () -> a fresh seeded model; data: (the bench's MNIST) -> (x, y); limit: the most a
+# TF2 path may take of the floor; mini_batches: per timed block (at least one update).
 Workload = collections.namedtuple("Workload", "name build data limit mini_batches repeats words")
 WORKLOADS = (
     Workload("convnet", models.post_model("convnet"), _mnist, 1.05, 64, 7,
@@ -56,7 +45,6 @@ REFERENCES = {
     "direct": "Keras fit on the direct batch of N*B",
     "keras": "Keras's Adam(gradient_accumulation_steps=N), fit, steps_per_execution=N",
 }
-# The floor's two terms.
 FLOOR = {
     "alone": "Keras fit at B, steps_per_execution=N: N steps per update",
     "apply": "the optimizer's apply alone (Adam on constant gradients), N - 1 per update",
@@ -72,9 +60,8 @@ OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
 
 
 def contenders(workload, n, b, base, noise=False, jit=False):
-    """The floor's terms, the references and the paths at N x B, each on its own model;
-    `base`: the workload's samples as an endless dataset; `noise`: one more `alone`;
-    `jit`: every one compiled with XLA."""
+    """The floor's terms, references and paths at N x B, each on its own model; `base`: the
+    samples as an endless dataset; `noise`: one more alone; `jit`: all compiled with XLA."""
     from gradient_averaging.keras_fit import accumulate
     batches = base.batch(b, drop_remainder=True).prefetch(2)
     out = [*_floor_terms(workload.build, base, n, b, jit),
@@ -103,10 +90,9 @@ def missing(vs_floor, limit):
 
 
 def with_floor(times, noise=None, **ratios):
-    """What one clock's `times` (interleaved's) say: {"times" (with each round's floor,
-    alone - apply), "median_ms", "noise": |noise's (label, base) ratio - 1| where both
-    were raced, else None} and each of `ratios`, {name: (labels, base)}: {name: {label:
-    paired ratio to base}}."""
+    """One clock's `times` -> {"times" (plus each round's floor), "median_ms", "noise" (|the
+    `noise` (label, base) ratio - 1|, None if not raced)} and, per `ratios` {name: (labels,
+    base)}, {name: {label: paired ratio to base}}."""
     times = dict(times, floor=[a - p for a, p in zip(times["alone"], times["apply"])])
     return dict(times=times, median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
                 noise=abs(bc.paired_ratio(times, *noise)["ratio"] - 1)
@@ -122,18 +108,15 @@ def clock(times):
 
 
 def summary(model, n, b, updates, cpu, wall=None, profiles=None):
-    """A row of the section: {"model", "n", "b", "updates", "profiles": {label: profile}
-    or {}, "wall": clock(wall)} and clock(cpu)'s keys, the judged ones: this process's
-    CPU seconds (`cpu`), which the other work of a loaded machine leaves out, where the
-    wall-clock time (`wall`, None: the same) waits for it too."""
+    """A row: model, n, b, updates, profiles ({label: profile}), wall (clock(wall); None: cpu)
+    and clock(cpu)'s keys, the judged ones (CPU time leaves out a loaded machine's other work)."""
     return dict(model=model, n=n, b=b, updates=updates, profiles=profiles or {},
                 wall=clock(cpu if wall is None else wall), **clock(cpu))
 
 
 def race(workload, n, b, base, noise=False, profiled=(), jit=False):
-    """One (N, B) of a workload, interleaved; where a path misses the limit (and is not
-    in `profiled`, the paths traced at an earlier (N, B)), it and the floor's terms traced
-    after (bench_contenders.profile). Returns its summary()."""
+    """One (N, B), interleaved: summary()'s row; the paths over the limit, not in `profiled`
+    (traced at an earlier N x B), and the floor's terms profiled after."""
     updates = max(1, workload.mini_batches // n)
     racing = contenders(workload, n, b, base, noise, jit)
     try:
@@ -150,8 +133,7 @@ def race(workload, n, b, base, noise=False, profiled=(), jit=False):
 
 
 def noise_of(rows, model):
-    """This run's noise for a workload: its `alone` against a second one (None: not
-    measured)."""
+    """A workload's noise, alone against a second alone (None: not measured)."""
     return next((r["noise"] for r in rows if r["model"] == model and r["noise"] is not None),
                 None)
 
@@ -194,17 +176,15 @@ class Floor(Section):
         return rows
 
     def race(self, run, w, n, b, mine, bases):
-        """The row of workload `w` at N x B, raced in this process; `mine`: its rows so
-        far, `bases`: each workload's samples as an endless dataset, made once a run. The
-        noise once, and each path's profile once, per workload: time is short."""
+        """`w`'s row at N x B, raced here; `mine`: its rows so far; `bases`: samples per workload,
+        made once; the noise and each path's profile once per workload."""
         if w.name not in bases:
             bases[w.name] = tf.data.Dataset.from_tensor_slices(w.data(run.datasets)).repeat()
         return race(w, n, b, bases[w.name], noise=not mine,
                     profiled={k for r in mine for k in r["profiles"]})
 
     def targets(self, rows):
-        """Each workload's two targets; a probe that failed at any of its N x B (a row
-        with an `error`: FloorXLA's) misses both."""
+        """Each workload's two targets; a failed probe (a row with an error) misses both."""
         out = []
         for w in self.settings["workloads"]:
             failed = any(r["model"] == w.name and "error" in r for r in rows)
@@ -315,8 +295,7 @@ class Floor(Section):
 
 
 def xla_race(spec):
-    """A probe (bench_probe: a fresh process, without op determinism, under which Keras
-    turns XLA off): race() of spec's workload at N x B, every contender compiled."""
+    """race() all compiled, in a probe (a fresh process: op determinism turns Keras's XLA off)."""
     from experiment import data
     w = next(w for w in WORKLOADS if w.name == spec["workload"])._replace(
         mini_batches=spec["mini_batches"], repeats=spec["repeats"])
@@ -325,8 +304,7 @@ def xla_race(spec):
 
 
 class FloorXLA(Floor):
-    """The floor section with every contender compiled by XLA (jit_compile=True, as Keras
-    compiles by default on a GPU), each N x B in a fresh process."""
+    """The floor section compiled by XLA, each N x B in a fresh process."""
     name, title = "floor_xla", "Speed under XLA: each path against the floor"
     where = " under XLA"
     FULL = dict(workloads=WORKLOADS, batches=(32, 128), ns=(4,))
@@ -339,8 +317,7 @@ class FloorXLA(Floor):
                 "no profile.")
 
     def race(self, run, w, n, b, mine, bases):
-        """The row of workload `w` at N x B, raced in a fresh process (xla_race, which
-        makes its own samples); where that failed, {"model", "n", "b", "error"}."""
+        """The row raced by xla_race in a fresh process; where that failed, model, n, b, error."""
         from tools import bench_probe
         row = bench_probe.spawn(xla_race, dict(
             workload=w.name, mini_batches=w.mini_batches, repeats=w.repeats, n=n, b=b,
@@ -356,11 +333,8 @@ class FloorXLA(Floor):
 
 # ---------------------------------------------------------------- the language model
 
-# The decoder of the tensor-memory section (models.language_model); N x B sequences of
-# SEQUENCE tokens. Its Embedding's gradient arrives as rows (tf.IndexedSlices), which the
-# library adds into its sum as rows; `dense_rows` makes that gradient dense inside the
-# model, so that the library adds a dense gradient: a pass over the table per mini-batch.
-# `again`: a second `rows`, this run's noise.
+# models.language_model: its Embedding's gradient arrives as rows, which the library sums as
+# rows; `dense_rows` makes it dense inside the model (a pass over the table per mini-batch).
 LanguageModel = collections.namedtuple("LanguageModel", "name vocabulary n b repeats")
 LANGUAGE_MODELS = (LanguageModel("lm", 32_000, 8, 4, 7),
                    LanguageModel("lm_128k", 128_000, 8, 4, 5))
@@ -375,8 +349,7 @@ LM_SAMPLES = 512  # the token sequences a language model's batches are cut from
 
 
 def lm_contenders(lm, base):
-    """The floor's terms, the direct batch, and accumulate + fit with rows and rows made
-    dense (and `rows` again), each on its own language model."""
+    """The floor's terms, direct, and accumulate + fit as rows, dense_rows and again."""
     from gradient_averaging.keras_fit import accumulate
 
     def build(dense_rows=False):
@@ -391,8 +364,7 @@ def lm_contenders(lm, base):
 
 
 def lm_clock(times):
-    """with_floor's for a language model: vs_dense, rows / dense_rows; noise, again /
-    rows; vs_floor, each accumulating contender's ratio to the floor."""
+    """with_floor's (noise: again / rows) plus vs_dense, rows / dense_rows."""
     clocked = with_floor(times, ("again", "rows"),
                          vs_floor=(("direct", "rows", "dense_rows"), "floor"))
     return dict(clocked, vs_dense=bc.paired_ratio(clocked["times"], "rows", "dense_rows"))
@@ -411,8 +383,7 @@ def lm_race(lm):
 
 
 def lm_summary(lm, cpu, wall=None):
-    """A row of the section: {"model", "vocabulary", "n", "b", "repeats", "wall":
-    lm_clock(wall), None: the same} and lm_clock(cpu)'s keys, the judged ones."""
+    """A row: model, vocabulary, n, b, repeats, wall (lm_clock(wall)) and lm_clock(cpu)'s keys."""
     return dict(model=lm.name, vocabulary=lm.vocabulary, n=lm.n, b=lm.b, repeats=lm.repeats,
                 wall=lm_clock(cpu if wall is None else wall), **lm_clock(cpu))
 
