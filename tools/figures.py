@@ -1,8 +1,6 @@
-"""The figures of `make reproduce` and `make bench`, as PNG files.
+"""The figures of `make reproduce` and `make bench`, as PNG files written whole or not at all.
 
-Each function takes plain data (shapes in its docstring). A PNG is written whole or not at
-all (a full disk leaves the previous figure). matplotlib draws on its Agg canvas, without
-pyplot: no display, no global figure state. Accuracies are in percent, as main.py records.
+matplotlib's Agg canvas, without pyplot (no display, no global state); accuracies in percent.
 
     python -m tools.figures --benchmarks=BENCHMARKS.md   # BENCHMARKS.png again, from its table
 """
@@ -24,9 +22,8 @@ from experiment import results
 DPI = 120
 PANEL_INCHES = (4.0, 3.4)  # one subplot
 OURS, POST = "tab:blue", "tab:red"
-# The curves' upper part starts below the lowest value seen after this fraction of the
-# updates: the first evaluations (10% to 90%) would otherwise squeeze the ~95% region into
-# a line. Points below it go to a lower part under a marked break, on a compressed scale.
+# The curves' upper part starts below the values after this fraction of the updates (the
+# first evaluations would squeeze the ~95% region); earlier points go below a marked break.
 CURVE_ZOOM_FROM = 0.2
 CURVE_COLUMNS = 2  # panels per row: the post's four N in a 2 x 2 grid that reads in a README
 CURVE_HEIGHTS = (3, 1)  # the part above a break against the part below it
@@ -43,9 +40,8 @@ SPEED_SECTION = "## Speed at the post's configurations"
 
 
 def runs_to_inputs(pairs):
-    """From (N, run) pairs, runs as main.py records them, the inputs of the two figures:
-    ({N: [[(updates, accuracy), ...] per run with evaluations]}, {N: [best per run]}), N
-    in increasing order. Runs recorded before evaluations were kept count in the bests."""
+    """(N, run) pairs, runs as main.py records them -> ({N: [[(updates, accuracy), ...] per run
+    with evaluations]}, {N: [best per run]}), N increasing; runs without evaluations count too."""
     curves_by_n, best_by_n = {}, {}
     for n, run in sorted(pairs, key=lambda pair: pair[0]):
         best_by_n.setdefault(n, []).append(run["best_accuracy"])
@@ -56,12 +52,8 @@ def runs_to_inputs(pairs):
 
 
 def common_grid(curves):
-    """Runs' curves on the union of their update counts: (grid, values[run, point]).
-
-    Each run is interpolated linearly between its own evaluations and is NaN outside them,
-    so runs evaluated at slightly different update counts (a skipped window shifts them)
-    are averaged without inventing values past a run's first or last evaluation.
-    """
+    """Runs' curves on the union of their update counts: (grid, values[run, point]), each run
+    linear between its evaluations and NaN outside them (no values invented past its ends)."""
     grid = np.unique(np.concatenate([[u for u, _ in curve] for curve in curves]))
     values = np.full((len(curves), len(grid)), np.nan)
     for i, curve in enumerate(curves):
@@ -80,14 +72,8 @@ def accuracy_curves(curves_by_n, post_accuracy, path):
 def curves_figure(curves_by_n, post_accuracy):
     """Test accuracy against updates applied: (Figure, {N: its panel's axes, upper first}).
 
-    Per N with evaluations (`curves_by_n` as `runs_to_inputs` gives): the mean over the
-    runs on `common_grid`, a band from the lowest to the highest run, the post's accuracy
-    (`post_accuracy`: {N: its mean best}, or None) dashed. One y-range for all panels,
-    starting below the values after the first CURVE_ZOOM_FROM of the updates; earlier
-    points lower than that go under a marked break (//), on a compressed scale.
-
-    Raises:
-      ValueError: no run has evaluations.
+    Per N the runs' mean, a band from the lowest to the highest run, the post's accuracy
+    (`post_accuracy`: {N: mean best} or None) dashed. ValueError where no run has evaluations.
     """
     panels = _panels(curves_by_n, post_accuracy)
     upper_low, high, lower_low, broken = _curve_limits(panels)
@@ -131,8 +117,7 @@ def curves_figure(curves_by_n, post_accuracy):
 
 
 def _panels(curves_by_n, post_accuracy):
-    """[(N, runs, grid, mean, lowest, highest, the post's accuracy or None)] per N with
-    evaluations."""
+    """[(N, runs, grid, mean, lowest, highest, the post's accuracy or None)] per N evaluated."""
     panels = []
     for n, curves in sorted(curves_by_n.items()):
         if curves:
@@ -147,10 +132,8 @@ def _panels(curves_by_n, post_accuracy):
 
 
 def _curve_limits(panels):
-    """(the upper part's low, the top, the lower part's low, whether the axis is broken):
-    the upper part starts below the values after the first CURVE_ZOOM_FROM of the
-    updates; it breaks when the early points would take more of one axis than the late
-    ones do."""
+    """(upper part's low, top, lower part's low, broken): broken where the points before
+    CURVE_ZOOM_FROM would take more of the axis than the later ones."""
     posts = [post for *_, post in panels if post is not None]
     late = [lo[grid >= grid[0] + CURVE_ZOOM_FROM * (grid[-1] - grid[0])]
             for _, _, grid, _, lo, _, _ in panels]
@@ -164,8 +147,7 @@ def _curve_limits(panels):
 
 
 def _draw_curve(ax, legend, runs, grid, mean, lo, hi, post):
-    """One part of a panel: the band of the runs, their mean, the post's line; `legend`
-    gains each artist by its key."""
+    """One part of a panel: the runs' band, their mean, the post's line, each into `legend`."""
     if runs > 1:
         legend["band"] = ax.fill_between(grid, lo, hi, color=OURS, alpha=0.25, linewidth=0)
     legend["mean"], = ax.plot(grid, mean, color=OURS, linewidth=1.5,
@@ -176,8 +158,7 @@ def _draw_curve(ax, legend, runs, grid, mean, lo, hi, post):
 
 
 def _mark_break(upper, lower):
-    """Joins two axes of one panel as one y-axis broken between them, marked // on both
-    sides of the gap."""
+    """Joins a panel's two axes as one y-axis broken between them, marked //."""
     upper.spines.bottom.set_visible(False)
     lower.spines.top.set_visible(False)
     upper.tick_params(axis="x", bottom=False, labelbottom=False)
@@ -188,13 +169,8 @@ def _mark_break(upper, lower):
 
 
 def best_accuracy_spread(best_by_n, post_mean_std, path):
-    """Each N's per-run best accuracies (`best_by_n`), a jittered strip with their mean
-    as a bar, beside the post's mean +/- population std (`post_mean_std`: {N: (mean, std)}
-    or None), written to `path`.
-
-    Raises:
-      ValueError: no N has a run.
-    """
+    """Per N a jittered strip of the runs' bests, their mean a bar, beside the post's mean +/-
+    population std (`post_mean_std`: {N: (mean, std)} or None). ValueError where no runs."""
     columns = [(n, bests) for n, bests in sorted(best_by_n.items()) if bests]
     if not columns:
         raise ValueError("best accuracy spread: no runs to draw")
@@ -228,14 +204,9 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
 
 
 def bench_figure(speed, names):
-    """The bench's speed ratios, not saved: (Figure, its axes). Per (N, B) of `speed`
-    (bench_speed.Speed's rows: {"n", "b", "vs_direct": {label: paired ratio}}) a bar per
-    contender, each in its own colour, the median ratio to direct with its quartiles
-    where the rows hold them ("q1", "q3"); `names`: {label: words}.
-
-    Raises:
-      ValueError: no rows, or more contenders than BENCH_COLOURS.
-    """
+    """The bench's speed ratios, not saved: (Figure, axes). Per (N, B) of `speed` (Speed's rows,
+    {"n", "b", "vs_direct": {label: paired ratio}}) a bar per contender, whiskers its "q1" and
+    "q3" where held; `names`: {label: words}. ValueError: no rows, more labels than colours."""
     if not speed:
         raise ValueError("bench ratios: no speed rows to draw")
     labels = [k for k in speed[0]["vs_direct"] if k != "direct"]
@@ -272,14 +243,8 @@ def bench_figure(speed, names):
 
 
 def speed_from_benchmarks(text):
-    """(speed rows as bench_figure takes them, names) from BENCHMARKS.md's text: its
-    speed section's table ("| N x B | direct | ... |", each cell "6.1 ms, 1.00x") and
-    its list of contenders ("- `direct`: ..."). The table holds the median ratios only,
-    not their quartiles.
-
-    Raises:
-      ValueError: the text has no such section or table.
-    """
+    """bench_figure's (speed, names) from BENCHMARKS.md's speed table (cells "6.1 ms, 1.00x":
+    medians only) and its "- `label`: words" list. ValueError where either is missing."""
     _, found, section = text.partition(SPEED_SECTION)
     section = section.split("\n## ", 1)[0]
     names = dict(re.findall(r"^- `(\w+)`: (.+)$", section, flags=re.M))
@@ -298,8 +263,7 @@ def speed_from_benchmarks(text):
 
 
 def redraw_benchmarks(markdown_path):
-    """BENCHMARKS.png (beside `markdown_path`) again from its markdown: the median
-    ratios without whiskers, which the markdown does not keep. Returns the PNG's path."""
+    """BENCHMARKS.png beside `markdown_path` again from its table (no whiskers); its path."""
     with open(markdown_path) as f:
         speed, names = speed_from_benchmarks(f.read())
     fig, _ = bench_figure(speed, names)
