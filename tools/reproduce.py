@@ -2,12 +2,10 @@
 
     python -m tools.reproduce --reps=10 --results-dir=results   # what `make reproduce` runs
 
-Every run is its own `main.py --reps=1 --seed=S --results=FILE` process (the real
-command line), JOBS at a time with TensorFlow's threads split between them. Each finished
-run is a file keyed by configuration and seed, so a stopped reproduction carries on where
-it stopped. At the end: a results JSON per configuration, two figures (tools/figures.py)
-and `table.md` (tools/reproduce_table.py), printed. This driver never imports TensorFlow;
-its flags are defined only when it runs as a script (tests import it beside main.py's).
+Each run is its own `main.py --reps=1 --seed=S --results=FILE` process, JOBS at a time with
+TensorFlow's threads split between them, stored by configuration and seed, so a stopped
+reproduction carries on. Then a results JSON per configuration, two figures and table.md.
+This driver never imports TensorFlow; its flags are defined only when run as a script.
 """
 
 import collections
@@ -36,17 +34,11 @@ from tools.reproduce_table import EVAL_EVERY
 from tools.reproduce_table import FAIR_EVAL_EVERY_UPDATES
 from tools.reproduce_table import POST_TABLE
 
-# The averager every run uses: fused is the fastest and ends with the same weights, bit for
-# bit, as the post's stack (tests/experiment/test_trainer.py checks it).
-DEFAULT_ACCUMULATE = "fused"
-# Everything else that shapes a run, pinned to the post's values (experiment/config.py marks
-# them), so that the table does not drift with main.py's defaults; a stored run must match.
+DEFAULT_ACCUMULATE = "fused"  # the fastest; the post's stack's weights, bit for bit
+# The rest of a run pinned to the post's values, not main.py's defaults; a stored run must match.
 POST_FLAGS = experiment_config.POST_VALUES
-# The figures, written next to table.md (which links them by these names).
-CURVES_PNG, BEST_PNG = "accuracy_curves.png", "best_accuracy.png"
-# Rough single-thread seconds of one run on a 2-core machine: process start-up, per
-# mini-batch, per evaluation of the 10,000 test images. Runs start longest first, and the
-# ETA weighs the runs left against those done by them.
+CURVES_PNG, BEST_PNG = "accuracy_curves.png", "best_accuracy.png"  # table.md links these
+# Rough seconds of a run: start-up, per mini-batch, per evaluation (longest first; the ETA).
 PRIOR_START, PRIOR_ITERATION, PRIOR_EVALUATION = 6.0, 0.004, 0.15
 
 Setting = collections.namedtuple("Setting", ["average_gradients", "batch_size", "iterations"])
@@ -68,8 +60,7 @@ class RunSpec(collections.namedtuple("RunSpec", ["setting", "rep", "seed", "path
         """The experiment Config main.py will run."""
         return experiment_config.from_values(experiment_config.Config, self.flags)
 
-    # The results file names the run (configuration and seed): it is the identity.
-    def __hash__(self):
+    def __hash__(self):  # the results file names the run: its identity
         return hash(self.path)
 
     def __eq__(self, other):
@@ -80,11 +71,8 @@ class RunSpec(collections.namedtuple("RunSpec", ["setting", "rep", "seed", "path
 
 
 def scaled_setting(post_key, scale):
-    """The configuration with its updates divided by `scale` (at least one update).
-
-    Every configuration of the post applies iterations / N = 1000 updates; dividing the
-    updates keeps that equal across N and keeps iterations a multiple of N.
-    """
+    """The configuration with its updates (not iterations) divided by `scale`, at least one:
+    equal across N, iterations a multiple of N."""
     n, b, iterations = post_key
     return Setting(n, b, max(1, iterations // n // scale) * n)
 
@@ -124,11 +112,7 @@ def read_document(path):
 
 
 def load_run(spec):
-    """The finished run stored for `spec`, or None if there is none yet.
-
-    Raises:
-      ReproduceError: the file is unreadable, or was made with other settings.
-    """
+    """The run stored for `spec` or None; ReproduceError if unreadable or of other settings."""
     document = read_document(spec.path)
     if document is None:
         return None
@@ -154,18 +138,17 @@ def prior(spec):
 
 
 class Progress:
-    """One line per finished run, with an ETA for the whole reproduction: the wall time so
-    far, scaled by the prior seconds of the runs left against those of the runs done."""
+    """A line per finished run, with an ETA: the wall time so far x prior(left) / prior(done)."""
 
     def __init__(self, todo, jobs, log):
         self.total, self.jobs, self.log = len(todo), jobs, log
-        self.on_finished = None  # called after each finished run's line (a bar's update)
+        self.on_finished = None  # called after each finished run's line
         self.left, self.done, self.count = sum(map(prior, todo)), 0.0, 0
         self.start = time.perf_counter()
         self.lock = threading.RLock()  # eta() is asked from the bar's thread too
 
     def eta(self):
-        """Seconds left for the whole reproduction; safe to call from any thread."""
+        """Seconds left; safe from any thread."""
         with self.lock:
             if not self.done:
                 return self.left / self.jobs
@@ -197,7 +180,7 @@ def fmt_duration(seconds):
 
 
 def say(line):
-    """Prints a line in one write, so lines from parallel runs never interleave."""
+    """Prints a line in one write, so parallel runs' lines never interleave."""
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
 
@@ -223,7 +206,7 @@ class Runner:
         with self.lock:
             if self.stopping:
                 return None
-            # A run that was stopped part-way left events that would overlap the new ones.
+            # A stopped run's events would overlap the new ones.
             event_dir = results.event_dir(self.tb_dir, spec.setting, spec.seed)
             for path in glob.glob(os.path.join(event_dir, "events.out.tfevents.*")):
                 try:
@@ -267,7 +250,7 @@ class Runner:
                     process.terminate()
 
     def run_all(self, todo):
-        """Runs every spec of `todo`, longest first (the best packing of JOBS slots)."""
+        """Runs `todo`, longest first (the best packing of JOBS slots)."""
         order = sorted(todo, key=prior, reverse=True)
         with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
             futures = [pool.submit(self.run_one, spec) for spec in order]
@@ -291,11 +274,8 @@ class Runner:
 def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=False,
               accumulate=DEFAULT_ACCUMULATE, verbose=False, command="python -m tools.reproduce",
               log=say):
-    """Runs whatever the table still lacks, then writes and returns table.md's text.
-
-    Raises:
-      ReproduceError: bad settings, stored runs made with other settings, a failed run.
-    """
+    """Runs what the table lacks, writes and returns table.md's text; ReproduceError on bad
+    settings, stored runs of other settings, or a failed run."""
     if reps < 1 or scale < 1 or jobs < 0 or threads < 0 or seed < 0:
         raise ReproduceError("reps and scale must be at least 1; jobs, threads and seed "
                              "not negative")
@@ -339,8 +319,7 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
 
 
 def _summaries(specs, stored, out_dir, reps, seed, scale):
-    """The table's rows, one per configuration, each configuration's results JSON written
-    beside its runs."""
+    """The table's rows, one per configuration, each one's results JSON written beside."""
     by_setting = collections.OrderedDict()
     for spec in specs:
         by_setting.setdefault(spec.setting, []).append(spec)
@@ -359,8 +338,7 @@ def _summaries(specs, stored, out_dir, reps, seed, scale):
 
 
 def _write(path, out_dir, write, content):
-    """write(path, content), atomic; a failure is a ReproduceError that says the finished
-    runs are kept."""
+    """write(path, content); a failure a ReproduceError saying the finished runs are kept."""
     try:
         write(path, content)
     except OSError as e:
@@ -374,13 +352,8 @@ def _runs_kept(out_dir):
 
 
 def draw_figures(out_dir, pairs, with_post, log):
-    """The accuracy curves and the spread of the best accuracies of `pairs`, (N, run) for
-    every run, next to table.md; `with_post`: the post's numbers marked. A figure with
-    nothing to draw is left out with a note: (file names drawn, notes).
-
-    Raises:
-      ReproduceError: a figure could not be written.
-    """
+    """The two figures of `pairs`, (N, run) per run, next to table.md -> (names drawn, notes):
+    one with nothing to draw is left out with a note; ReproduceError where one is unwritable."""
     curves_by_n, best_by_n = figures.runs_to_inputs(pairs)
     post = {key[0]: mean_std for key, mean_std in POST_TABLE.items()} if with_post else {}
     post_means = {n: mean for n, (mean, _) in post.items()}
@@ -411,9 +384,7 @@ def draw_figures(out_dir, pairs, with_post, log):
 
 
 def define_flags():
-    """The driver's flags (dashed, with underscore aliases, as main.py's); those it passes
-    on to main.py keep main.py's definitions (kind, bounds, choices), with their meaning
-    here."""
+    """The driver's flags; those passed on to main.py keep its definitions, with help for here."""
     main_py = experiment_config.SETTINGS
     Setting = experiment_config.Setting
     cli.define_all([
