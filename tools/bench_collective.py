@@ -1,14 +1,9 @@
 """The bench's collective section: one exchange of the gradients per update, on two workers.
 
-Two local worker processes (MultiWorkerMirroredStrategy, one CPU replica each) train the
-same windows at N in {1, 4, 16} on four paths, each driven by its own step function, one
-call per update: three of the library's (`accumulate + fit`, `fit_accumulated`, the
-`command line`'s tf2 engine), which sum the gradients on each replica and exchange them
-once, when the window is applied; and `per mini-batch`, built here, which all-reduces each
-mini-batch's gradients as they come (N + 1 exchanges with Adam's own). The collectives
-are counted from profiler traces of a window, their bytes read from the traced graph
-(Collective.markdown says how). `python -m tools.bench_collective --ops` shows where each
-path's traced windows spend their time, by kind of event.
+Two local workers (one CPU replica each) train the same windows on the library's three paths,
+which exchange the summed gradients once per window, and on `per mini-batch`, built here, which
+all-reduces each mini-batch's (N + 1 exchanges). Collectives are counted from profiler traces,
+their bytes read from the traced graph. `--ops`: the traced windows' time by kind of event.
 """
 
 import concurrent.futures
@@ -38,9 +33,8 @@ PATHS = ("accumulate + fit", "fit_accumulated", "command line", BASELINE)
 
 
 def collective_probe(spec):
-    """One worker's measurements (run by bench_probe in a process with its TF_CONFIG):
-    {"n": {path: {"ms": [per window], "collectives": [{"name", "runs", "bytes", "ms"}],
-    and with spec["ops"] "ops": {kind of event: ms}}}}; worker 0's alone are traced."""
+    """One worker's {"n": {path: {"ms": [per window], "collectives": [{"name", "runs", "bytes",
+    "ms"}][, "ops": {kind of event: ms}]}}}; worker 0's alone traced."""
     import tensorflow as tf
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -48,7 +42,6 @@ def collective_probe(spec):
     results = {}
     for n in spec["n"]:
         built = {path: _build(strategy, path, n, spec, index) for path in PATHS}
-        # In rounds, as every race: the machine's load falls on every path alike.
         times = interleaved([_Windows(path, window) for path, (window, _) in built.items()],
                             1, spec["windows"], warmups=spec["warmup"])
         results[str(n)] = {}
@@ -62,7 +55,7 @@ def collective_probe(spec):
 
 
 class _Windows:
-    """A path's windows as a contender: `train(updates)` trains that many."""
+    """A path's windows as a contender."""
 
     def __init__(self, label, window):
         self.label, self.window = label, window
@@ -73,12 +66,9 @@ class _Windows:
 
 
 def _profile(window, function, traced, traces):
-    """[{"name", "runs", "bytes", "ms"}] of the collectives one window runs, from `traces`
-    windows traced one at a time: the most runs any trace saw (a window runs the same
-    collectives each time, and a loaded machine's profiler can miss one), and the median
-    of the traces' ms in it, its wait for the other worker included. Traced on worker 0
-    alone (every worker runs the same, and another worker's profiler teardown can crash);
-    the others only train the windows."""
+    """([{"name", "runs", "bytes", "ms"}] of a window's collectives, {kind: ms}) from `traces`
+    windows: runs the most any trace saw (a loaded profiler can miss one), ms the median. Only
+    worker 0 traces (another worker's profiler teardown can crash); the others only train."""
     import tensorflow as tf
 
     if not traced:
@@ -120,8 +110,7 @@ def _build(strategy, path, n, spec, index):
         net = model.keras_model(spec["model"], 0.0, 0)
         optimizer = models.adam()
     if path in ("accumulate + fit", "fit_accumulated"):
-        # The window's N global mini-batches, again and again: each call takes the next N.
-        import tensorflow as tf
+        import tensorflow as tf  # the window's N global mini-batches, repeated
         dataset = tf.data.Dataset.from_tensor_slices(
             (xs.reshape((n * b,) + xs.shape[2:]), ys.reshape(n * b))).batch(b).repeat()
         return (_keras_fit if path == "accumulate + fit" else _fit_accumulated)(
@@ -151,9 +140,8 @@ def _build(strategy, path, n, spec, index):
 
 
 def _keras_fit(strategy, net, optimizer, dataset, n):
-    """accumulate(net, n), compiled and fit for one update (which makes its train
-    function), then a function that trains the next window by Keras's train function on
-    an iterator of `dataset` distributed as fit's own (Keras's TFEpochIterator)."""
+    """accumulate(net, n) fit once (making its train function), then a window by that train
+    function on `dataset` distributed as fit's own."""
 
     from gradient_averaging import keras_fit
 
@@ -167,20 +155,17 @@ def _keras_fit(strategy, net, optimizer, dataset, n):
     def window():
         train_function(iterator)  # reads the window's count: the update has run
 
-    # The tf.function the train function calls once per window (no public handle).
     traced = accumulating._window_function  # noqa: SLF001 (the bench reads the traced graph)
     return window, traced.get_concrete_function(iterator)
 
 
 def _fit_accumulated(strategy, net, optimizer, dataset, n):
-    """The WindowAccumulator fit_accumulated makes, and a function that trains the next
-    window by the step its `fit` calls once per window, on an iterator of `dataset`."""
+    """A window by the step fit_accumulated's `fit` calls once per window (its loop aside)."""
     from experiment import engine_tf2
     from gradient_averaging.tf2 import WindowAccumulator
 
     accumulator = WindowAccumulator(net, optimizer, engine_tf2.sparse_cross_entropy, strategy,
                                     average_gradients=n)
-    # What fit(dataset) runs per window, its Python loop around it aside.
     step = accumulator._iterator_step(n, dataset.element_spec)  # noqa: SLF001 (fit's own step, one update a call)
     iterator = iter(dataset)
 
@@ -193,15 +178,15 @@ def _fit_accumulated(strategy, net, optimizer, dataset, n):
 
 
 class PerMiniBatchExchange:
-    """The gradients of each mini-batch all-reduced as soon as computed, summed on each
-    worker, and applied once per window (by Adam, which exchanges them once more)."""
+    """Each mini-batch's gradients all-reduced as computed, summed, applied once per window
+    (by Adam, which exchanges them once more)."""
 
     def __init__(self, net, optimizer, strategy, global_batch):
         import tensorflow as tf
 
         self.net, self.optimizer, self.strategy = net, optimizer, strategy
         self.global_batch = global_batch
-        # Plain variables, one per worker: each holds the exchanged (global) sums.
+        # Per worker, the exchanged (global) sums.
         self.sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
                      for v in net.trainable_variables]
         self.window = tf.function(self._window)
@@ -242,8 +227,7 @@ class PerMiniBatchExchange:
 
 
 def executed_collectives(logdir):
-    """{op name as traced: (times it ran, ms in it)} of the collective ops in a profiler
-    trace."""
+    """{op name as traced: (times it ran, ms in it)} of a trace's collective ops."""
     counts = {}
     for _, event, duration in trace_events(logdir):
         name, _, op = event.partition(":")
@@ -254,8 +238,7 @@ def executed_collectives(logdir):
 
 
 def events_by_kind(logdir):
-    """{kind: ms} of a profiler trace's events, an op's kind its type (events nest:
-    a function's ms hold its ops')."""
+    """{kind: ms} of a trace's events, an op's kind its type (a function's ms hold its ops')."""
     kinds = {}
     for _, event, duration in trace_events(logdir):
         kind = event if "::" in event else event.partition(":")[2] or event  # tf.data's: A::B
@@ -265,10 +248,8 @@ def events_by_kind(logdir):
 
 
 def collective_bytes(graph, seen=None):
-    """{op name: bytes of its input} of the collective ops of a traced function's graph
-    and the functions it calls (a cond's branches, a loop's body). A name two of these
-    graphs give ops of different sizes has None (unknown: counted with the gradients, so
-    that a wrong size cannot pass for a small count)."""
+    """{op name: input bytes} of the collective ops in a graph and the functions it calls; None
+    where sizes differ (counted with the gradients: a wrong size cannot pass for a count)."""
     seen = set() if seen is None else seen
     found = []
     for op in graph.get_operations():
@@ -297,8 +278,7 @@ def graph_name(traced, sizes):
 
 
 def two_workers(spec, timeout=bench_probe.TIMEOUT):
-    """collective_probe on two worker processes on 127.0.0.1; returns worker 0's result
-    (or the first error)."""
+    """collective_probe on two local workers: worker 0's result, or {"error"}."""
     from tools import launch_workers
 
     ports = launch_workers.free_ports(2)
@@ -313,8 +293,7 @@ def two_workers(spec, timeout=bench_probe.TIMEOUT):
 
 
 def summarize(probe):
-    """Per N and path: the median ms per update, the gradients' exchanges and bytes, the
-    small collectives, and the median of the per-round ratios to the baseline's time."""
+    """{(N, path): ms, exchanges, gradient_bytes, collective_ms, small, ratio (to BASELINE)}."""
     rows = {}
     for n, paths in probe.items():
         for path, measured in paths.items():
@@ -426,12 +405,7 @@ class Collective(Section):
 
 
 def main():
-    """Runs the section alone and prints its markdown (the bench runs it in its place);
-    --ops: where each path's traced windows spend their time, by kind of event (the
-    median ms over its traced windows), at each N.
-
-        python -m tools.bench_collective [--quick] [--ops]
-    """
+    """python -m tools.bench_collective [--quick] [--ops]: the section alone, its markdown."""
     from tools.bench_section import Run
 
     section = Collective(quick="--quick" in sys.argv)
