@@ -1,10 +1,7 @@
 """What the bench races, how they take turns against the clock, and where their time goes.
 
-A contender is an object with a `label` and `train(updates)` (and `close()` where it holds
-a session); interleaved() races any list of them. The engines' (SessionContender) and
-Keras's (keras_contender) train the post's models on real MNIST; Fit, Window, MiniBatch
-and Apply take any model of tools/models.py. Keras loads only inside the contenders that
-use it: a probe importing this module without them measures TensorFlow alone.
+A contender has a `label` and `train(updates)` (and `close()` where it holds a session).
+Keras loads only inside the contenders that use it: a probe without them measures TensorFlow.
 """
 
 import collections
@@ -24,7 +21,7 @@ from tools import models
 from tools.bench_section import trace_events
 
 ENDLESS = 10 ** 9  # mini-batches a contender may draw: more than any benchmark trains
-# Op classes for the profile: the first pattern that matches the op type names it.
+# An op's class: the first pattern its type matches.
 OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
               ("dropout RNG", r"Random"), ("finite check", r"^(IsFinite|All)$"),
               ("variable updates", r"ApplyAdam|AssignAddVariable|AssignVariable"))
@@ -32,9 +29,8 @@ CONTAINER_OPS = ("While", "If", "PartitionedCall", "Case")  # time of ops they h
 
 
 class SessionContender:
-    """An engine trained through its `step` on `train` (a data.Split), as `main.py`'s loop
-    trains: the tf1 engine with an averager, or with "tf2" the tf2 engine (the window in
-    one compiled call, `parallel` mini-batches' passes at once)."""
+    """An engine's `step` on `train` (a data.Split), as main.py's loop: the tf1 engine with
+    `averager`, or with "tf2" the tf2 engine."""
 
     def __init__(self, label, n, b, train, averager="stack", model="convnet", parallel=1):
         self.label, self.n = label, n
@@ -60,9 +56,8 @@ class SessionContender:
 
 
 class Fit:
-    """Keras `fit` on `net`, compiled with `optimizer`: `n` batches of `dataset` per update,
-    `per_call` of them in one compiled call (None: `train_on_batch`, one call each). XLA
-    only with `jit_compile` (Keras turns it off under op determinism)."""
+    """Keras fit: `n` batches of `dataset` per update, `per_call` of them a call (None:
+    train_on_batch each)."""
 
     def __init__(self, label, net, dataset, n, per_call, optimizer, jit_compile=False):
         self.label, self.net, self.dataset, self.n, self.per_call = label, net, dataset, n, per_call
@@ -80,9 +75,8 @@ class Fit:
 
 
 class TrainOp:
-    """A TF1 train op in its own graph and session, run once per mini-batch on a few
-    fixed feeds, in turn: `build()`, in the graph, makes (train op, [feed dict]); a list
-    of train ops runs them in turn, one per mini-batch."""
+    """A TF1 train op (or a list, run in turn) in its own session, once per mini-batch on
+    fixed feeds in turn; `build()` makes (train op, [feed dict]) in the graph."""
 
     def __init__(self, label, build):
         self.label, self.graph, self.k = label, tf.Graph(), 0
@@ -105,9 +99,8 @@ class TrainOp:
 
 
 def keras_contender(label, n, b, datasets, per_call=1, accumulate=False, parallel=1):
-    """Keras 3's Adam(gradient_accumulation_steps=N) on the post's ConvNet, or with
-    `accumulate` our accumulate(model, N) with plain Adam (`parallel` mini-batches' passes
-    at once): a Fit on MNIST's training set in batches of B."""
+    """A Fit of the post's ConvNet on MNIST: Adam(gradient_accumulation_steps=N), or with
+    `accumulate` accumulate(model, N) with plain Adam."""
     import keras
 
     from gradient_averaging import keras_fit
@@ -122,9 +115,8 @@ def keras_contender(label, n, b, datasets, per_call=1, accumulate=False, paralle
 
 
 class Window:
-    """fit_accumulated's default path: a WindowAccumulator's fit, N mini-batches a call,
-    on one dataset per block length, made once: each new dataset's first iterator costs
-    as much as a few updates, where a run's one dataset pays it once."""
+    """WindowAccumulator.fit, on one dataset per block length, made once (a new dataset's
+    first iterator costs a few updates, which a run pays once)."""
 
     def __init__(self, label, net, dataset, n, jit_compile=False):
         from gradient_averaging.tf2 import WindowAccumulator
@@ -155,8 +147,7 @@ class MiniBatch:
 
 
 class Apply:
-    """The optimizer's apply alone: Adam on constant gradients, N - 1 applies per update,
-    in one call (a loop inside it), as a step's apply runs inside its call."""
+    """Adam on constant gradients, N - 1 applies per update in one call, as inside a step."""
 
     def __init__(self, label, net, n, jit_compile=False):
         self.label, self.n = label, n
@@ -177,8 +168,7 @@ class Apply:
 
 
 def contender(label, n, b, datasets, updates=1):
-    """The contender of that label at N x B (bench_speed.CONTENDERS says what each is;
-    "tf2_direct": the tf2 engine on N*B)."""
+    """The contender of that label at N x B (bench_speed.CONTENDERS)."""
     if label == "direct":
         return SessionContender(label, 1, n * b, datasets.train)
     if label == "tf2_direct":
@@ -194,12 +184,8 @@ def contender(label, n, b, datasets, updates=1):
 
 
 def race(labels, n, b, datasets, updates, repeats, profiled=False):
-    """The labelled contenders at N x B, interleaved (with `profiled`, each traced after).
-
-    Returns:
-      {"n", "b", "times": interleaved's, "median_ms", "vs_direct": paired ratios,
-      "profiles": {label: profile} or None}.
-    """
+    """The contenders at N x B, interleaved: {"n", "b", "times", "median_ms", "vs_direct"
+    (paired ratios), "profiles" ({label: profile} with `profiled`, else None)}."""
     contenders = [contender(label, n, b, datasets, updates) for label in labels]
     try:
         times = interleaved(contenders, updates, repeats)
@@ -212,8 +198,7 @@ def race(labels, n, b, datasets, updates, repeats, profiled=False):
 
 
 def release(contenders):
-    """Closes the contenders' sessions and frees their models (the list is emptied), before
-    the next race builds its own."""
+    """Closes the contenders' sessions and frees their models, emptying the list."""
     for c in contenders:
         if hasattr(c, "close"):
             c.close()
@@ -233,16 +218,9 @@ def race_probe(spec):
 
 
 def interleaved(contenders, updates, repeats, cpu=None, warmups=1):
-    """Seconds per update of each contender, `repeats` rounds, turns rotating per round,
-    so that drift of a shared machine hits them alike, after `warmups` untimed blocks.
-
-    Args:
-      cpu: a dict, or None: filled as the result is, with this process's CPU seconds
-        (all its threads) per update, what another process's load leaves out.
-
-    Returns:
-      {label: [seconds per update, one per round]}.
-    """
+    """{label: [seconds per update, one per round]}, turns rotating per round (a shared
+    machine's drift hits all alike), after `warmups` untimed blocks; `cpu`, a dict, gets
+    the same of this process's CPU seconds (which leave out other processes' load)."""
     for c in contenders:
         for _ in range(warmups):  # graph optimisation, allocator, oneDNN primitives
             c.train(updates)
@@ -274,17 +252,8 @@ def op_class(op_type, classes=OP_CLASSES):
 
 
 def profile(contender, updates, classes=OP_CLASSES):
-    """Where one update's time goes, from a tf.profiler trace of `updates` updates.
-
-    Args:
-      classes: (name, pattern) pairs: an op is counted in the first whose pattern its
-        type matches, else in "other".
-
-    Returns:
-      {"wall_ms", "cpu_ms" (the process's, all threads): per update, "kernel_ms": {op
-      class: per update}}: kernel time summed over threads; ops that only hold others
-      are left out.
-    """
+    """Per update of a traced block: {"wall_ms", "cpu_ms", "kernel_ms": {op class (op_class,
+    else "other"): kernel ms summed over threads, ops that hold others left out}}."""
     kernel_ms = collections.Counter()
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as logdir:
         tf.profiler.experimental.start(logdir)
