@@ -1,9 +1,6 @@
-"""The micro-batch finder against bisection: for each model and device limit, the
-micro-batch accumulate(model, micro_batch_size="auto") finds for an effective batch E,
-against the largest that fits (bisection, one tools.memory probe per trial), the search's
-seconds against an epoch's, and the time per update at each; a row under XLA
-(jit_compile=True, Keras's default on a GPU), where each size tried is a compilation.
-"""
+"""The micro-batch micro_batch_size="auto" finds for an effective batch E under a device limit,
+against the largest that fits (bisection, a tools.memory probe per trial), and its search's
+seconds against an epoch's."""
 
 import math
 import statistics
@@ -20,14 +17,8 @@ TOLERANCE = 0.02  # the bisection stops when the sizes either side are this clos
 
 class MicroBatchSearch(Section):
     name, title = "micro_batch", "The micro-batch found against the largest that fits"
-    # (model, E, limits in MiB[, options]): E prime, so that no B divides it. The
-    # convnet's limits are under its direct batch's peak; the mlp's just over the least
-    # at which the finder's margin leaves its update room, and a step above; the language
-    # model's (E in sequences) one whose largest B is about 31 sequences, its probes a
-    # minute or two each, so one search. Options: xla, every probe of the row compiled
-    # with jit_compile=True; search_repeats, the row's own. The search's seconds are the
-    # median of search_repeats searches, each beside a fresh process given its B: a
-    # process's first call (it traces) varies by seconds from another's.
+    # (model, E, limits in MiB[, options]): E prime, so that no B divides it. Options: xla
+    # (accumulate's probes compiled), search_repeats (the row's own: the lm's probes are slow).
     FULL = dict(runs=(("convnet", 257, (150, 250)), ("mlp", 4093, (700, 800)),
                       ("convnet", 257, (150,), {"xla": True}),
                       ("lm", 131, (600,), {"search_repeats": 1})),
@@ -47,16 +38,14 @@ class MicroBatchSearch(Section):
         return rows
 
     def _row(self, model, effective, limit, log, xla=False, search_repeats=None):
-        """One model and limit: the direct batch, the found B, then the bisection up from
-        it (from it, not from 1: the OOM edge need not be monotone in B); `xla`: every
-        probe of the accumulate path compiled with jit_compile=True (the direct batch's
-        is not: on the CPU, Keras's XLA step that runs out of memory aborts the process);
-        `search_repeats`: the row's own (None: the section's)."""
+        """One row: the direct batch, the found B, the bisection up from it (the OOM edge need
+        not be monotone in B). `xla` leaves the direct batch uncompiled: on the CPU an XLA
+        step out of memory aborts the process."""
         def probe(path, micro_batch=None, timed=0):
             compiled = {"jit_compile": True} if xla and path != "direct" else {}
             r = memory.probe(model, path, 1, effective, limit_mb=limit,
                              micro_batch=micro_batch, timed=timed, **compiled)
-            # Halved in training (EffectiveWindows): an OOM at the B it began with.
+            # Halved in training: an OOM at the B it began with.
             r = dict(r, oom=r.get("oom") or bool(r.get("halved")))
             log(f"micro-batch: {_name(model, xla)}, E={effective} under {limit} MiB, {path} "
                 f"B={micro_batch or effective}: " + (
@@ -85,25 +74,22 @@ class MicroBatchSearch(Section):
         return self._bisect(row, found, probe)
 
     def _search(self, probe):
-        """(the search's probe, the fresh process given its B, the seconds it added), or
-        an error's line."""
+        """(the search's probe, a fresh process's given its B, search_seconds) or an error."""
         found = probe("accumulate", "auto", self.settings["timed"])
         if found.get("error") or "micro_batch_size" not in found:
             return found.get("error") or "OOM in the search"
-        # The found B given to a fresh process: whether it fits without the search's
-        # history in the allocator, and its time as the bisection's trials are timed.
+        # Whether the found B fits without the search's history in the allocator, timed as
+        # the bisection's trials are.
         given = probe("accumulate", b_found(found), self.settings["timed"])
         if given.get("error"):
             return given["error"]
         return found, given, search_seconds(found, None if given["oom"] else given)
 
     def _bisect(self, row, found, probe):
-        """`row` with the largest B that fits, by bisection up from the found B, its first
-        trial the smallest size the search ran out of memory at, where it did (a fresh
-        process likely does too)."""
+        """`row` with the largest B that fits, by bisection up from the found B, first trying
+        the smallest size the search ran out of memory at (a fresh process likely does too)."""
         effective, lo = row["effective"], row["found"]
-        # B = E holds the direct batch's activations and the accumulators: where the
-        # direct batch runs out of memory, so does it.
+        # B = E holds the direct batch's activations and more: OOM where the direct batch is.
         hi = effective if row["direct"] == "OOM" else effective + 1
         ran_out = min((size for size, peak in found["trials"]
                        if peak is None and lo < size < hi), default=None)
@@ -197,11 +183,8 @@ class MicroBatchSearch(Section):
 
 
 def search_seconds(found, given):
-    """The seconds the search added to training: the first fit call of the process that
-    searched (the search, then its first window) less that of the fresh process given
-    the B found (its first window; both trace the same functions, which the search's
-    trials share with training); where that process ran out of memory, the search's own
-    seconds (its traces then count in)."""
+    """The searching process's first fit call less the given process's (both trace the same
+    functions); where the given one ran out of memory, the search's own seconds."""
     if given is None:
         return found["search_s"]
     return (found["warmup_ms"] - given["warmup_ms"]) / 1e3
