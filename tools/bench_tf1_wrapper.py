@@ -1,11 +1,7 @@
 """What AveragingOptimizer's train op costs against the plain optimizer's, per mini-batch.
 
-At the same B, one run of the wrapper's train op (add the mini-batch; every Nth run also
-apply the mean) against one of the plain optimizer's (apply every run), on the post's
-ConvNet (dense gradients, Adam) and on an embedding table (sparse gradients, Momentum);
-also the wrapper without its lock, at N=1, and the floor of any accumulating design
-(_floor). Each contender is a TrainOp, its own graph
-and session, fed a few fixed random batches (these ops' speed does not depend on the values).
+On the post's ConvNet (dense gradients, Adam) and an embedding table (sparse, Momentum); each
+contender a TrainOp fed a few fixed random batches (the values do not change the speed).
 """
 
 import contextlib
@@ -31,10 +27,8 @@ v1 = tf.compat.v1
 
 DENSE_N, DENSE_B = 5, 20  # the post's (5, 20)
 SPARSE_N, SPARSE_B, ROWS, WIDTH = 4, 128, 50000, 64  # docs/tf1-code.md's table
-# model -> (what the wrapper is held to, the most it may take of it). Dense: the plain
-# optimizer's run. Sparse: the floor (_floor), which a run of 128 rows cannot beat and
-# which itself takes about 1.33x the plain run; over it the wrapper pays its lock (runs
-# from several threads stay whole) and the count and branch that make it one train op.
+# model -> (what the wrapper is held to, the most it may take of it); sparse gradients are
+# held to the floor, as no design brings them near the plain run.
 TARGETS = {"dense": ("plain", 1.05), "sparse": ("floor", 1.35)}
 
 
@@ -69,11 +63,9 @@ CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", F
 
 
 def _floor(build, n, b):
-    """The least a design that adds each mini-batch's gradient somewhere and applies the
-    window's mean later runs: N train ops, run in turn, with no counter, branch, lock or
-    finiteness check. Op k adds its gradient into a sum (a sparse one as its rows, its ids
-    kept); the last also applies the sum / N (a sparse one: the window's rows) and zeroes
-    what it applied."""
+    """The least any accumulating design runs: N train ops in turn, no counter, branch, lock or
+    finiteness check; each adds its gradient (sparse: its rows, ids kept), the last also
+    applies the sum / N and zeroes what it applied."""
     def train_ops():
         loss, feeds, make_optimizer = build()
         optimizer = make_optimizer()
@@ -115,8 +107,7 @@ def _floor(build, n, b):
 
 
 def _unlocked(window, after):
-    """AveragingOptimizer's window lock taken out, to time what it costs: the block it
-    guards becomes a plain group of the same ops."""
+    """The window lock taken out, to time it: the block it guards a plain group of its ops."""
     del window, after
     held = tf1._Held()  # noqa: SLF001 (the lock, timed alone)
     yield held
@@ -124,9 +115,7 @@ def _unlocked(window, after):
 
 
 def _train_op(build, n, locked):
-    """A bench_contenders.TrainOp's build: the model's loss and feeds, its optimizer
-    (wrapped in AveragingOptimizer(N) unless n is None; its lock taken out unless
-    `locked`), and the train op."""
+    """A TrainOp's build: the optimizer in AveragingOptimizer(n) unless n is None."""
     def train_op():
         loss, feeds, make_optimizer = build()
         optimizer = make_optimizer()
@@ -144,14 +133,13 @@ class Wrapper(Section):
     FULL, QUICK = dict(rounds=15, windows=10), dict(rounds=2, windows=1)  # block: windows*N
 
     def measure(self, run):
-        """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain": {label: paired
-        ratio}, "lock": wrapped / unlocked}}."""
+        """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain", "vs_floor": {label:
+        paired ratio}, "lock": wrapped / unlocked}}."""
         out = {}
         for name, (build, n, b) in MODELS.items():
             contenders = [TrainOp(label, _train_op(build, n if size == "N" else size, locked))
                           for label, (size, locked) in CONTENDERS.items()]
             contenders.append(TrainOp("floor", _floor(build, n, b)))
-            # Seconds per run; a block of `windows` whole windows, after one untimed block.
             times = interleaved(contenders, self.settings["windows"] * n, self.settings["rounds"])
             release(contenders)
             out[name] = {"n": n, "b": b,
