@@ -1,30 +1,20 @@
-"""The bench's one model zoo, with its data, loss and optimizer: the speed sections and the
-memory probes (tools/memory.py) build their models here.
+"""The bench's models, data, loss and optimizer; Keras loads only inside the builders.
 
-    convnet  convolutions whose activations dominate memory (32 x 32 x 3 inputs)
-    mlp      two Dense(4096) on 784 inputs, whose weights dominate
-    bn       convolutions with BatchNormalization
-    lm       a decoder language model (lm_128k: its vocabulary four times larger), whose
-             Embedding's gradient arrives as rows (IndexedSlices)
-
-post_model(name) is the post's ConvNet or mlp of model.py (MNIST, dropout on), as main.py
-trains them. Keras loads only inside the functions that build.
+convnet's activations dominate its memory, mlp's weights; bn has BatchNormalization; lm's
+Embedding gradient arrives as rows (lm_128k: four times its vocabulary).
 """
 
 import numpy as np
 
 SEED = 0
 LEARNING_RATE = 1e-3
-# Adam's epsilon where a path's weights are compared with the direct batch's: above the
-# float32 noise of a near-zero gradient, which the default 1e-7 turns into a step
-# (g / (|g| + epsilon)) when a window sums the gradient in another order.
+# Adam's epsilon where weights are compared with the direct batch's: the default 1e-7 turns
+# a near-zero gradient's float32 noise (a window sums in another order) into a step.
 ADAM_EPSILON = 1e-5
 MODELS = ("convnet", "mlp", "bn", "lm", "lm_128k")
 TF1_MODELS = ("convnet", "mlp")  # those with a hand-written TF1 graph (tf1_logits)
 INPUT_SHAPES = {"convnet": (32, 32, 3), "mlp": (784,), "bn": (32, 32, 3)}
 CLASSES = 10
-# The language models: vocabulary V, sequences of SEQUENCE tokens, width WIDTH, a GELU
-# feed-forward of FEED_FORWARD, BLOCKS pre-norm blocks of HEADS causal attention heads.
 VOCABULARIES = {"lm": 32_000, "lm_128k": 128_000}
 SEQUENCE, WIDTH, FEED_FORWARD, BLOCKS, HEADS = 32, 256, 1024, 2, 4
 
@@ -36,8 +26,7 @@ def loss(reduction="sum_over_batch_size"):
 
 
 def sample_loss(model):
-    """The TF2 accumulators' loss: one per sample (a sequence's: its tokens' mean, as
-    Keras's mean over the batch's tokens weighs it)."""
+    """The TF2 accumulators' loss per sample (a sequence's: its tokens' mean, as Keras's)."""
     import tensorflow as tf
     per_sample = loss(None)
     if model not in VOCABULARIES:
@@ -97,10 +86,8 @@ def keras_model(model, dense_rows=False):
 
 
 def language_model(vocabulary, dense_rows=False):
-    """A decoder in plain Keras: a token Embedding of V x WIDTH, BLOCKS pre-norm blocks
-    of causal MultiHeadAttention and a GELU feed-forward, an untied Dense(V) output.
-    dense_rows: the Embedding's gradient made dense inside the model, by the op
-    tf.convert_to_tensor makes of rows (the same weights, drawn alike)."""
+    """A pre-norm causal decoder with an untied Dense(V) output; `dense_rows`: the Embedding's
+    gradient made dense inside the model (the same weights, drawn alike)."""
     import keras
     import tensorflow as tf
     from keras import layers
