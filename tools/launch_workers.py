@@ -2,12 +2,9 @@
 
     python -m tools.launch_workers --workers=2 -- --average-gradients=5 --batch-size=20 ...
 
-Each worker is `main.py --engine=tf2 --distribute=multi_worker ARGS` with its own TF_CONFIG
-on 127.0.0.1 (free ports): each trains its slice of the same global mini-batches. Worker 0
-(the chief) writes to this terminal and alone writes `--results`, `--logdir` and the
-checkpoints under `--checkpoint-dir` (which every worker is given: they resume from it);
-another worker's output is shown if it fails. If a worker fails or the job runs past --timeout,
-the others are stopped, so nothing is left waiting for a peer.
+Each worker trains its slice of the same global mini-batches. Worker 0 alone writes to this
+terminal, `--results`, `--logdir` and the checkpoints (every worker resumes from them); where
+a worker fails or --timeout passes, the others are stopped, none left waiting for a peer.
 """
 
 import argparse
@@ -22,7 +19,6 @@ import time
 from tools import common
 
 HOST = "127.0.0.1"
-# Outputs one file or directory would receive from every worker: worker 0 writes them.
 CHIEF_ONLY_FLAGS = ("--results", "--logdir")
 
 
@@ -52,20 +48,15 @@ def chief_only(args):
 
 
 def role(index):
-    """What worker `index` does in the job, in a few words."""
+    """What worker `index` does, in words."""
     if index == 0:
         return "chief: its output follows; writes --results, --logdir and the checkpoints"
     return "worker: trains its slice of each mini-batch; its output is shown if it fails"
 
 
 def start(worker_args, outputs, python=sys.executable, env=None, live=False):
-    """Starts one worker per list of arguments in `worker_args` (worker 0's first), each
-    `main.py --engine=tf2 --distribute=multi_worker ARGS` with its TF_CONFIG; returns
-    their subprocess.Popen objects.
-
-    `outputs`: per worker, the file its stdout and stderr go to (None: this process's).
-    `live`: first print a line per worker (address, role).
-    """
+    """A Popen per `worker_args` entry (worker 0 first), its output to `outputs`' file (None:
+    this process's); `live` prints a line per worker first."""
     ports = free_ports(len(worker_args))
     cluster = {"worker": [f"{HOST}:{p}" for p in ports]}
     if live:
@@ -83,13 +74,8 @@ def start(worker_args, outputs, python=sys.executable, env=None, live=False):
 
 
 def launch(args, workers=2, timeout=300, python=sys.executable, env=None, live=False):
-    """Runs the workers to completion; returns (exit codes, outputs), worker 0 first.
-
-    `env` adds to (or overrides) this process's environment for every worker. `live`: first
-    print a line per worker (address, role), then let worker 0 write to this process's
-    stdout and stderr as it runs (its progress bar too, on a terminal); its output is then
-    not captured ("").
-    """
+    """Runs the workers to completion: (exit codes, outputs), worker 0 first; `env` is added to
+    this environment; with `live` worker 0 writes to this terminal (its output then "")."""
     logs = [None if live and index == 0 else tempfile.TemporaryFile(mode="w+")
             for index in range(workers)]
     procs = start([args if index == 0 else chief_only(args) for index in range(workers)],
