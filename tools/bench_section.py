@@ -1,7 +1,5 @@
 """The bench's one contract: a section measures, judges its targets and writes its part.
-A new section is a subclass and a line in bench.SECTIONS; a measurement that needs a
-fresh process is a probe (bench_probe.py).
-"""
+A new section is a subclass and a line in bench.SECTIONS."""
 
 import collections
 import datetime
@@ -43,8 +41,7 @@ class Section:
 
 
 class Run:
-    """What measure() is given: MNIST (`datasets`), the results of the sections measured
-    before by name (`results`), a `log` for one line, and `step()` for the bar."""
+    """measure()'s argument: `datasets` (MNIST), `results` of earlier sections by name, `log`."""
 
     def __init__(self, datasets=None, log=print, advance=lambda n: None):
         self.datasets, self.log, self._advance = datasets, log, advance
@@ -71,16 +68,9 @@ def status(ok, noisy=False):
 
 
 def worst(target, ratios, limit, at_least=False, noise=None, failed=False):
-    """A target judged on the worst of `ratios` against `limit`.
-
-    Args:
-      ratios: {where: ratio}, a float or a paired ratio {"ratio", "q1", "q3"}
-        (bench_contenders.paired_ratio); `where` names it in the measured text.
-      at_least: the ratio must reach `limit`; else stay at or under it.
-      noise: this run's noise floor: a miss by less, or met in a quarter of the rounds,
-        is "within noise".
-      failed: a probe it needs failed: missed, whatever the others measured.
-    """
+    """A target judged on the worst of `ratios`, {where: a float or a paired ratio}, against
+    `limit` (reached with `at_least`, else not exceeded); a paired miss by less than `noise`,
+    or met in a quarter of the rounds, is "within noise"; `failed` (a probe): missed."""
     if not ratios:
         return Target(target, *(("probe failed", "missed") if failed else ("not measured",) * 2))
     paired = {k: v if isinstance(v, dict) else {"ratio": v} for k, v in ratios.items()}
@@ -127,8 +117,8 @@ def xplanes(logdir):
 
 
 def trace_events(logdir):
-    """(line, name, ms) of every event of the tf.profiler traces under `logdir`: a line's
-    name says what ran on it (tf_Compute...: ops), an op's name is "NAME:TYPE"."""
+    """(line, name, ms) of every traced event under `logdir`; ops run on tf_Compute... lines,
+    named "NAME:TYPE"."""
     for plane in xplanes(logdir):
         for line in plane.lines:
             for event in line.events:
