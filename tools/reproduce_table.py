@@ -1,8 +1,5 @@
-"""The reproduced table beside the post's: the rows, their statistics, the verdict.
-
-Pure functions of the finished runs (dicts as main.py writes them): no processes, no
-files, so the table and the verdict can be checked against numbers worked out by hand.
-"""
+"""The reproduced table beside the post's: the rows, their statistics, the verdict; pure
+functions of the runs (no processes, no files), so checkable against hand-worked numbers."""
 
 import collections
 import datetime
@@ -31,15 +28,8 @@ Row = collections.namedtuple("Row", [
 
 
 def summarize(setting, runs, reference_runs, post, evaluation_count):
-    """The numbers of one row of the table.
-
-    Args:
-      setting: the configuration (N, B, iterations).
-      runs: its runs (dicts as main.py writes them).
-      reference_runs: the N=1 row's runs, the baseline of the Welch tests.
-      post: (mean, population std) of the post's 10 runs, or None.
-      evaluation_count: test-set evaluations per run.
-    """
+    """One row; `reference_runs`: the N=1 row's, the Welch tests' baseline; `post`: the post's
+    (mean, population std) or None."""
     best = [r["best_accuracy"] for r in runs]
     final = [r["final_accuracy"] for r in runs]
     post_p = math.nan
@@ -169,8 +159,7 @@ def _post_verdict(rows, fair):
 
 
 def figure_lines(drawn, notes, scale):
-    """table.md's figures section: each figure as an image link (it lies next to table.md),
-    then what was left out."""
+    """table.md's figures section: an image link per figure drawn, then the notes."""
     if not drawn and not notes:
         return []
     lines = ["", "## Figures", ""] + [f"![{name}]({name})" for name in drawn]
@@ -183,8 +172,7 @@ def figure_lines(drawn, notes, scale):
 
 
 def table_document(rows, fair, scale, command, timing, drawn=(), notes=()):
-    """table.md: what made it, the table, what the columns mean, the verdict, the figures
-    (`drawn`: their file names next to table.md; `notes`: what was left out)."""
+    """table.md: what made it, the table, its columns, the verdict, the figures."""
     protocol = (f"every configuration evaluated every {FAIR_EVAL_EVERY_UPDATES} updates"
                 if fair else f"the post's protocol, evaluated every {EVAL_EVERY} iterations")
     lines = [f"# The post's table, reproduced ({protocol})", "",
