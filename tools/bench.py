@@ -4,10 +4,8 @@
     python -m tools.bench --quick    # a smoke test: every section scaled down, some left out
     python -m tools.bench --sections=wrapper --output=wrapper.md   # one section alone
 
-Accumulation exists to save memory, so it must not cost speed: the sections measure both.
-Each is a bench_section.Section; SECTIONS lists them in the order of BENCHMARKS.md, which
-opens with every target, met or missed, and the speed ratios drawn beside it
-(BENCHMARKS.png). On a terminal, stderr shows a bar of the measurements done.
+Accumulation saves memory, so it must not cost speed: the sections measure both, in
+BENCHMARKS.md's order, after every target and the speed figure (BENCHMARKS.png).
 """
 
 import os
@@ -55,8 +53,7 @@ cli.define("list", "sections", None, "Only these sections, by name: " + ", ".joi
 
 
 def render(command, sections, run, targets, elapsed, figure=None):
-    """BENCHMARKS.md: what made it, the targets, the figure (`figure`: its file name beside
-    the markdown, or None), then each section's part."""
+    """BENCHMARKS.md: what made it, the targets, the figure (a file name or None), the parts."""
     lines = header("Benchmarks: gradient accumulation, speed and memory", command, elapsed) + [
         "Ratios are within this one run; CPU timings on a shared machine are noisy, so "
         "compare ratios, not times across runs.", "", *targets_table(targets)]
@@ -71,12 +68,8 @@ def render(command, sections, run, targets, elapsed, figure=None):
 
 
 def write(output, text, figure=None, png=None):
-    """Writes BENCHMARKS.md (`text` at `output`) and its figure (`png` bytes at `figure`)
-    as a pair: a full disk leaves the previous pair, never a new half beside an old one.
-
-    Raises:
-      results.WriteError: naming both files, the cause, and that the previous ones stay.
-    """
+    """Writes `text` at `output` and `png` at `figure` as a pair (never a new half beside an
+    old one); results.WriteError where they cannot be, the previous pair kept."""
     items = ([(figure, png)] if png is not None else []) + [(output, text.encode())]
     try:
         results.atomic_write_files(items)
@@ -107,7 +100,6 @@ def main_bench(argv):
         cli.fail(str(e))
     sections = [s for s in (cls(FLAGS.quick) for cls in SECTIONS) if s.settings is not None
                 and s.name in (FLAGS.sections or [s.name])]
-    # The bar counts steps: a (N, B) of the speed section, one for each other section.
     with progress.Bar(sum(s.steps() for s in sections), "bench", unit="measurement") as bar, \
             bar.printing_through():
         run = Run(datasets, log=lambda line: print(line, flush=True), advance=bar.update)
