@@ -3,11 +3,8 @@
     python -m tools.gpu_check                 # writes GPU.md
     python -m tools.gpu_check --quick         # the device section scaled down
 
-On a GPU: GPU_TESTS under pytest with the GPU visible (GPU_TESTS=1; the rest of the suite
-hides it), then the bench's device section (bench_device.Device) and its tensor-memory
-table read from the GPU's own allocator. GPU.md records the device, its driver,
-TensorFlow's build, each test's outcome, every number and each target met or missed.
-Without a GPU it measures nothing, in seconds, and GPU.md says so.
+On a GPU: GPU_TESTS with the GPU visible (GPU_TESTS=1; the rest of the suite hides it), the
+device section and the tensor-memory table on the GPU's allocator. Without one, GPU.md says so.
 """
 
 import os
@@ -37,8 +34,6 @@ from tools.bench_section import table
 from tools.bench_section import targets_table
 
 FLAGS = flags.FLAGS
-# Both engines, --jit-compile and --distribute=mirrored through main.py, determinism run to
-# run; Keras fit with accumulate against the direct batch, under the XLA Keras turns on.
 GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")
 TESTS_TIMEOUT = 1200
 
@@ -77,8 +72,7 @@ def _outcomes(root):
 
 
 def render(tests, section, device, targets, command, elapsed, tensor_memory=None):
-    """GPU.md's text; `device`: the device section's result (None: no GPU);
-    `tensor_memory`: the tensor-memory section's, measured on the GPU (or None)."""
+    """GPU.md's text; `device`, `tensor_memory`: the sections' results (None: no GPU)."""
     build = tf.sysconfig.get_build_info()
     lines = header("GPU check", command, elapsed) + [
         "TensorFlow's build (`tf.sysconfig.get_build_info()`): "
@@ -104,8 +98,7 @@ def render(tests, section, device, targets, command, elapsed, tensor_memory=None
 
 
 def check(output, quick=False, command="python -m tools.gpu_check", log=print):
-    """Measures what there is to measure here and writes GPU.md at `output`; returns its
-    text. Without a GPU: nothing run, a GPU.md that says so."""
+    """Measures what this machine has and writes GPU.md at `output`; returns its text."""
     start = time.perf_counter()
     tests = []
     if bench_device.gpus():
@@ -141,8 +134,7 @@ def main_check(argv):
 if __name__ == "__main__":
     from absl import logging
     logging.set_verbosity(logging.WARNING)
-    # Defined here, not at import: tools.bench defines the same names, and a test process
-    # may import both.
+    # Defined here: tools.bench defines the same names, and a test process may import both.
     cli.define("string", "output", "GPU.md", "Markdown file to write.")
     cli.define("bool", "quick", False, "The device section scaled down (a smoke test).")
     app.run(main_check, flags_parser=cli.parse_flags)
