@@ -4,10 +4,8 @@ N x B against the direct batch of N*B, on MNIST.
     python -m tools.batch_norm            # a few minutes
     python -m tools.batch_norm --quick    # a smoke test (a few updates)
 
-A small ConvNet with three normalization layers, Adam 1e-3, momentum 0.99, every
-configuration on the same samples in the same order for the same updates. For each: test
-accuracy in inference mode and how far its moving statistics end from the direct batch's,
-into docs/batch-norm.md's table.
+Every configuration on the same samples in the same order: test accuracy in inference mode
+and how far its moving statistics end from the direct batch's, into docs/batch-norm.md.
 """
 
 import datetime
