@@ -10,16 +10,14 @@ from tools.bench_section import Section
 from tools.bench_section import table
 from tools.bench_section import worst
 
-# The targets. At B = 5 to 20 a kernel call's fixed cost on this CPU decides the time
-# against the direct batch or Keras's, not accumulation: those are the floor section's
-# (bench_floor), at B that keeps the device busy; here, the paths against one another.
+# The targets compare the paths with one another: at B = 5 to 20 a kernel call's fixed cost
+# decides the time against direct or Keras's (bench_floor measures accumulation's).
 EDGES = ((5, 20), (20, 5))  # the post's largest and smallest B: tf2 against fused here
 TF2_VS_FUSED = 1.15  # the tf2 window against tf1's fused, at EDGES
 KERAS_FIT_CONFIG = (5, 20)  # fit with accumulate no slower than Keras's own here
 KERAS = ("keras", "keras_long")  # Keras's accumulation, one call per update or per block
 SMALL_B = 10  # where one pass leaves this CPU's cores idle (parallel_mini_batches)
-# Each contender in words: the section's list and the figure's legend.
-CONTENDERS = {
+CONTENDERS = {  # in words: the section's list and the figure's legend
     "direct": "one batch of N*B, the post's minimize",
     "stack": "the post's averager (numpy)",
     "running": "a numpy running sum",
@@ -58,8 +56,7 @@ def keras_best(row):
 
 
 def noise_floor(rows):
-    """How far from 1 the averagers' ratios to `direct` came at N=1, where all are the
-    same graph: this run's noise; None without an N=1 row."""
+    """This run's noise: the averagers' largest |ratio to direct - 1| at N=1 (the same graph)."""
     return next((max(abs(r["vs_direct"][s]["ratio"] - 1) for s in averagers.AVERAGERS)
                  for r in rows if r["n"] == 1), None)
 
@@ -102,7 +99,6 @@ class Speed(Section):
         out.append(worst(f"fit with accumulate <= Keras's gradient_accumulation_steps with "
                          f"steps_per_execution=N at N={n}/B={b}",
                          _ratios(at(n, b), "keras_fit", "keras"), 1.0))
-        # The option's price is memory (the tensor-memory section); here, what it buys.
         small = [r for r in accumulating if r["b"] <= SMALL_B]
         out += [worst(f"{label} with two passes at once faster than one at a time "
                       f"(B <= {SMALL_B})", _ratios(small, f"{label}_p2", label), 1.0,
