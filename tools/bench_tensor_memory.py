@@ -1,8 +1,5 @@
-"""Tensor memory, the bench's memory headline: each path's peak as a device's allocator
-counts it (tools.memory's probes), against B alone, the direct batch and Keras's own
-accumulation, on a model whose activations dominate and one whose weights do, and how the
-peak grows with N.
-"""
+"""Tensor memory, the bench's memory headline: each path's peak (tools.memory's probes)
+against B alone, the direct batch and Keras's accumulation, and its growth in N."""
 
 from tools import memory
 from tools import models
@@ -12,20 +9,16 @@ from tools.bench_section import status
 
 ACCUMULATING = ("accumulate", "window", "mini_batch", "tf1")
 FLAT_IN_N = 0.02  # N=32 within 2% of N=2 at the same B
-# A model's N x B where it is not the section's: the language models' sequences are
-# long and their logits large, so a mini-batch is a few of them.
+# A model's own N x B: a language model's logits are large, so a mini-batch is a few sequences.
 SHAPES = {"lm": (8, 4), "lm_128k": (8, 4)}
-# The paths of the language model of the larger vocabulary, whose growth in V it shows
-# (its direct batch is over the probe's memory, memory.RESERVE_MB), and its probes.
+# lm_128k's paths (its direct batch is over memory.RESERVE_MB) and probes.
 LM_128K_PATHS, LM_128K_REPEATS = ("alone", "keras", "accumulate", "window", "mini_batch"), 1
 LM_REPEATS = 3  # the language model's probes take about twice the others' time
 
 
 class TensorMemory(Section):
     name, title = "tensor_memory", "Tensor memory: peak of each path (BFC allocator)"
-    # Five probes a figure: the BFC allocator counts a chunk of up to twice a request
-    # whole, so a path's peak falls in one of a few modes from process to process; the
-    # median of three landed on another mode from run to run.
+    # Five probes a figure: a peak falls in one of a few modes, and three varied run to run.
     FULL = dict(models=models.MODELS, paths=memory.PATHS + memory.TF1_REFERENCES, n=8, b=32,
                 repeats=5, growth_model="convnet", growth_repeats=7,
                 growth_ns=(2, 32), growth_paths=("accumulate", "window", "mini_batch"),
@@ -70,8 +63,7 @@ class TensorMemory(Section):
         return dict(tables=tables, growth=growth)
 
     def _profile_misses(self, rows, run):
-        """For each TF2 path at P=1 over its bound or over Keras's: one profiled probe,
-        the tensors alive at its peak (memory._profiled), into its row."""
+        """A profiled probe for each TF2 path at P=1 over its bound or Keras's, into its row."""
         peaks = {row["path"]: row["peak_mb"] for row in rows}
         keras = peaks.get("keras")
         for row in rows:
