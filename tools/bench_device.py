@@ -1,8 +1,5 @@
-"""Peak device memory and speed on a GPU (make bench, make gpu-check); without a GPU it
-says "no GPU" and measures nothing. The post's ConvNet where activations dominate: each
-tf1 averager and the tf2 engine against its engine's direct batch and B alone, a probe
-each; speed: every contender in one probe.
-"""
+"""Peak device memory and speed on a GPU (without one, nothing measured): the post's ConvNet,
+each engine's accumulation against its direct batch and B alone, a probe each."""
 
 import functools
 import subprocess
@@ -20,8 +17,7 @@ from tools.bench_section import worst
 
 GPU = "GPU:0"
 MB = 1 << 20
-# The targets: each engine's accumulated peak against its own B alone and direct batch
-# of N*B, and time against the direct batch's at every B of at least DEVICE_SPEED_MIN_B.
+# The targets: peak against B alone and direct; time against direct at B >= DEVICE_SPEED_MIN_B.
 DEVICE_VS_ALONE, DEVICE_VS_DIRECT = 1.1, 0.3
 DEVICE_SPEED, DEVICE_SPEED_MIN_B = 1.1, 32
 LABELS = ("direct", *averagers.AVERAGERS, "tf2", "tf2_direct")  # the speed probe's
@@ -31,8 +27,7 @@ NO_GPU = "no GPU: not measured here; `make gpu-check` measures it where there is
 
 @functools.cache
 def gpus():
-    """The GPUs TensorFlow sees, with their details and the driver's (nvidia-smi) where
-    it answers: [{name, device_name, compute_capability, driver, memory}]."""
+    """[{name, device_name, compute_capability, driver, memory}] of the GPUs TensorFlow sees."""
     try:
         text = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                                "--format=csv,noheader"], capture_output=True, text=True,

@@ -1,8 +1,5 @@
-"""Host memory as N grows: the peak RSS of a probe while it trains one update. RSS is
-here for what a device's allocator does not see, the numpy windows of the `stack` and
-`running` averagers: on the MLP, keeping the window's gradients costs at least one
-gradient per added mini-batch.
-"""
+"""Host memory as N grows: a probe's peak RSS over one update, for what a device's allocator
+does not see (the numpy windows of the `stack` and `running` averagers)."""
 
 import numpy as np
 
@@ -31,8 +28,8 @@ def _proc_mb(path, field):
 
 
 def rss_probe(spec):
-    """Peak RSS in this probe process while it trains `updates` updates, against its RSS
-    just before; only the samples it trains on kept (MNIST's 170 MB would hide them)."""
+    """Peak RSS over `updates` updates against the RSS just before, only the samples it trains
+    on kept (MNIST's 170 MB would hide the window)."""
     datasets = data.load_mnist()
     idx = data.SampleStream(len(datasets.train.labels), models.SEED).next_indices(
         spec["n"] * spec["b"] * spec["updates"])

@@ -1,8 +1,6 @@
-"""The tools' one probe protocol (the bench's and tools.memory's): a measurement in a
-fresh process, for what must not see this process's state (a peak) or needs a setting
-TensorFlow reads at start. spawn(function, spec, env) runs `python -m tools.bench_probe
-MODULE:FUNCTION JSON`, which prints function(spec)'s dict as JSON; the result gains
-`seconds`; a failure (an error, a crash, a timeout) is the spec with one `error` line.
+"""The tools' one probe protocol: function(spec) in a fresh process (a peak must not see this
+process's state; some settings TensorFlow reads at start), its dict back with `seconds`; a
+failure (an error, a crash, a timeout) is the spec with one `error` line.
 """
 
 import concurrent.futures
@@ -21,9 +19,8 @@ TIMEOUT = 600  # seconds
 
 
 def probe(function, spec, env=None, timeout=TIMEOUT):
-    """function(spec) in a fresh process under op determinism, `env` added to its
-    environment; where TensorFlow has no deterministic kernel for it, again without (the
-    result's `determinism_error` says why)."""
+    """spawn() under op determinism, `env` added; where a kernel has no deterministic one, again
+    without (`determinism_error` says why)."""
     env = dict(os.environ, **(env or {}))
     result = spawn(function, dict(spec, deterministic=True), env, timeout)
     if result.pop("determinism", False):
