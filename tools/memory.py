@@ -34,7 +34,7 @@ from tools.bench_section import xplanes
 FLAGS = flags.FLAGS
 
 MIB = 1 << 20
-# The paths (_PATHS): alone (B alone), direct and keras are the references; the _p2 paths run
+# The paths (_PATHS): alone (B alone), direct and keras are references; the _p2 paths run
 # parallel_mini_batches=2.
 PATHS = ("alone", "direct", "keras", "accumulate", "window", "mini_batch", "tf1",
          "accumulate_p2", "window_p2")
@@ -48,9 +48,6 @@ MARGIN, MARGIN_MIN_MB = 0.05, 4.0  # the bound's margin
 PROBE_TIMEOUT = 600  # seconds
 PROFILE_TOP = 8  # the tensors a profiled probe lists, alive at its peak
 RESERVE_MB = 2048  # the CPU's one region where a probe has no limit (above every peak)
-
-
-# ---------------------------------------------------------------- the parent: probes
 
 
 def probe_env(limit_mb=None, gpu=False):
@@ -70,7 +67,6 @@ def probe(model, path, n, b, limit_mb=None, gpu=False, timeout=PROBE_TIMEOUT, sa
     """One measurement in a fresh process.
 
     Args:
-      limit_mb: the device's memory (None: all of it).
       save: a .npz file for the trainable weights after the two updates, or None.
       micro_batch: accumulate only: one effective batch of N*B cut into micro-batches of
         this size ("auto": found by fit).
@@ -110,7 +106,6 @@ def probes(specs, jobs=1, log=None):
 
 
 def probe_line(result):
-    """A probe's result in one line."""
     what = f"{result['model']} {result['path']} N={result['n']} B={result['b']}"
     if result.get("error"):
         return f"{what}: {result['error']}"
@@ -125,9 +120,6 @@ def probe_line(result):
 def at_peak_text(rows):
     """A profiled probe's tensors alive at its peak, in one line."""
     return ", ".join(f"{op} {shape} {mb:.1f}".replace("  ", " ") for op, shape, mb in rows)
-
-
-# ---------------------------------------------------------------- the bound and the table
 
 
 # Held to bound_mb; the others (a TF1 session, two passes at once) to bound_with_sums_mb.
@@ -301,9 +293,6 @@ def growth_markdown(rows):
                      + " | ".join(", ".join(_mb(p) for p in row["probed"][n]) for n in ns)
                      + " |")
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- the probe process
 
 
 _adam = functools.partial(models.adam, epsilon=models.ADAM_EPSILON)
@@ -591,9 +580,6 @@ def run_probe(spec):
                 **({} if at_peak is None else {"at_peak": at_peak,
                                                "largest_by_op": largest}),
                 **_sizes(weights, trainable), **(more[0]() if more else {}))
-
-
-# ---------------------------------------------------------------- the command line
 
 
 def define_flags():
