@@ -67,9 +67,6 @@ class RunSpec(collections.namedtuple("RunSpec", ["setting", "rep", "seed", "path
         return isinstance(other, RunSpec) and self.path == other.path
 
 
-# ---------------------------------------------------------------- the plan
-
-
 def scaled_setting(post_key, scale):
     """The configuration with its updates (not iterations) divided by `scale`, at least one:
     equal across N, iterations a multiple of N."""
@@ -126,9 +123,6 @@ def load_run(spec):
     if not (isinstance(runs, list) and len(runs) == 1 and runs[0].get("seed") == spec.seed):
         raise ReproduceError(f"{spec.path}: expected exactly one run, of seed {spec.seed}")
     return runs[0]
-
-
-# ---------------------------------------------------------------- running
 
 
 def prior(spec):
@@ -268,9 +262,6 @@ class Runner:
                 raise
 
 
-# ---------------------------------------------------------------- the whole reproduction
-
-
 def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=False,
               accumulate=DEFAULT_ACCUMULATE, verbose=False, command="python -m tools.reproduce",
               log=say):
@@ -378,9 +369,6 @@ def draw_figures(out_dir, pairs, with_post, log):
     for note in notes:
         log(note)
     return drawn, notes
-
-
-# ---------------------------------------------------------------- command line
 
 
 def define_flags():
