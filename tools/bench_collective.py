@@ -29,9 +29,6 @@ OPS = 16  # --ops: the kinds of events listed, each path's longest
 PATHS = ("accumulate + fit", "fit_accumulated", "command line", BASELINE)
 
 
-# ---------------------------------------------------------------- in each worker
-
-
 def collective_probe(spec):
     """One worker's {"n": {path: {"ms": [per window], "collectives": [{"name", "runs", "bytes",
     "ms"}][, "ops": {kind of event: ms}]}}}; worker 0's alone traced."""
@@ -272,9 +269,6 @@ def graph_name(traced, sizes):
     """The graph op a traced name is (the trace prefixes the calling ops' names)."""
     matches = [name for name in sizes if traced == name or traced.endswith("/" + name)]
     return max(matches, key=len) if matches else None
-
-
-# ---------------------------------------------------------------- the section
 
 
 def two_workers(spec, timeout=bench_probe.TIMEOUT):
