@@ -214,9 +214,6 @@ def race_probe(spec):
                 spec["repeats"])
 
 
-# ---------------------------------------------------------------- timing
-
-
 def interleaved(contenders, updates, repeats, cpu=None, warmups=1):
     """{label: [seconds per update, one per round]}, turns rotating per round (a shared
     machine's drift hits all alike), after `warmups` untimed blocks; `cpu`, a dict, gets
@@ -242,9 +239,6 @@ def paired_ratio(times, label, base):
     q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 \
         else [ratios[0]] * 3
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
-
-
-# ---------------------------------------------------------------- profile
 
 
 def op_class(op_type, classes=OP_CLASSES):
