@@ -331,8 +331,6 @@ class FloorXLA(Floor):
                         f"{r['error']}" for r in failed]
 
 
-# ---------------------------------------------------------------- the language model
-
 # models.language_model: its Embedding's gradient arrives as rows, which the library sums as
 # rows; `dense_rows` makes it dense inside the model (a pass over the table per mini-batch).
 LanguageModel = collections.namedtuple("LanguageModel", "name vocabulary n b repeats")
