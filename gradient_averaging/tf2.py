@@ -1,20 +1,12 @@
 """Gradient accumulation in a TF2 training loop: your own Keras model, dataset and loss.
 
-    with strategy.scope():                       # optional: tf.distribute
-        model = make_model()
-        optimizer = keras.optimizers.Adam(1e-3)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=8)
 
 `WindowAccumulator` (one compiled call per window, the default) and `MiniBatchAccumulator`
 (one call per mini-batch, for Python between them) run one window step (window_step) to the
-same weights, bit for bit. Each mini-batch adds the gradient of the SUM of its per-sample
-losses; the window's sum over its samples is applied: exactly the mean loss's gradient,
-whatever the mini-batches' sizes. The model runs on its weights' values (`stateless_call`),
-its other state (dropout's seed generators) written back after each mini-batch. Under
-`tf.distribute` each mini-batch is the GLOBAL one, each replica training its share; sums stay
-on their replica (a mini-batch communicates nothing), the replicas sum a one-number vote
-(anything non-finite?) per window and the optimizer all-reduces the mean's shares.
+same weights, bit for bit. The model runs on its weights' values (`stateless_call`), its other
+state (dropout's seed generators) written back after each mini-batch. Under `tf.distribute`
+each mini-batch is the GLOBAL one, each replica training its share.
 """
 
 import collections
@@ -38,9 +30,8 @@ FitSummary = collections.namedtuple(
 
 
 def stack_window(mini_batches):
-    """N global mini-batches (x, y) (nested structures of arrays) as one stacked window:
-    (xs, ys, sizes), xs and ys on a new leading axis, [N, B, ...], B the largest, shorter ones
-    zero-padded; sizes, int32 [N], each one's samples (the window step skips the padding)."""
+    """N global mini-batches (x, y) (nested arrays) as one window (xs, ys, sizes): xs, ys stacked
+    [N, B, ...], B the largest, shorter ones zero-padded; sizes, int32 [N], each one's samples."""
     (xs, ys), sizes = window_lib.stack_padded([tuple(batch) for batch in mini_batches])
     return xs, ys, sizes
 
@@ -61,8 +52,7 @@ def _loss_parts(loss_fn, y, outputs, pass_losses, n_local):
                              "Keras loss with reduction=None), or (losses, weights)")
         parts = [window_lib.Part(tf.reduce_sum(tf.cast(out, window_lib.accumulator_dtype(out))),
                                n_local, None, window_lib.SAMPLES)]
-    if pass_losses:  # each a mean over the samples: once per sample
-        # float32: a float16 layer's activity loss (mixed precision) is float16.
+    if pass_losses:  # float32: a float16 layer's activity loss (mixed precision) is float16
         parts.append(window_lib.Part(tf.cast(n_local, tf.float32) * tf.add_n(
             [tf.cast(loss, tf.float32) for loss in pass_losses]), n_local, None,
             window_lib.SAMPLES))
@@ -87,25 +77,16 @@ def _spec(t, leading):
 
 class _Accumulator:
     """What both accumulators share: the window step, a mini-batch's pass, the counters.
-
-    Attributes:
-      updates, skipped_windows: windows applied (as optimizer.iterations counts) and skipped.
-      loss_total, samples_total: replica-local float64 variables behind loss_totals.
-      statistics, step: the batch_statistics.BatchStatistics, the window_step.WindowStep.
-      apply_step: tf.function() -> (applied, single): applies the open window.
-    """
+    updates, skipped_windows: windows applied (as optimizer.iterations counts) and skipped;
+    apply_step: tf.function() -> (applied, single), applies the open window."""
 
     def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True,
                  bn_statistics="update", jit_compile=False, *, average_gradients=None):
-        """Builds the optimizer beside the model's variables.
-
-        Args:
-          model, optimizer: Keras's, made under `strategy.scope()` if `strategy` (a
-            tf.distribute.Strategy; None: the default, one device) is given.
+        """Args:
+          model, optimizer: Keras's, made under `strategy.scope()` given a tf.distribute `strategy`.
           loss_fn: (y_true, y_pred) -> per-sample losses, shape [batch] (a Keras loss with
             reduction=None), or (losses, weights); the gradient applied is their mean's.
-          check_finite: skip a window holding a NaN or Inf loss or gradient (one small
-            reduction per window).
+          check_finite: skip a window with a NaN or Inf loss or gradient (one reduction a window).
           bn_statistics: "update": BatchNormalization takes one moving-average step per
             update, on the window's statistics; "mini_batch": one per mini-batch, as Keras.
           jit_compile: XLA-compile each mini-batch's pass (forward and backward).
@@ -226,13 +207,12 @@ class _Accumulator:
 
     def fit_effective(self, dataset, micro_batch_size="auto", callback=None, budget=None,
                       margin=None):
-        """One pass over `dataset`, one update per batch (an effective batch), as mini-batches
-        of `micro_batch_size` per replica. "auto": the largest that fits, found on the first
-        batch before training (find_micro_batch, within `budget` bytes less `margin`), again
-        only where E, the batches' spec, budget or margin changed; a tf.data element spec says
-        where batches differ beyond their samples (padded sequences). Returns the FitSummary,
-        its micro_batch the B trained (halved where a window ran out of memory). Raises
-        micro_batch.OutOfMemory (in an update, or under several replicas), NothingFits."""
+        """One pass over `dataset`, one update per batch (an effective batch), as mini-batches of
+        `micro_batch_size` per replica. "auto": the largest that fits `budget` bytes less `margin`,
+        found (find_micro_batch) on the first batch before training, once per E, batch spec, budget
+        and margin; a tf.data element spec says where batches differ beyond their samples (padded
+        sequences). Returns the FitSummary, micro_batch the B trained (halved where out of memory).
+        Raises micro_batch.OutOfMemory (in an update, or under several replicas), NothingFits."""
         size = arguments.check_micro_batch_size(micro_batch_size)
         budget, margin = arguments.check_budget(budget), arguments.check_margin(margin)
         counts = _FitCounts(self, 1)
@@ -263,10 +243,9 @@ class _Accumulator:
         return counts.summary(False, applied)._replace(micro_batch=found)
 
     def apply_effective(self, batch, found, spec=None):
-        """Trains the effective batch (x, y) as one update, in mini-batches of `found`'s B
-        per replica (a micro_batch.MicroBatch); `spec`: the batches' (None: `batch`'s).
-        Returns (applied, mini-batches, `found` with B halved where a window ran out of
-        memory); raises micro_batch.EffectiveWindows's errors."""
+        """Trains the effective batch (x, y) as one update, mini-batches of `found`'s B per replica
+        (a micro_batch.MicroBatch); `spec`: the batches' (None: `batch`'s). Returns (applied,
+        mini-batches, `found`, B halved where out of memory); raises EffectiveWindows's errors."""
         windows = self._windows(batch if spec is None else spec)
         if self.step.rescale:
             self.step.expected.assign(micro_batch_lib.mini_batches_of(
@@ -315,10 +294,9 @@ class _FitCounts:
 
 
 class WindowAccumulator(_Accumulator):
-    """Trains a whole window of N mini-batches in one compiled call (window_step). Arguments
-    as _Accumulator's, and parallel_mini_batches: P, the mini-batches whose passes run at once
-    (1: one mini-batch's activations alive at a time; each more costs a mini-batch's
-    activations and gradients, and may be faster where one pass leaves the device idle)."""
+    """Trains a window of N mini-batches in one compiled call; arguments as _Accumulator's, and
+    parallel_mini_batches: P, the passes run at once (1: one mini-batch's activations alive at a
+    time; each more costs its activations and gradients, faster where one pass idles the device)."""
 
     def __init__(self, *args, parallel_mini_batches=1, **kwargs):
         super().__init__(*args, **kwargs)
@@ -395,13 +373,11 @@ class WindowAccumulator(_Accumulator):
         return self._iterator_steps[average_gradients]
 
     def fit(self, dataset, *, callback=None, warn_partial=True):
-        """One pass over `dataset`, a tf.data.Dataset of (x, y) global mini-batches or any
-        iterable of them (under multi-worker, the same on every worker): one compiled call per
-        N, taken from its iterator one at a time (a window's inputs are never all on the
-        device). A trailing partial window is applied as its mean; a window with a non-finite
-        loss or gradient is skipped, with a warning. callback(mini_batch) runs for each
-        mini-batch (1-based), after its window's update. Returns the FitSummary,
-        partial_window the trailing partial window's mini-batches (0 if none)."""
+        """One pass over `dataset`, a tf.data.Dataset of (x, y) global mini-batches or any iterable
+        of them (under multi-worker, the same on every worker): one compiled call per N, taken from
+        its iterator one at a time (a window's inputs are never all on the device). A trailing
+        partial window is applied as its mean; a skipped window logs a warning. callback(mini_batch)
+        runs for each mini-batch (1-based), after its window's update. Returns the FitSummary."""
         counts = _FitCounts(self, _window_size(self))
         dataset = _as_dataset(dataset)
         applied = False
@@ -476,8 +452,7 @@ class MiniBatchAccumulator(_Accumulator):
             self.mini_batch_step = tf.function(mini_batch_step, input_signature=signature)
             if self.step.rescale:
                 self.step.expected.assign(self.average_gradients or 1)
-            # Traced now: apply_step needs to know which variables get a gradient.
-            self.mini_batch_step.get_concrete_function()
+            self.mini_batch_step.get_concrete_function()  # apply_step needs what gets a gradient
 
     def accumulate(self, x, y):
         """Adds one global mini-batch (x, y) to the open window."""
