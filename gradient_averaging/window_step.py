@@ -1,9 +1,9 @@
 """The window step shared by every TF2 path (both accumulators, Keras fit): each mini-batch's pass
 added in place into the window's sums, then the window's vote and apply.
 
-Memory: batch B's footprint plus one accumulator per trainable variable. The sums are replica-local,
-added to and zeroed in place (never a buffer made amid a pass); one mini-batch is alive at a time;
-the mean is written into the sums and applied one variable at a time.
+Memory: batch B's footprint plus one accumulator per trainable variable. The sums are replica-local
+(a mini-batch communicates nothing), added to and zeroed in place (no buffer made mid-pass); one
+mini-batch is alive at a time; the mean is written into the sums, applied a variable at a time.
 
 Exactness: a loss is a sum over a divisor (samples, valid tokens, summed sample weights, or none),
 so each mini-batch adds its sum's gradient and its divisor and the window divides once: the direct
@@ -160,21 +160,18 @@ def next_after(strategy, added, fetch):
 
 
 class WindowStep:
-    """A window's state on each replica: `add` a mini-batch (replica context), `apply` the window
-    (cross-replica). `learn_layout` (one traced pass, before any other) makes the sums.
+    """A window's state per replica: `add` a mini-batch (replica context), `apply` (cross-replica).
 
     Attributes:
-      layout, terms, no_gradient: each part's term in the objective's order; the distinct terms;
-        per term, which variables it does not reach.
+      layout, terms: each part's term in the objective's order; the distinct terms.
       sums: per term, a replica-local sum per trainable variable; an overwrite_with_gradient
         variable (float8's scales and histories) keeps the window's maximum, as Keras does.
       mini_batches, samples, nonfinite: this replica's counts for the open window (a sum is
         finite only if every addend was, so the sums are checked once, at the close).
-      expected: the mini-batches a window should hold: under loss scaling or float8 a pass
-        differentiates numerator / (expected x divisor), the direct batch's magnitudes, then
-        scales its gradients back, so the value changes no result.
-      summed_activity: None, or records -> a context manager under which a forward pass records
-        activity regularizers' summed losses apart (Keras before 3.14).
+      expected: a window's mini-batches: under loss scaling or float8 a pass differentiates
+        numerator / (expected x divisor), the direct batch's magnitudes, and scales back.
+      summed_activity: None, or records -> a context under which a forward pass records activity
+        regularizers' summed losses apart (Keras before 3.14).
     """
 
     def __init__(self, strategy, optimizer, variables, statistics, check_finite,
@@ -182,8 +179,7 @@ class WindowStep:
         """`log_loss`: None, or run per replica as a window closes, on the loss as the direct
         batch's logs count it, each part's value (float64 [parts]) and the samples of the
         window's finite mini-batches on this replica and on all."""
-        # The apply orders Keras's update_step calls (_keras_src.one_variable_at_a_time).
-        _keras_src.require(_keras_src.APPLY)
+        _keras_src.require(_keras_src.APPLY)  # apply orders update_step (one_variable_at_a_time)
         self.strategy = strategy
         self.optimizer = optimizer
         self.variables = list(variables)
@@ -213,8 +209,7 @@ class WindowStep:
                                         aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
     def learn_layout(self, trace):
-        """Learns the parts a pass returns and makes the sums: `trace()` traces one pass
-        (nothing runs), once, before any other. Idempotent."""
+        """Learns the parts from `trace()` (traces one pass, before any other); makes the sums."""
         if self.layout is not None:
             return
         self._discovered = {}
@@ -240,11 +235,10 @@ class WindowStep:
             tf.VariableAggregation.SUM, f"{name}_{i}") for i, v in enumerate(self.variables)]
 
     def mini_batch_gradients(self, model, weights, non_trainable, x, objective):
-        """One mini-batch's forward and backward pass, on values and this replica's share `x`.
-        `objective(outputs, losses without weight regularization, non_trainable)` -> (Parts,
-        extra) runs under the tape. Returns a Pass: per term, per weight a gradient tensor,
-        tf.IndexedSlices rows or None; the state after (batch norm's moving statistics held,
-        as they step once per update); extra; moments; part_values."""
+        """One mini-batch's forward and backward pass on `weights` (values) and this replica's share
+        `x`; `objective(outputs, losses without weight regularization, non_trainable) -> (Parts,
+        extra)` runs under the tape. Returns a Pass: gradients per term, per weight (a tensor, rows
+        or None); the state after, batch norm's moving statistics held (stepped once an update)."""
         moments, records = [], []
         statistics = self.statistics or None
         capture = statistics.capture(moments) if statistics else contextlib.nullcontext()
@@ -299,8 +293,7 @@ class WindowStep:
         return value, share
 
     def _unscaled(self, gradients, factor):
-        """A pass's gradients as those of its term's weighted sum (times a LossScaleOptimizer's
-        scale, which it divides out); an overwrite_with_gradient variable's stay as they are."""
+        """Gradients as of the term's weighted sum (a LossScaleOptimizer divides out its scale)."""
         if factor is None:
             return gradients
         return [g if g is None or overwrite else _times(g, tf.cast(factor, g.dtype))
@@ -397,8 +390,7 @@ class WindowStep:
 
     def _reset(self):
         """Replica context: opens the next window, its sums zeroed in place (a branch in each
-        pass that wrote its first would move the pass's buffers)."""
-        # Its counts say the window is empty once its sums are.
+        pass that wrote its first would move the pass's buffers), then its counts."""
         with tf.control_dependencies(
                 window_lib.zero_sums([s for sums in self.sums for s in sums])):
             self.mini_batches.assign(0)
@@ -429,8 +421,7 @@ class WindowStep:
                                            for share, v in zip(shares, variables)])
 
         def apply():
-            # From the cross-replica context, inside the branch: the optimizer's all-reduce
-            # must not cross into a branch from a replica function.
+            # Called cross-replica inside the branch: an all-reduce may not enter it from a replica.
             strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
             return tf.constant(True)
 
@@ -442,8 +433,7 @@ class WindowStep:
         if self.check_finite and not scaled:
             apply_it = tf.logical_and(apply_it, votes == 0)
         ran = tf.cond(apply_it, apply, lambda: tf.constant(False))
-        # A window a LossScaleOptimizer skipped still steps the batch statistics, as the
-        # direct batch's do on a skipped step.
+        # A window a LossScaleOptimizer skipped steps the batch statistics, as a direct batch does.
         applied, counts = (tf.logical_and(ran, votes == 0), ran) if scaled else (ran, ran)
         single = tf.zeros([0], tf.float64)
         if self.statistics:  # a SUM replica-local variable, read across replicas: summed
