@@ -2,8 +2,7 @@
 
     opt = AveragingOptimizer(tf.compat.v1.train.AdamOptimizer(1e-3), average_gradients=8)
     train_op = opt.minimize(loss, global_step=global_step)  # run once per mini-batch
-    sess.run(opt.flush_op())  # a trailing partial window
-    # MonitoredTrainingSession: chief_only_hooks=[opt.flush_hook()], before the last save
+    sess.run(opt.flush_op())  # a trailing partial window; or list opt.flush_hook()
 """
 
 import contextlib
@@ -56,9 +55,8 @@ def _top_level(item, graph):
 
 @contextlib.contextmanager
 def _collections_kept_clean(graph):
-    """Drops what the block adds to `graph`'s collections from inside cond_v2 branches (which
-    share them: import_meta_graph fails on an op the outer graph lacks, like the wrapped apply
-    op). Variables stay; TRAIN_OP keeps nothing the block adds: the caller adds the train op."""
+    """Drops what the block adds to `graph`'s collections from cond_v2 branches (import_meta_graph
+    fails on an op the outer graph lacks); TRAIN_OP keeps nothing added: the caller adds it."""
     before = {key: {id(item) for item in graph.get_collection(key)}
               for key in graph.get_all_collection_keys()}
     yield
@@ -74,11 +72,10 @@ class _Window:
     and `caller_scope` (where the wrapped optimizer applies) for its updates, set by _build."""
 
     def __init__(self, scope, variables, sparse):
-        """Call under init_scope, so the initializers need no feed. `scope`: absolute (ends in
-        "/") and unique in the graph, and `tf.Variable` ignores the caller's variable scope and
-        reuse: two optimizers never share a window, and a graph rebuilt alike gets the same
-        names, as a Saver needs. The window does not depend on N, so checkpoints restore across
-        N. `sparse`: var -> whether its gradient is an IndexedSlices."""
+        """Call under init_scope (initializers need no feed). `scope`: absolute ("/"-ended) and
+        unique, and `tf.Variable` ignores variable scope and reuse: optimizers never share a
+        window, and a graph rebuilt alike gets the same names, as a Saver needs. The window does
+        not depend on N: checkpoints restore across N. `sparse`: var -> its gradient is sparse."""
         self.accumulators = {}  # var -> dense accumulator shaped like var
         self.touched = {}  # var -> bool [rows] (sparse gradients only): rows in the window
         self.flush_op = None
@@ -169,9 +166,7 @@ class AveragingOptimizer(v1.train.Optimizer):
             applied update, in the same run (an EMA: `lambda: ema.apply(var_list)`); returns
             an op, a list of ops or None. Called twice: for the train op and for flush_op.
 
-        Raises:
-          ValueError: `optimizer` is not a v1 Optimizer, or N < 1.
-          TypeError: N is not an int (a bool, None, a float...)."""
+        Raises ValueError (`optimizer` not a v1 Optimizer, N < 1), TypeError (N not an int)."""
         if not isinstance(optimizer, v1.train.Optimizer):
             raise ValueError(f"optimizer must be a tf.compat.v1.train.Optimizer, got "
                              f"{type(optimizer).__name__}")
@@ -208,9 +203,8 @@ class AveragingOptimizer(v1.train.Optimizer):
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None, weight=None):
         """The op to run once per mini-batch (pairs with a None gradient left out), also added
-        to GraphKeys.TRAIN_OP; `global_step` grows once per applied update; `weight` as in
-        `minimize`. Raises ValueError (no variable has a gradient, a non-scalar `weight`) and
-        RuntimeError (this optimizer already built its op in this graph)."""
+        to GraphKeys.TRAIN_OP; `weight` as in `minimize`. Raises ValueError (no variable has a
+        gradient, a non-scalar `weight`) and RuntimeError (its op already built in this graph)."""
         return self._build(grads_and_vars, global_step, name, weight, apply_when_full=True)
 
     def accumulate_gradients(self, grads_and_vars, global_step=None, name=None, weight=None):
@@ -224,10 +218,9 @@ class AveragingOptimizer(v1.train.Optimizer):
         return self._window("flush_op").flush_op
 
     def flush_hook(self):
-        """A SessionRunHook running flush_op() as the session ends (end of data or a stop), so
-        that the final checkpoint holds the partial window's update. Hooks end in the order
-        listed and a CheckpointSaverHook saves in its `end`, so list this one before it: in
-        MonitoredTrainingSession's `chief_only_hooks` (before its saver), not `hooks` (after)."""
+        """A SessionRunHook running flush_op() as the session ends, so the final checkpoint holds
+        the partial window: hooks end in the order listed and a CheckpointSaverHook saves in its
+        `end`, so list it in MonitoredTrainingSession's `chief_only_hooks`, not `hooks` (after)."""
         return FlushHook(self.flush_op())
 
     @property
@@ -283,8 +276,8 @@ class AveragingOptimizer(v1.train.Optimizer):
             weight = tf.convert_to_tensor(weight)
             if weight.shape.rank not in (None, 0):
                 raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
-        # The wrapped optimizer runs in the caller's name scope (ending in "/": name_scope enters
-        # it as is): its beta powers keep their names.
+        # The wrapped optimizer applies in the caller's scope ("/"-ended: entered as is): its beta
+        # powers keep their names.
         caller_scope = v1.get_default_graph().get_name_scope()
         with tf.init_scope(), v1.name_scope(name, self.get_name()) as scope:
             window = self._windows[graph] = _Window(
@@ -361,9 +354,8 @@ class AveragingOptimizer(v1.train.Optimizer):
 
     def _apply_window(self, window):
         """Applies the window's mean, then resets it. Dense sums are divided in place one by one
-        and read there (one quotient alive at a time, no copy of the window). Sparse sums apply
-        and reset only the touched rows, so a sparse-aware optimizer leaves the other rows'
-        slots alone, as it would for the whole batch at once."""
+        (one quotient alive at a time, no copy of the window); sparse sums apply and reset only
+        the touched rows, so other rows' slots stay as the whole batch at once would leave them."""
         weight_sum = window.weight_sum.read_value()
         pairs, resets, divided, dense = [], [], [], []
         for var, acc in window.accumulators.items():
@@ -422,12 +414,11 @@ def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget
                      margin=None, device=None):
     """The largest micro-batch (a micro_batch.MicroBatch) whose run of `optimizer`'s `train_op`
     fits `device`'s memory (None: the first GPU, else the CPU) for updates of `effective_batch`
-    samples. Trials run `train_op` on B samples of `feed` into an empty window, and `flush_op`
-    once on one sample, loading every variable back after each. Train each update as
-    found.average_gradients runs, the last on found.last samples, each weighted by its samples,
-    then `flush_op`. `feed`: one batch's feed_dict; values with a leading samples dimension are
-    cut or repeated, others fed as they are. budget, margin: as micro_batch.find_micro_batch's.
-    Raises ValueError (bad arguments, unreadable device memory or peak) and NothingFits."""
+    samples; trials load every variable back. Train each update as found.average_gradients runs,
+    the last on found.last samples, each weighted by its samples, then `flush_op`. `feed`: one
+    batch's feed_dict; values with a leading samples dimension are cut or repeated, others fed
+    as they are. budget, margin: as micro_batch.find_micro_batch's. Raises ValueError (bad
+    arguments, unreadable device memory or peak) and NothingFits."""
     start = time.perf_counter()
     device = device or device_lib.default_device()
     search = micro_batch_lib.Search.on_devices([device], effective_batch, budget, margin)
