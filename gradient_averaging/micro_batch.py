@@ -99,12 +99,10 @@ def describe(found):
             f"{found.seconds:.1f} s)")
 
 
-# ---------------------------------------------------------------- the search
-
-
 def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None, spec=None):
-    """The largest micro-batch B per replica whose window step fits, for updates of E samples
-    (all replicas'): trials on `sample` before training, the trainer left bit for bit as found.
+    """The largest micro-batch B per replica (a MicroBatch) whose window step fits, for updates of
+    E samples (all replicas'): trials on `sample` before training, leaving the trainer bit for bit
+    as found. Raises ValueError (a device's memory or peak unknown), NothingFits, WorkerFailed.
 
     Args:
       trainer: a tf2 accumulator, or an AccumulatingModel fit has built.
@@ -112,10 +110,7 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
         it holds fewer; one effective batch of it stays on the device meanwhile.
       budget: bytes of device memory, each replica's; None: device.device_memory().
       margin: the budget's fraction kept free; None: device.default_margin.
-      spec: the batches' element spec; None: `sample`'s.
-
-    Returns a MicroBatch. Raises ValueError (a device's memory or peak unknown), NothingFits (one
-    sample per replica, or the update, is over the budget less its margin), WorkerFailed."""
+      spec: the batches' element spec; None: `sample`'s."""
     effective_batch = arguments.check_effective_batch(effective_batch)
     margin = arguments.check_margin(margin)
     start = time.perf_counter()
@@ -408,9 +403,8 @@ class _Trials:
 
 
 def put_back(strategy, saved):
-    """Writes each (variable, host value) into the variable's own buffer, component by
-    component: an assign would move it into the value's buffer, and weights and slots so moved
-    split the device's free memory, so that a size the search found no longer fit."""
+    """Writes each (variable, host value) into each component's own buffer: an assign would move
+    it into the value's, splitting the device's free memory so that a size found no longer fits."""
     with strategy.scope():
         for variable, value in saved:
             inner = variable if isinstance(variable, tf.Variable) else variable.value
@@ -421,17 +415,13 @@ def put_back(strategy, saved):
                     window_lib.assign_in_place(component, tf.constant(value))
 
 
-# ---------------------------------------------------------------- in training
-
-
 class EffectiveWindows:
-    """Adds each effective batch as mini-batches of B (every TF2 path), at half B from then on where
-    one runs out of memory; `state` (batch-norm statistics, seeds, metrics) is saved on the host
-    before each window for a retry. Not retried (OutOfMemory): an update, or several replicas."""
+    """Adds each effective batch as mini-batches of B, at half B from then on where one runs out of
+    memory (but see OutOfMemory); `state` (batch-norm statistics, seeds, metrics) is saved on the
+    host before each window for the retry. `add(batch, size)` adds mini-batches of `size` per
+    replica (an int32 tensor: halving traces nothing new) to the open window, returning how many."""
 
     def __init__(self, add, window, state):
-        """`add(batch, size)` adds the batch to the open window as mini-batches of `size` per
-        replica (an int32 tensor: halving traces nothing new) and returns how many."""
         self.add_batch, self.window = add, window
         self.state = list({id(v): v for v in state}.values())
         self._discard = tf.function(window.discard)
