@@ -22,8 +22,7 @@ from gradient_averaging.window import zeros
 
 v1 = tf.compat.v1
 
-# Collection of the flush ops, so that a graph imported from a meta graph or SavedModel finds them.
-FLUSH_OPS = "averaging_optimizer_flush_ops"
+FLUSH_OPS = "averaging_optimizer_flush_ops"  # where an imported meta graph or SavedModel finds them
 _COUNT_LIMIT = 2 ** 62  # ResourceCountUpTo's ceiling: never reached
 
 
@@ -92,8 +91,7 @@ class _Window:
             # float64 holds sample counts exactly; cast to each accumulator's type.
             self.weight_sum = _window_variable(tf.constant(0, tf.float64), "weight_sum")
             self.skipped_windows = _window_variable(tf.constant(0, tf.int64), "skipped_windows")
-            # Beside the count: workers sharing the window on a parameter server share the lock.
-            with tf.device(self.count.device):
+            with tf.device(self.count.device):  # a parameter server's workers share the lock
                 self.mutex = tf.raw_ops.MutexV2(shared_name=scope + "lock", name="lock")
 
     def variables(self):
@@ -320,8 +318,7 @@ class AveragingOptimizer(v1.train.Optimizer):
                     with tf.control_dependencies([window.count.assign_add(1)]):
                         held.ops.append(self._apply_window(window))
                 else:
-                    # One op adds 1 and returns the count before (ResourceCountUpTo).
-                    before = tf.raw_ops.ResourceCountUpTo(
+                    before = tf.raw_ops.ResourceCountUpTo(  # adds 1, returns the count before
                         resource=window.count.handle, limit=_COUNT_LIMIT, T=tf.int64)
                     full = before >= self._n - 1
                     held.ops.append(tf.cond(full, lambda: self._apply_window(window), tf.no_op))
@@ -375,8 +372,7 @@ class AveragingOptimizer(v1.train.Optimizer):
                 dense.append(acc)
             pairs.append((grad, var))
 
-        def reset():
-            # Zeros assigned one sum after another (no addition zeroes a non-finite sum).
+        def reset():  # one sum after another, as zero_sums
             ops = zero_sums(dense)
             for r in resets:
                 with tf.control_dependencies(ops[-1:]):
@@ -413,12 +409,11 @@ class AveragingOptimizer(v1.train.Optimizer):
 def find_micro_batch(session, optimizer, train_op, feed, effective_batch, budget=None,
                      margin=None, device=None):
     """The largest micro-batch (a micro_batch.MicroBatch) whose run of `optimizer`'s `train_op`
-    fits `device`'s memory (None: the first GPU, else the CPU) for updates of `effective_batch`
-    samples; trials load every variable back. Train each update as found.average_gradients runs,
-    the last on found.last samples, each weighted by its samples, then `flush_op`. `feed`: one
-    batch's feed_dict; values with a leading samples dimension are cut or repeated, others fed
-    as they are. budget, margin: as micro_batch.find_micro_batch's. Raises ValueError (bad
-    arguments, unreadable device memory or peak) and NothingFits."""
+    fits `device`'s memory for updates of `effective_batch` samples; trials load every variable
+    back. Train each update as found.average_gradients runs, the last on found.last samples,
+    each weighted by its samples, then `flush_op`. `feed`: one batch's feed_dict; values with a
+    leading samples dimension are cut or repeated. budget, margin: as micro_batch's. Raises
+    ValueError (bad arguments, unreadable device memory or peak) and NothingFits."""
     start = time.perf_counter()
     device = device or device_lib.default_device()
     search = micro_batch_lib.Search.on_devices([device], effective_batch, budget, margin)
