@@ -66,9 +66,8 @@ def device_memory(device=None):
 
 
 def reserve_cpu_memory(megabytes=None):
-    """Makes the CPU's BFC allocator one region, as a GPU's, so it runs out at its limit (not
-    where its next doubled region does not fit); call before TensorFlow allocates on the CPU.
-    `megabytes`: None: the limit less RESERVE_SLACK_MB. ValueError: the allocator is not BFC."""
+    """Makes the CPU's BFC allocator one region, as a GPU's: it runs out at its limit, not where its
+    next doubled region fails. Call before TensorFlow allocates on the CPU. ValueError: not BFC."""
     if not cpu_runs_bfc():
         raise ValueError(f"the CPU's allocator grows no regions to reserve: set "
                          f"{CPU_BFC_ENV}=true before TensorFlow starts")
