@@ -18,7 +18,7 @@ from gradient_averaging import replicas as replicas_lib
 from gradient_averaging import window as window_lib
 
 # The search stops when the smallest size over is within TOLERANCE of the largest that fits
-# (OOM_NEAR where it ran out of memory), or after MOST_TRIALS.
+# (OOM_NEAR where it ran out of memory: each trial near it risks another), or after MOST_TRIALS.
 TOLERANCE, OOM_NEAR, MOST_TRIALS = 0.05, 0.25, 20
 GRID_FIRST = 8  # under XLA, the size tried after one sample
 DOUBLING = 16  # below it sizes at most double: a slope over shorter spans is mostly rounding
@@ -129,8 +129,7 @@ def find_micro_batch(trainer, sample, effective_batch, budget=None, margin=None,
         try:
             largest_that_fits(trials.peak, trials.update, search)
         except BaseException:
-            # Several workers: a restore's collectives would wait on workers still in the update's
-            if not several:
+            if not several:  # a restore's collectives would wait on workers still in the update's
                 trials.restore()
             raise
         trials.restore()
@@ -221,7 +220,6 @@ class Search:
         if not self.fits:
             return 1
         largest, too_large = self.largest, min(self.over, default=self.most + 1)
-        # Near an out-of-memory error more trials risk more of them, and their waits.
         near = OOM_NEAR if self.over.get(too_large, 0) is None else TOLERANCE
         if len(self.trials) >= MOST_TRIALS:
             return None
