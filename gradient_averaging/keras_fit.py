@@ -2,8 +2,7 @@
 
     with strategy.scope():                        # optional: tf.distribute
         model = accumulate(make_model(), average_gradients=8)
-        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=32, epochs=3, callbacks=[...])   # 8 x 32 per update
 
     model = accumulate(make_model(), micro_batch_size="auto")   # or: the micro-batch found
@@ -33,21 +32,20 @@ OWN_STEPS = ("train_step", "compute_loss", "compute_metrics", "test_step")
 
 def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="update", *,
                micro_batch_size=None, budget=None, margin=None, parallel_mini_batches=1):
-    """An AccumulatingModel of `model` (sharing its weights) for Keras's `compile`/`fit`:
-    each update applies the gradient of the mean loss over its window's samples, as one
-    batch of N*B would, for any optimizer (a short batch weighs by its samples).
+    """An AccumulatingModel of `model` (sharing its weights): each update applies the gradient of
+    the mean loss over its window's samples, as one batch of N*B would, for any optimizer.
 
     Args:
       model: made in the strategy's scope if any; its class must not override OWN_STEPS (TypeError).
       average_gradients: N, mini-batches (fit's batch_size) per update.
       check_finite: skip, not apply, a window with a NaN or Inf loss or gradient.
-      bn_statistics: "update": BatchNormalization takes one moving-average step per update,
-        on the window's statistics; "mini_batch": one per mini-batch, as Keras does.
+      bn_statistics: "update": BatchNormalization takes one moving-average step per update, on
+        the window's statistics; "mini_batch": one per mini-batch, as Keras does.
       micro_batch_size: instead of N: each batch fit is given is one update, trained in
         mini-batches of this many samples per replica; "auto": the largest that fits.
       budget, margin: with "auto", memory to use in bytes, fraction kept free (None: the device's).
-      parallel_mini_batches: P, mini-batch passes run at once; each beyond 1 costs a
-        mini-batch's activations and gradients, and may be faster on small mini-batches."""
+      parallel_mini_batches: P, mini-batch passes run at once; each beyond 1 costs a mini-batch's
+        activations and gradients, and may be faster on small mini-batches."""
     own = [name for name in OWN_STEPS
            if getattr(type(model), name) is not getattr(keras.Model, name)]
     if own:
@@ -80,8 +78,7 @@ def _with_added_losses(parts, pass_losses, n):
 
 
 def _run_batches(iterator, steps, run):
-    """`run(batch)` -> logs on each of up to `steps` batches -> the last logs; StopIteration
-    (Keras's epoch end) where the iterator has none."""
+    """`run(batch)` on each of up to `steps` batches -> the last logs; StopIteration if none."""
     logs = None
     for step in range(steps):
         try:
@@ -99,16 +96,14 @@ def _run_batches(iterator, steps, run):
 class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     """A Keras model whose `fit` applies one update per window of N mini-batches.
 
-    Only the train function changes (`make_train_function`, which Keras lets a model override): a
-    call adds N mini-batches from Keras's iterator to the window step (shared with the TF2
-    accumulators; metrics updated as Keras's train_step would) and applies their sample-weighted
-    mean; an epoch's partial last window is applied before `on_epoch_end`. The rest is Keras's:
-    callbacks see one batch per update; `evaluate`, `predict` and validation run the wrapped
-    `model`; `save`/`load_model` round-trip where gradient_averaging is imported. With a
-    micro_batch_size (N is 1) each batch is a window cut per replica into mini-batches, trained
-    again at half the micro-batch where one replica runs out of memory. Under several workers, where
-    Keras 3's fit fails (keras-team/keras#20585), the model is built from the data's spec; each
-    worker reads all the data, autosharded (docs/multi-worker.md). Attributes: accumulate's args."""
+    Only `make_train_function` changes: a call adds N mini-batches from Keras's iterator to the
+    window step (shared with the TF2 accumulators; metrics updated as Keras's train_step would)
+    and applies their sample-weighted mean; an epoch's partial last window is applied before
+    `on_epoch_end`. Callbacks see one batch per update; `evaluate`, `predict` and validation run
+    the wrapped `model`; `save`/`load_model` round-trip where gradient_averaging is imported.
+    With a micro_batch_size (N is 1) each batch is a window cut per replica into mini-batches,
+    trained again at half the micro-batch where a replica runs out of memory. Several workers
+    each read all the data, autosharded (docs/multi-worker.md). Attributes: accumulate's args."""
 
     def __init__(self, model, average_gradients=None, check_finite=True,
                  bn_statistics="update", micro_batch_size=None, budget=None,
@@ -161,8 +156,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             *, validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, steps_per_epoch=None, **kwargs):
-        """Keras's `fit`: one update per N batches, or per batch with a micro_batch_size;
-        `steps_per_epoch` counts mini-batches, a multiple of N (else ValueError)."""
+        """Keras's fit; steps_per_epoch counts mini-batches, a multiple of N (else ValueError)."""
         kwargs["validation_batch_size"] = kwargs.get("validation_batch_size") or batch_size
         if self.micro_batch_size is not None and batch_size is not None:
             arguments.check_effective_batch(batch_size, "batch_size")
@@ -484,8 +478,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
 
 class _SingleValueWarning(keras.callbacks.Callback):
-    """Warns once of each BatchNormalization layer that normalized one value per channel,
-    checked after an epoch's first batch and at its end."""
+    """Runs warn_single_values after an epoch's first batch and at its end."""
 
     def __init__(self, statistics, single_values):
         super().__init__()
