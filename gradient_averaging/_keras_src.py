@@ -147,8 +147,7 @@ INTERNALS = (
     exists((FIT,), "keras.src.tree", "flatten", "map_structure"),
     exists((FIT,), "keras.src.ops", "convert_to_tensor"),
     has((FIT,), "keras.callbacks:BackupAndRestore", *_BACKUP_PATHS, make=lambda cls: cls(_PROBE)),
-    # one_variable_at_a_time: Keras's TensorFlow optimizer calls update_step(gradient, variable,
-    # learning_rate) per variable through the attribute, so an instance's own is called.
+    # one_variable_at_a_time: TFOptimizer calls self.update_step per variable, so an instance's own.
     takes((APPLY, FIT), "keras:optimizers.Optimizer.update_step", None, None, None, None),
     mentions((APPLY, FIT),
              "keras.src.backend.tensorflow.optimizer:TFOptimizer._distributed_tf_update_step",
@@ -282,8 +281,6 @@ def elsewhere(callbacks, directory):
 
 
 # ---------------------------------------------------------------- batch normalization
-
-
 def batch_norm_layers(model, per_update):
     """The model's BatchNormalization layers whose moments the window captures: all where
     `per_update`, else none. Raises ValueError for a layer the window cannot train."""
@@ -315,9 +312,8 @@ def batch_norm_layers(model, per_update):
 
 @contextlib.contextmanager
 def captured_moments(layers, records):
-    """While the block runs forward, `records` gets each call's (layer index, count, mean,
-    variance) per channel; masked values enter neither the normalization nor the moments; an
-    empty batch gives zeros, not NaN."""
+    """While the block runs, `records` gets each call's (layer index, count, mean, variance) per
+    channel; masked values enter neither normalization nor moments; an empty batch gives zeros."""
     for index, layer in enumerate(layers):
         object.__setattr__(layer, "_moments", functools.partial(
             _moments, layer, type(layer)._moments.__get__(layer), index,
@@ -353,8 +349,6 @@ def _moments(layer, original, index, records, inputs, mask):
 
 
 # ---------------------------------------------------------------- activity regularizers
-
-
 @functools.cache
 def _activity_losses_are_means():
     """Whether this Keras adds an activity regularizer's loss as a mean over rows (3.14 on)."""
@@ -366,9 +360,8 @@ def _activity_losses_are_means():
 
 
 def summed_activity(model):
-    """None, or records -> the context manager recording apart the losses of the model's layers
-    whose activity regularizer this Keras adds as a sum over the batch: the direct batch adds the
-    sum over the window's samples, so the window sums them undivided."""
+    """None, or records -> a context recording apart the activity losses this Keras adds as a
+    batch's sum: the direct batch's is the window's sum, so the window sums them undivided."""
     if _activity_losses_are_means():
         return None
     require(ACTIVITY)
@@ -399,8 +392,6 @@ def _recorded(regularizer, records, output):
 
 
 # ---------------------------------------------------------------- the loss, in parts
-
-
 def without_weight_regularization(model, losses):
     """A pass's losses (stateless_call's) without the weights' regularization losses."""
     require(REGULARIZED)
@@ -413,15 +404,13 @@ _SWAPPED = threading.Lock()
 
 def loss_parts(model, y, y_pred, sample_weight):
     """One mini-batch's compiled loss as window.Parts, one per flat loss, in order: each one's
-    numerator and divisor as Loss.__call__ reduces it (masks, sample weights, the reduction).
-    Its per-output loss metrics are left alone (log_window updates them once per window)."""
+    numerator and divisor as Loss.__call__ reduces it (masks, sample weights, the reduction)."""
     compile_loss = model._compile_loss
     if compile_loss is None:
         return []
     records = []
     flat = compile_loss._flat_losses
-    # For a caller's threads: a MirroredStrategy's replicas trace in turn.
-    with _SWAPPED:
+    with _SWAPPED:  # threads swap in turn: a caller's, a MirroredStrategy's replicas tracing
         compile_loss._flat_losses = [entry._replace(loss=functools.partial(
             _recorded_part, entry.loss, records)) for entry in flat]
         try:
@@ -510,8 +499,7 @@ def log_window(model, loss, part_values, samples):
 def one_variable_at_a_time(optimizer):
     """Within the block, `optimizer` (or its inner one) updates variables one after another: the
     window's gradients all exist at apply, so updates would overlap, each with variable-sized
-    temporaries. Replicas enter together (threads, one merge call): first in patches, last out
-    restores."""
+    temporaries. Replicas enter together (threads): the first in patches, the last out restores."""
     inner = getattr(optimizer, "inner_optimizer", optimizer)
     with _ORDERED:
         if not _ORDERED_DEPTH.get(id(inner)):
