@@ -7,13 +7,11 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-# Summed in float32: their sums overflow or lose precision too soon.
-LOW_PRECISION = (tf.float16, tf.bfloat16)
+LOW_PRECISION = (tf.float16, tf.bfloat16)  # summed in float32: theirs overflow, lose precision
 # A window loop's iterations at once. One: each mini-batch's activations are freed before the
 # next pass, as B alone's (TF2 overlaps passes only where parallel_mini_batches asks: in_groups).
 PARALLEL_ITERATIONS = 1
-# A session is fed a numpy array this aligned without a copy.
-FEED_ALIGNMENT = 64
+FEED_ALIGNMENT = 64  # a session is fed a numpy array this aligned without a copy
 
 
 Part = collections.namedtuple("Part", ["numerator", "divisor", "weight", "term"])
@@ -43,11 +41,9 @@ def nonzero(divisor, dtype):
 
 
 def finite(t):
-    """A scalar bool tensor: no NaN or Inf in the dense tensor `t`. A float32 or float64
-    tensor is checked by its sum, one pass with no temporary: a sum is finite exactly
-    when every addend is, barring an overflow, which counts as not finite (a window of
-    such gradients is not trained on); a narrower one element by element (its sum
-    overflows at 65504)."""
+    """A scalar bool tensor: no NaN or Inf in the dense tensor `t`. float32 and float64 are checked
+    by their sum (one pass, no temporary): finite exactly when every addend is, barring an overflow,
+    which counts as not finite; narrower dtypes element by element (a sum overflows at 65504)."""
     if t.dtype in (tf.float32, tf.float64):
         return tf.math.is_finite(tf.reduce_sum(t))
     return tf.reduce_all(tf.math.is_finite(t))
@@ -62,10 +58,9 @@ def all_finite(tensors):
 
 
 def stack_padded(mini_batches, alignment=None):
-    """The window's mini-batches (array-likes, or equal tuples or dicts of them) stacked on a new
-    leading axis, shorter ones zero-padded, each array's data aligned to `alignment` bytes.
-    Returns (stacked, sizes): each array [N, the most samples, ...] (scalars stacked as they
-    are), and int32 [N], each mini-batch's samples (its first array's first axis)."""
+    """The window's mini-batches (array-likes, or equal tuples or dicts of them) stacked, shorter
+    ones zero-padded, each array aligned to `alignment` bytes -> (stacked: each array [N, the most
+    samples, ...], scalars [N]; sizes: int32 [N], each one's samples, its first array's length)."""
     if not len(mini_batches):
         raise ValueError("a window needs at least one mini-batch")
     mini_batches = [_arrays(batch) for batch in mini_batches]
@@ -161,10 +156,10 @@ def add_rows(total, rows):
 
 
 def assign_in_place(variable, value):
-    """Writes `value` into `variable`'s own buffer, copy-on-read turned off after (left on, every
-    later read and add copies). An assign would take value's buffer, wherever it was allocated
-    (amid activations); a sum keeps its own so the window's memory stays B alone's plus the sums.
-    Rank 2 and up is written as a scatter of every row (cheaper on CPU than a strided assign)."""
+    """Writes `value` into `variable`'s own buffer, then copy-on-read off (as add_rows): an assign
+    would take value's buffer, wherever allocated (amid activations); a sum keeps its own so the
+    window's memory stays B alone's plus the sums. Rank 2 and up: a scatter of every row (on CPU
+    cheaper than a strided assign)."""
     rank = value.shape.rank
     if not rank:
         return variable.assign(value, read_value=False)
@@ -208,8 +203,7 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
       addends: None, or per variable None, a tensor or a function making it (called in turn, so
         its temporary lives only then), added after the division: what samples do not divide.
       overwrite: None, or per variable whether it takes its terms' elementwise maximum,
-        undivided (float8's scales and histories).
-    """
+        undivided (float8's scales and histories)."""
     count = len(terms[0]) if terms else 0
     addends = [None] * count if addends is None else addends
     overwrite = [False] * count if overwrite is None else overwrite
