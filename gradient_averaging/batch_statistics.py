@@ -1,6 +1,5 @@
-"""Batch norm's moving statistics under accumulation, one step per update on the window's
-moments. A layer kind is added in `_keras_src.batch_norm_layers` (finds the layers) and
-`_keras_src.captured_moments` (records each call's moments): see docs/batch-norm.md."""
+"""Batch norm's moving statistics under accumulation (docs/batch-norm.md). A layer kind is added in
+_keras_src's `batch_norm_layers` (finds the layers) and `captured_moments` (their moments)."""
 
 import collections
 import logging
@@ -13,18 +12,16 @@ from gradient_averaging import window as window_lib
 
 
 class BatchStatistics:
-    """A model's BatchNormalization layers' moving statistics. bn_statistics="update": one step
-    per update (per call, in order), on the mean and biased variance of all the window's values,
-    as the direct batch computes them: float64 count, sum and sum of squares of x - moving mean
-    (so no large numbers cancel), summed over mini-batches and replicas (one all-reduce). A
-    skipped window leaves them. A pass normalizes by its own (replica's) mini-batch: it cannot
-    know the window's. "mini_batch": Keras's own, a step per mini-batch."""
+    """A model's BatchNormalization moving statistics. bn_statistics="update": one step per update
+    (per call, in order), on the mean and biased variance of all the window's values: float64 count,
+    sum and sum of squares of x - moving mean (so no large numbers cancel), summed over mini-batches
+    and replicas (one all-reduce); a skipped window leaves them. A pass normalizes by its own
+    (replica's) mini-batch: it cannot know the window's. "mini_batch": Keras's own steps."""
 
     def __init__(self, model, bn_statistics="update"):
         self.per_update = arguments.check_bn_statistics(bn_statistics) == "update"
         self.layers = []
-        # Only a model with batch norm needs Keras's internals (_keras_src checks them)
-        if any(v.name in ("moving_mean", "moving_variance")
+        if any(v.name in ("moving_mean", "moving_variance")  # batch norm alone needs _keras_src
                for v in model.non_trainable_variables):
             from gradient_averaging import _keras_src
             self._internals = _keras_src
