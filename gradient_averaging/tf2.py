@@ -1,5 +1,8 @@
 """Gradient accumulation in a TF2 training loop: your own Keras model, dataset and loss.
 
+    with strategy.scope():                       # optional: tf.distribute
+        model, optimizer = make_model(), keras.optimizers.Adam(1e-3)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
     fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=8)
 
 `WindowAccumulator` (one compiled call per window, the default) and `MiniBatchAccumulator`
@@ -24,8 +27,7 @@ from gradient_averaging import window as window_lib
 from gradient_averaging import window_step as step_lib
 
 FitSummary = collections.namedtuple(
-    "FitSummary", ["mini_batches", "updates", "partial_window", "skipped_windows",
-                   "micro_batch"],
+    "FitSummary", ["mini_batches", "updates", "partial_window", "skipped_windows", "micro_batch"],
     defaults=(0, None))
 
 
@@ -180,10 +182,8 @@ class _Accumulator:
         applied = bool(applied)
         if self.statistics:
             self.statistics.warn_single_values(single)
-        if applied:
-            self.updates += 1
-        else:
-            self.skipped_windows += 1
+        self.updates += applied
+        self.skipped_windows += not applied
         return applied
 
     def trial_window(self, spec):
@@ -259,19 +259,16 @@ class _Accumulator:
         return float(self.loss_total.read_value()), float(self.samples_total.read_value())
 
 
-def _window_size(accumulator):
-    if accumulator.average_gradients is None:
-        raise ValueError(f"{type(accumulator).__name__} has no average_gradients: make "
-                         "it with average_gradients=N")
-    return accumulator.average_gradients
-
-
 class _FitCounts:
-    """A fit's mini-batches and log lines; its updates, skips: the accumulator's since it began."""
+    """A fit's mini-batches and log lines; its updates, skips: the accumulator's since it began.
+    Its N: `average_gradients` (fit_effective's 1), else the accumulator's, which must be set."""
 
-    def __init__(self, accumulator, average_gradients):
+    def __init__(self, accumulator, average_gradients=None):
         self.accumulator = accumulator
-        self.average_gradients = average_gradients
+        self.average_gradients = average_gradients or accumulator.average_gradients
+        if self.average_gradients is None:
+            raise ValueError(f"{type(accumulator).__name__} has no average_gradients: make "
+                             "it with average_gradients=N")
         self.mini_batches = self.partial = 0
         self._before = (accumulator.updates, accumulator.skipped_windows)
 
@@ -300,8 +297,7 @@ class WindowAccumulator(_Accumulator):
 
     def __init__(self, *args, parallel_mini_batches=1, **kwargs):
         super().__init__(*args, **kwargs)
-        self.parallel_mini_batches = arguments.check_parallel_mini_batches(
-            parallel_mini_batches)
+        self.parallel_mini_batches = arguments.check_parallel_mini_batches(parallel_mini_batches)
         self.window_step = None  # compiled on the first stacked window
         self._iterator_steps = {}  # N -> the tf.function pulling N mini-batches
 
@@ -378,7 +374,7 @@ class WindowAccumulator(_Accumulator):
         its iterator one at a time (a window's inputs are never all on the device). A trailing
         partial window is applied as its mean; a skipped window logs a warning. callback(mini_batch)
         runs for each mini-batch (1-based), after its window's update. Returns the FitSummary."""
-        counts = _FitCounts(self, _window_size(self))
+        counts = _FitCounts(self)
         dataset = _as_dataset(dataset)
         applied = False
         if dataset is None:  # nothing to train on
@@ -489,7 +485,7 @@ class MiniBatchAccumulator(_Accumulator):
 
     def fit(self, dataset, *, callback=None, warn_partial=True):
         """As WindowAccumulator.fit, per mini-batch; callback after each, and any update it ends."""
-        counts = _FitCounts(self, _window_size(self))
+        counts = _FitCounts(self)
         for x, y in dataset:
             self.accumulate(x, y)
             counts.mini_batches += 1
@@ -517,17 +513,13 @@ def fit_accumulated(model, dataset, optimizer, loss_fn, average_gradients=None, 
                                                                  micro_batch_size)
     budget, margin = arguments.check_budget(budget), arguments.check_margin(margin)
     parallel_mini_batches = arguments.check_parallel_mini_batches(parallel_mini_batches)
-    if one_call:
-        accumulator = WindowAccumulator(
-            model, optimizer, loss_fn, strategy, check_finite, bn_statistics, jit_compile,
-            average_gradients=average_gradients, parallel_mini_batches=parallel_mini_batches)
-    elif parallel_mini_batches != 1:
+    if not one_call and parallel_mini_batches != 1:
         raise ValueError("parallel_mini_batches needs one_call=True: one call per "
                          "mini-batch runs one pass at a time")
-    else:
-        accumulator = MiniBatchAccumulator(
-            model, optimizer, loss_fn, strategy, check_finite, bn_statistics, jit_compile,
-            average_gradients=average_gradients)
+    kind, own = ((WindowAccumulator, dict(parallel_mini_batches=parallel_mini_batches))
+                 if one_call else (MiniBatchAccumulator, {}))
+    accumulator = kind(model, optimizer, loss_fn, strategy, check_finite, bn_statistics,
+                       jit_compile, average_gradients=average_gradients, **own)
     if micro_batch_size is None:
         return accumulator.fit(dataset, callback=callback)
     return accumulator.fit_effective(dataset, micro_batch_size, callback=callback,
