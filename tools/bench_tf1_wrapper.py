@@ -85,19 +85,18 @@ def _floor(build, n, b):
             return ops
 
         def apply():
-            means, zeroes = [], []
+            means, zeroes = [], []  # zeroes: made after the apply
             for (_, v), total, window_ids in zip(pairs, sums, ids):
                 if window_ids is None:
                     means.append((total / n, v))
+                    zeroes.append(lambda total=total: total.assign(tf.zeros_like(total)))
                     continue
                 rows, _ = tf.unique(tf.reshape(window_ids, [-1]))
                 means.append((tf.IndexedSlices(tf.gather(total, rows) / n, rows), v))
-                zeroes.append((total, rows))
+                zeroes.append(lambda total=total, rows=rows: v1.scatter_update(
+                    total, rows, tf.zeros([tf.size(rows), *total.shape[1:]], total.dtype)))
             with tf.control_dependencies([optimizer.apply_gradients(means)]):
-                return tf.group(*[v1.scatter_update(total, rows, tf.zeros(
-                    [tf.size(rows), *total.shape[1:]], total.dtype)) for total, rows in zeroes],
-                    *[total.assign(tf.zeros_like(total)) for (_, v), total, window_ids
-                      in zip(pairs, sums, ids) if window_ids is None])
+                return tf.group(*[zero() for zero in zeroes])
 
         ops = [tf.group(*add(k)) for k in range(n - 1)]
         with tf.control_dependencies(add(n - 1)):
