@@ -302,7 +302,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
             (gradients, state_values, metrics_values, parts,
              moments) = self._pass(weights, values[:len(state)], values[len(state):],
                                    x, y, sample_weight, n_local)
-            finite = tf.reduce_all(tf.math.is_finite(parts))
+            finite = window_lib.finite(parts)
             # A non-finite mini-batch (its window is skipped) is left out of the logs.
             metrics_values = [tf.where(finite, value, before) for value, before in
                               zip(metrics_values, values[len(state):])]

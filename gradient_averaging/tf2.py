@@ -150,7 +150,7 @@ class _Accumulator:
                                       self.model.non_trainable_variables)
         tokens = []
         for (gradients, parts, moments), n_local in zip(results, n_locals):
-            finite = tf.reduce_all(tf.math.is_finite(parts))
+            finite = window_lib.finite(parts)
             tokens.append(self.step.add(gradients, moments, n_local, finite, parts))
         return step_lib.last_of(tokens)
 

@@ -317,7 +317,8 @@ class WindowStep:
 
     def add(self, gradients, moments, n_local, finite, parts):
         """Replica context: adds one mini-batch's pass (per term, `gradients` of its weighted
-        sum; pass_moments or None; this replica's `n_local` samples; bool `finite`; Pass.parts).
+        sum; pass_moments or None; this replica's `n_local` samples; `finite`, the caller's
+        window.finite(parts), which keras_fit's logs read too; Pass.parts).
         Returns a token (n_local) that exists once it is added, for next_after."""
         ops = []
         for sums, term in zip(self.sums, gradients):
@@ -327,7 +328,6 @@ class WindowStep:
             ops += [s.assign(tf.maximum(s, tf.cast(g, s.dtype)), read_value=False)
                     for s, g, overwrite in zip(sums, term, self.overwrite)
                     if overwrite and g is not None]
-        finite = tf.logical_and(finite, tf.reduce_all(tf.math.is_finite(parts)))
         ops.append(self.parts.assign_add(tf.where(finite, parts, tf.zeros_like(parts))))
         if self.statistics:
             ops.append(self.statistics_sums.assign_add(moments))
