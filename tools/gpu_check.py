@@ -36,6 +36,7 @@ from tools.bench_section import targets_table
 FLAGS = flags.FLAGS
 GPU_TESTS = ("tests/experiment/test_gpu.py", "tests/library/test_keras_fit.py")
 TESTS_TIMEOUT = 1200
+OUTCOMES = {"failure": "failed", "error": "error", "skipped": "skipped"}  # a case's, in turn
 
 
 def run_gpu_tests():
@@ -56,18 +57,16 @@ def run_gpu_tests():
 
 
 def _outcomes(root):
+    """[(test, outcome, first line)] of a junit report, by the first of OUTCOMES a case has."""
     out = []
     for case in root.iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        outcome, line = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            element = case.find(kind)
-            if element is not None:
-                outcome = {"failure": "failed", "error": "error"}.get(kind, kind)
-                text = element.get("message") or element.text or ""
-                line = (text.strip().splitlines() or [""])[0]
-                break
-        out.append((name, outcome, line))
+        element = next((e for e in map(case.find, OUTCOMES) if e is not None), None)
+        if element is None:
+            out.append((name, "passed", ""))
+            continue
+        text = element.get("message") or element.text or ""
+        out.append((name, OUTCOMES[element.tag], (text.strip().splitlines() or [""])[0]))
     return out
 
 
@@ -100,15 +99,14 @@ def render(tests, section, device, targets, command, elapsed, tensor_memory=None
 def check(output, quick=False, command="python -m tools.gpu_check", log=print):
     """Measures what this machine has and writes GPU.md at `output`; returns its text."""
     start = time.perf_counter()
-    tests = []
+    section, run = bench_device.Device(quick), Run(log=log)
+    tests, sections = [], [section]
     if bench_device.gpus():
         log(f"GPU tests ({', '.join(GPU_TESTS)}) with the GPU visible")
         tests = run_gpu_tests()
         for name, outcome, line in tests:
             log(f"  {outcome}: {name}" + (f" -- {line}" if line else ""))
-    section, run = bench_device.Device(quick), Run(log=log)
-    sections = [section] + ([bench_tensor_memory.TensorMemory(quick, gpu=True)]
-                            if bench_device.gpus() else [])
+        sections.append(bench_tensor_memory.TensorMemory(quick, gpu=True))
     targets = run.measure(sections)
     text = render(tests, section, run.results[section.name], targets, command,
                   time.perf_counter() - start, run.results.get("tensor_memory"))
