@@ -10,6 +10,7 @@ This driver never imports TensorFlow; its flags are defined only when run as a s
 
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import glob
 import json
@@ -49,50 +50,31 @@ class ReproduceError(Exception):
 
 
 class RunSpec(collections.namedtuple("RunSpec", ["setting", "rep", "seed", "path", "flags"])):
-    """One run of the table: its configuration, seed, results file and main.py flags."""
-
-    @property
-    def label(self):
-        return results.run_label(self.setting)
+    """One run of the table: its configuration, seed, results file (its identity) and
+    main.py flags."""
 
     @property
     def config(self):
         """The experiment Config main.py will run."""
         return experiment_config.from_values(experiment_config.Config, self.flags)
 
-    def __hash__(self):  # the results file names the run: its identity
-        return hash(self.path)
-
-    def __eq__(self, other):
-        return isinstance(other, RunSpec) and self.path == other.path
-
-
-def scaled_setting(post_key, scale):
-    """The configuration with its updates (not iterations) divided by `scale`, at least one:
-    equal across N, iterations a multiple of N."""
-    n, b, iterations = post_key
-    return Setting(n, b, max(1, iterations // n // scale) * n)
-
-
-def run_flags(setting, seed, fair, accumulate):
-    """main.py's flags that make this run (results, threads and logging aside)."""
-    return dict(POST_FLAGS, **{
-        "average-gradients": setting.average_gradients, "batch-size": setting.batch_size,
-        "iterations": setting.iterations, "reps": 1, "seed": seed,
-        "eval-every": 0 if fair else EVAL_EVERY,
-        "eval-every-updates": FAIR_EVAL_EVERY_UPDATES if fair else 0,
-        "accumulate": accumulate})
-
 
 def plan(out_dir, reps, seed, scale, fair, accumulate):
-    """Every run of the table, in table order: a list of RunSpec."""
+    """Every run of the table, in table order: a list of RunSpec. A configuration's updates
+    (not iterations) are divided by `scale`, at least one: equal across N, iterations a
+    multiple of N. Its main.py flags, results, threads and logging aside, are the post's."""
     specs = []
-    for post_key in POST_TABLE:
-        setting = scaled_setting(post_key, scale)
+    for n, b, iterations in POST_TABLE:
+        setting = Setting(n, b, max(1, iterations // n // scale) * n)
         for rep, run_seed in enumerate(range(seed, seed + reps)):
             name = f"{results.run_label(setting)}-seed{run_seed}.json"
+            flags = dict(POST_FLAGS, **{
+                "average-gradients": n, "batch-size": b, "iterations": setting.iterations,
+                "reps": 1, "seed": run_seed, "eval-every": 0 if fair else EVAL_EVERY,
+                "eval-every-updates": FAIR_EVAL_EVERY_UPDATES if fair else 0,
+                "accumulate": accumulate})
             specs.append(RunSpec(setting, rep, run_seed, os.path.join(out_dir, "runs", name),
-                                 run_flags(setting, run_seed, fair, accumulate)))
+                                 flags))
     return specs
 
 
@@ -131,38 +113,6 @@ def prior(spec):
     return PRIOR_START + PRIOR_ITERATION * spec.setting.iterations + PRIOR_EVALUATION * n_eval
 
 
-class Progress:
-    """A line per finished run, with an ETA: the wall time so far x prior(left) / prior(done)."""
-
-    def __init__(self, todo, jobs, log):
-        self.total, self.jobs, self.log = len(todo), jobs, log
-        self.on_finished = None  # called after each finished run's line
-        self.left, self.done, self.count = sum(map(prior, todo)), 0.0, 0
-        self.start = time.perf_counter()
-        self.lock = threading.RLock()  # eta() is asked from the bar's thread too
-
-    def eta(self):
-        """Seconds left; safe from any thread."""
-        with self.lock:
-            if not self.done:
-                return self.left / self.jobs
-            return (time.perf_counter() - self.start) * self.left / self.done
-
-    def finished(self, spec, run, seconds):
-        with self.lock:
-            self.count += 1
-            self.left -= prior(spec)
-            self.done += prior(spec)
-            self.log(f"[{self.count:{len(str(self.total))}d}/{self.total}] "
-                     f"N={spec.setting.average_gradients} B={spec.setting.batch_size} "
-                     f"rep {spec.rep + 1} (seed {spec.seed}): "
-                     f"best {results.fmt_accuracy(run['best_accuracy'])} "
-                     f"final {results.fmt_accuracy(run['final_accuracy'])}, "
-                     f"{seconds:.0f} s; ETA {fmt_duration(self.eta())}")
-            if self.on_finished:
-                self.on_finished()
-
-
 def fmt_duration(seconds):
     """12 s, 4 min 05 s, 1 h 02 min."""
     seconds = int(round(seconds))
@@ -180,23 +130,45 @@ def say(line):
 
 
 class Runner:
-    """Runs main.py processes, JOBS at a time; stops launching on a failure or Ctrl-C."""
+    """Runs `todo`'s main.py processes, JOBS at a time, longest first (the best packing of
+    the slots), a line per finished run with an ETA: the wall time so far x prior(left) /
+    prior(done). Stops launching on a failure or Ctrl-C."""
 
-    def __init__(self, jobs, threads, tb_dir, verbose, progress, log):
-        self.jobs, self.threads, self.tb_dir = jobs, threads, tb_dir
-        self.verbose, self.progress, self.log = verbose, progress, log
-        self.processes = set()
-        self.lock = threading.Lock()
-        self.stopping = False
+    def __init__(self, todo, jobs, threads, tb_dir, verbose, log):
+        self.todo, self.jobs, self.threads = todo, jobs, threads
+        self.tb_dir, self.verbose, self.log = tb_dir, verbose, log
+        self.left, self.done, self.count = sum(map(prior, todo)), 0.0, 0
+        self.start = time.perf_counter()
+        self.bar = None  # run_all's
+        self.processes, self.stopping = set(), False
+        self.lock = threading.RLock()  # eta() is asked from the bar's thread too
 
-    def command(self, spec):
-        flags = [f"--{name}={value}" for name, value in spec.flags.items()]
-        flags += [f"--threads={self.threads}", f"--results={spec.path}",
-                  f"--logdir={self.tb_dir}"]
-        return [sys.executable, common.MAIN] + flags + (["--verbose"] if self.verbose else [])
+    def eta(self):
+        """Seconds left; safe from any thread."""
+        with self.lock:
+            if not self.done:
+                return self.left / self.jobs
+            return (time.perf_counter() - self.start) * self.left / self.done
+
+    def finished(self, spec, run, seconds):
+        with self.lock:
+            self.count += 1
+            self.left -= prior(spec)
+            self.done += prior(spec)
+            self.log(f"[{self.count:{len(str(len(self.todo)))}d}/{len(self.todo)}] "
+                     f"N={spec.setting.average_gradients} B={spec.setting.batch_size} "
+                     f"rep {spec.rep + 1} (seed {spec.seed}): "
+                     f"best {results.fmt_accuracy(run['best_accuracy'])} "
+                     f"final {results.fmt_accuracy(run['final_accuracy'])}, "
+                     f"{seconds:.0f} s; ETA {fmt_duration(self.eta())}")
+            if self.bar is not None:
+                self.bar.update()
 
     def run_one(self, spec):
         """Runs one main.py process; returns its run, or None if stopped before it began."""
+        command = [sys.executable, common.MAIN, *(f"--{k}={v}" for k, v in spec.flags.items()),
+                   f"--threads={self.threads}", f"--results={spec.path}",
+                   f"--logdir={self.tb_dir}"] + (["--verbose"] if self.verbose else [])
         with self.lock:
             if self.stopping:
                 return None
@@ -208,17 +180,16 @@ class Runner:
                 except OSError:  # old curves beside the new: untidy, not wrong numbers
                     pass
             start = time.perf_counter()
-            process = subprocess.Popen(self.command(spec), cwd=common.ROOT, text=True,
+            process = subprocess.Popen(command, cwd=common.ROOT, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.processes.add(process)
         tail = collections.deque(maxlen=20)
-        prefix = f"  N={spec.setting.average_gradients} seed {spec.seed}: "
         for line in process.stdout:
             line = line.rstrip()
             if line:
                 tail.append(line)
             if self.verbose and line.startswith("Iteration"):
-                self.log(prefix + line)
+                self.log(f"  N={spec.setting.average_gradients} seed {spec.seed}: {line}")
         status = process.wait()
         seconds = time.perf_counter() - start
         with self.lock:
@@ -232,7 +203,7 @@ class Runner:
         run = load_run(spec)
         if run is None:
             raise ReproduceError(f"{spec.path}: main.py finished but wrote no results")
-        self.progress.finished(spec, run, seconds)
+        self.finished(spec, run, seconds)
         return run
 
     def stop(self, kill):
@@ -243,10 +214,11 @@ class Runner:
                 for process in self.processes:
                     process.terminate()
 
-    def run_all(self, todo):
-        """Runs `todo`, longest first (the best packing of JOBS slots)."""
-        order = sorted(todo, key=prior, reverse=True)
-        with concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
+    def run_all(self):
+        order = sorted(self.todo, key=prior, reverse=True)
+        with progress.Bar(len(order), "reproduce", unit="run", remaining=self.eta) as bar, \
+                concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
+            self.bar, self.log = bar, bar.wrap(self.log)
             futures = [pool.submit(self.run_one, spec) for spec in order]
             try:
                 for future in concurrent.futures.as_completed(futures):
@@ -265,11 +237,8 @@ class Runner:
 def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=False,
               accumulate=DEFAULT_ACCUMULATE, verbose=False, command="python -m tools.reproduce",
               log=say):
-    """Runs what the table lacks, writes and returns table.md's text; ReproduceError on bad
-    settings, stored runs of other settings, or a failed run."""
-    if reps < 1 or scale < 1 or jobs < 0 or threads < 0 or seed < 0:
-        raise ReproduceError("reps and scale must be at least 1; jobs, threads and seed "
-                             "not negative")
+    """Runs what the table lacks, writes and returns table.md's text; ReproduceError on
+    stored runs of other settings, or a failed run."""
     cores = os.cpu_count() or 1
     jobs = jobs or cores
     threads = threads or max(1, cores // jobs)
@@ -282,64 +251,58 @@ def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=Fal
         raise ReproduceError(f"{out_dir}: cannot create ({e.strerror})") from None
 
     specs = plan(out_dir, reps, seed, scale, fair, accumulate)
-    stored = {spec: load_run(spec) for spec in specs}
-    todo = [spec for spec in specs if stored[spec] is None]
+    runs = [load_run(spec) for spec in specs]
+    todo = [spec for spec, run in zip(specs, runs) if run is None]
     log(f"{len(specs)} runs ({reps} per configuration): {len(specs) - len(todo)} already "
         f"done in {os.path.join(out_dir, 'runs')}, {len(todo)} to run, {jobs} at a time "
         f"with {threads} TensorFlow thread{'s' if threads > 1 else ''} each")
     start = time.perf_counter()
     if todo:
-        tracker = Progress(todo, jobs, log)
-        with progress.Bar(len(todo), "reproduce", unit="run", remaining=tracker.eta) as bar:
-            tracker.log, tracker.on_finished = bar.wrap(log), bar.update
-            Runner(jobs, threads, tb_dir, verbose, tracker, tracker.log).run_all(todo)
-        stored.update({spec: load_run(spec) for spec in todo})
+        Runner(todo, jobs, threads, tb_dir, verbose, log).run_all()
+        runs = [run or load_run(spec) for spec, run in zip(specs, runs)]
     wall = time.perf_counter() - start
 
-    rows = _summaries(specs, stored, out_dir, reps, seed, scale)
+    rows = _summaries(specs, runs, out_dir, reps, seed, scale)
     timing = (f"This invocation ran {len(todo)} of the {len(specs)} runs in "
               f"{fmt_duration(wall)} of wall time, {jobs} process{'es' if jobs > 1 else ''} "
               f"at a time with {threads} thread{'s' if threads > 1 else ''} each"
               + (f"; the other {len(specs) - len(todo)} were done by an earlier invocation."
                  if len(todo) < len(specs) else "."))
-    drawn, notes = draw_figures(out_dir, [(spec.setting.average_gradients, stored[spec])
-                                          for spec in specs], scale == 1, log)
+    drawn, notes = draw_figures(out_dir, [(spec.setting.average_gradients, run)
+                                          for spec, run in zip(specs, runs)], scale == 1, log)
     text = reproduce_table.table_document(rows, fair, scale, command, timing, drawn, notes)
-    _write(os.path.join(out_dir, "table.md"), out_dir, results.atomic_write_text, text)
+    path = os.path.join(out_dir, "table.md")
+    with _writing(path, out_dir):
+        results.atomic_write_text(path, text)
     return text
 
 
-def _summaries(specs, stored, out_dir, reps, seed, scale):
-    """The table's rows, one per configuration, each one's results JSON written beside."""
-    by_setting = collections.OrderedDict()
-    for spec in specs:
-        by_setting.setdefault(spec.setting, []).append(spec)
-    rows, reference = [], None
-    for post_key, (setting, group) in zip(POST_TABLE, by_setting.items()):
-        runs = [stored[spec] for spec in group]
-        reference = reference or runs
-        config = dict(read_document(group[0].path)["config"])
-        path = os.path.join(out_dir, results.run_label(setting) + ".json")
+def _summaries(specs, runs, out_dir, reps, seed, scale):
+    """The table's rows, one per configuration (`reps` consecutive specs, N=1's first: the
+    tests' reference), each one's results JSON written beside."""
+    rows = []
+    for i, post in enumerate(POST_TABLE.values()):
+        first, group = specs[i * reps], runs[i * reps:(i + 1) * reps]
+        config = dict(read_document(first.path)["config"])
+        path = os.path.join(out_dir, results.run_label(first.setting) + ".json")
         config.update(reps=reps, seed=seed, results=path)
-        _write(path, out_dir, results.atomic_write_json, results.results_document(config, runs))
-        rows.append(reproduce_table.summarize(
-            setting, runs, reference, POST_TABLE[post_key] if scale == 1 else None,
-            experiment_config.evaluations(group[0].config)))
+        with _writing(path, out_dir):
+            results.atomic_write_json(path, results.results_document(config, group))
+        rows.append(reproduce_table.summarize(first.setting, group, runs[:reps],
+                                              post if scale == 1 else None,
+                                              experiment_config.evaluations(first.config)))
     return rows
 
 
-def _write(path, out_dir, write, content):
-    """write(path, content); a failure a ReproduceError saying the finished runs are kept."""
+@contextlib.contextmanager
+def _writing(path, out_dir, what=""):
+    """A block that writes `path`: its OSError a ReproduceError saying the runs are kept."""
     try:
-        write(path, content)
+        yield
     except OSError as e:
-        raise ReproduceError(f"{path}: cannot write ({results.cause(e)}); "
-                             f"{_runs_kept(out_dir)}") from None
-
-
-def _runs_kept(out_dir):
-    return (f"the finished runs are kept in {os.path.join(out_dir, 'runs')}: the same "
-            f"command writes it from them without running them again")
+        raise ReproduceError(f"{path}: cannot write{what} ({results.cause(e)}); the finished "
+                             f"runs are kept in {os.path.join(out_dir, 'runs')}: the same "
+                             "command writes it from them without running them again") from None
 
 
 def draw_figures(out_dir, pairs, with_post, log):
@@ -354,13 +317,11 @@ def draw_figures(out_dir, pairs, with_post, log):
                                     (BEST_PNG, figures.best_accuracy_spread, best_by_n, post)):
         path = os.path.join(out_dir, name)
         try:
-            draw(data, marks or None, path)
+            with _writing(path, out_dir, " the figure"):
+                draw(data, marks or None, path)
         except ValueError as e:
             notes.append(f"{name} not drawn: {e}.")
             continue
-        except OSError as e:
-            raise ReproduceError(f"{path}: cannot write the figure ({results.cause(e)}); "
-                                 f"{_runs_kept(out_dir)}") from None
         drawn.append(name)
     without = sum(1 for _, run in pairs if not run.get("evaluations"))
     if without and CURVES_PNG in drawn:
@@ -419,10 +380,6 @@ def main(argv):
     return 0
 
 
-def run():
+if __name__ == "__main__":
     define_flags()
     app.run(main, flags_parser=cli.parse_flags)
-
-
-if __name__ == "__main__":
-    run()

@@ -237,7 +237,7 @@ def test_the_eta_scales_the_time_so_far_by_the_prior_seconds_left(monkeypatch):
     now = [0.0]
     monkeypatch.setattr(reproduce.time, "perf_counter", lambda: now[0])
     lines = []
-    tracker = reproduce.Progress(specs, 2, lines.append)
+    tracker = reproduce.Runner(specs, 2, 1, None, False, lines.append)
     total = sum(map(reproduce.prior, specs))
     assert tracker.eta() == pytest.approx(total / 2)  # nothing done: the priors, 2 at a time
     now[0] = 120.0
