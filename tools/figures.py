@@ -5,6 +5,7 @@ matplotlib's Agg canvas, without pyplot (no display, no global state); accuracie
     python -m tools.figures --benchmarks=BENCHMARKS.md   # BENCHMARKS.png again, from its table
 """
 
+import collections
 import io
 import os
 import re
@@ -69,6 +70,9 @@ def accuracy_curves(curves_by_n, post_accuracy, path):
     return _save(fig, path)
 
 
+Panel = collections.namedtuple("Panel", ["n", "runs", "grid", "mean", "lo", "hi", "post"])
+
+
 def curves_figure(curves_by_n, post_accuracy):
     """Test accuracy against updates applied: (Figure, {N: its panel's axes, upper first}).
 
@@ -79,10 +83,15 @@ def curves_figure(curves_by_n, post_accuracy):
     upper_low, high, lower_low, broken = _curve_limits(panels)
     columns = min(len(panels), CURVE_COLUMNS)
     rows = -(-len(panels) // columns)
-    fig = _figure(rows, columns)
+    fig = _figure(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows)
     cells = fig.add_gridspec(rows, columns)
-    axes_by_n, legend = {}, {}
-    for i, (n, runs, grid, mean, lo, hi, post) in enumerate(panels):
+    counts = {panel.runs for panel in panels}
+    labels = {"band": "ours: lowest to highest run" + (
+                  f" ({min(counts)} runs)" if len(counts) == 1 else ""),
+              "mean": "ours: mean of the runs" if max(counts) > 1 else "ours: 1 run",
+              "post": "post: its mean best accuracy"}
+    axes_by_n = {}
+    for i, panel in enumerate(panels):
         cell = cells[i // columns, i % columns]
         if broken:
             parts = cell.subgridspec(2, 1, height_ratios=CURVE_HEIGHTS, hspace=0.0)
@@ -91,9 +100,10 @@ def curves_figure(curves_by_n, post_accuracy):
         else:
             axes = [fig.add_subplot(cell)]
         for ax in axes:
-            _draw_curve(ax, legend, runs, grid, mean, lo, hi, post)
+            _draw_curve(ax, panel, labels)
         axes[0].set_ylim(upper_low, high)
-        axes[0].set_title(f"N={n}" + ("" if post is None else f" (post: {post:.1f}%)"))
+        axes[0].set_title(f"N={panel.n}" + (
+            "" if panel.post is None else f" (post: {panel.post:.1f}%)"))
         if broken:
             axes[1].set_ylim(lower_low, upper_low)
             axes[1].yaxis.set_major_locator(ticker.MaxNLocator(2))
@@ -101,30 +111,23 @@ def curves_figure(curves_by_n, post_accuracy):
         axes[-1].set_xlabel("updates applied")
         if i % columns == 0:
             axes[0].set_ylabel("test accuracy (%)")
-        axes_by_n[n] = axes
-    counts = {runs for _, runs, *_ in panels}
-    labels = {"band": "ours: lowest to highest run" + (
-                  f" ({counts.pop()} runs)" if len(counts) == 1 else ""),
-              "mean": "ours: mean of the runs" if "band" in legend else "ours: 1 run",
-              "post": "post: its mean best accuracy"}
-    fig.legend([legend[k] for k in labels if k in legend],
-               [labels[k] for k in labels if k in legend],
-               loc="outside lower center", ncol=3, fontsize="small", title_fontsize="small",
-               title="the y-axis is broken at //: below it, the first evaluations on a scale "
-                     "of their own" if broken else None)
+        axes_by_n[panel.n] = axes
+    _legend(fig, fig.axes, ncol=3, fontsize="small", title_fontsize="small",
+            title="the y-axis is broken at //: below it, the first evaluations on a scale "
+                  "of their own" if broken else None)
     fig.suptitle("Test accuracy during training")
     return fig, axes_by_n
 
 
 def _panels(curves_by_n, post_accuracy):
-    """[(N, runs, grid, mean, lowest, highest, the post's accuracy or None)] per N evaluated."""
+    """A Panel per N evaluated: its runs' count, grid, mean, lowest, highest; the post's."""
     panels = []
     for n, curves in sorted(curves_by_n.items()):
         if curves:
             grid, values = common_grid(curves)
-            post = (post_accuracy or {}).get(n)
-            panels.append((n, len(curves), grid, np.nanmean(values, axis=0),
-                           np.nanmin(values, axis=0), np.nanmax(values, axis=0), post))
+            panels.append(Panel(n, len(curves), grid, np.nanmean(values, axis=0),
+                                np.nanmin(values, axis=0), np.nanmax(values, axis=0),
+                                (post_accuracy or {}).get(n)))
     if not panels:
         raise ValueError("accuracy curves: no run has evaluations to draw (runs recorded "
                          "before evaluations were kept have none)")
@@ -134,27 +137,37 @@ def _panels(curves_by_n, post_accuracy):
 def _curve_limits(panels):
     """(upper part's low, top, lower part's low, broken): broken where the points before
     CURVE_ZOOM_FROM would take more of the axis than the later ones."""
-    posts = [post for *_, post in panels if post is not None]
-    late = [lo[grid >= grid[0] + CURVE_ZOOM_FROM * (grid[-1] - grid[0])]
-            for _, _, grid, _, lo, _, _ in panels]
+    posts = [p.post for p in panels if p.post is not None]
+    late = [p.lo[p.grid >= p.grid[0] + CURVE_ZOOM_FROM * (p.grid[-1] - p.grid[0])]
+            for p in panels]
     upper_low = min([*(np.min(values) for values in late), *posts]) - 1.0
-    high = min(100.0, max([*(np.max(hi) for *_, hi, _ in panels), *posts]) + 0.5)
-    lowest = min(np.min(lo) for *_, lo, _, _ in panels)
+    high = min(100.0, max([*(np.max(p.hi) for p in panels), *posts]) + 0.5)
+    lowest = min(np.min(p.lo) for p in panels)
     broken = upper_low - lowest > high - upper_low
     if not broken:
         upper_low = min(upper_low, lowest - 0.04 * (high - lowest))
     return upper_low, high, lowest - 0.04 * (upper_low - lowest), broken
 
 
-def _draw_curve(ax, legend, runs, grid, mean, lo, hi, post):
-    """One part of a panel: the runs' band, their mean, the post's line, each into `legend`."""
-    if runs > 1:
-        legend["band"] = ax.fill_between(grid, lo, hi, color=OURS, alpha=0.25, linewidth=0)
-    legend["mean"], = ax.plot(grid, mean, color=OURS, linewidth=1.5,
-                              marker="o" if len(grid) <= MARKED_POINTS else None, markersize=3)
-    if post is not None:
-        legend["post"] = ax.axhline(post, color=POST, linestyle="--", linewidth=1.2)
+def _draw_curve(ax, panel, labels):
+    """One part of a panel: the runs' band, their mean, the post's line, with `labels`."""
+    if panel.runs > 1:
+        ax.fill_between(panel.grid, panel.lo, panel.hi, color=OURS, alpha=0.25, linewidth=0,
+                        label=labels["band"])
+    ax.plot(panel.grid, panel.mean, color=OURS, linewidth=1.5, label=labels["mean"],
+            marker="o" if len(panel.grid) <= MARKED_POINTS else None, markersize=3)
+    if panel.post is not None:
+        ax.axhline(panel.post, color=POST, linestyle="--", linewidth=1.2, label=labels["post"])
     ax.grid(alpha=0.3)
+
+
+def _legend(fig, axes, **options):
+    """The figure's legend below its axes: each label of `axes`' artists once."""
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", **options)
 
 
 def _mark_break(upper, lower):
@@ -175,32 +188,23 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
     if not columns:
         raise ValueError("best accuracy spread: no runs to draw")
     rng = np.random.default_rng(SEED)
-    fig = _figure(1, 1, width=max(PANEL_INCHES[0], 1.1 * len(columns) + 1.2))
-    ax = fig.subplots()
-    labelled = set()
-
-    def label(text):  # each legend entry once
-        if text in labelled:
-            return None
-        labelled.add(text)
-        return text
-
+    ax = _figure(max(PANEL_INCHES[0], 1.1 * len(columns) + 1.2), PANEL_INCHES[1]).subplots()
     for x, (n, bests) in enumerate(columns):
         ax.scatter(x - 0.12 + rng.uniform(-JITTER, JITTER, len(bests)), bests, s=18,
-                   color=OURS, alpha=0.75, zorder=3, label=label("ours: best of each run"))
+                   color=OURS, alpha=0.75, zorder=3, label="ours: best of each run")
         ax.hlines(np.mean(bests), x - 0.12 - 1.6 * JITTER, x - 0.12 + 1.6 * JITTER,
-                  color="black", linewidth=1.5, zorder=4, label=label("ours: mean"))
+                  color="black", linewidth=1.5, zorder=4, label="ours: mean")
         post = (post_mean_std or {}).get(n)
         if post is not None:
             ax.errorbar(x + 0.2, post[0], yerr=post[1], fmt="s", color=POST, capsize=4,
-                        markersize=5, label=label("post: mean +/- std (10 runs)"))
+                        markersize=5, label="post: mean +/- std (10 runs)")
     ax.set_xticks(range(len(columns)), [f"N={n}" for n, _ in columns])
     ax.set_xlim(-0.6, len(columns) - 0.4)
     ax.set_ylabel("best test accuracy of a run (%)")
     ax.set_title("Best accuracy per run")
     ax.grid(axis="y", alpha=0.3)
-    fig.legend(loc="outside lower center", ncol=3, fontsize="small")
-    return _save(fig, path)
+    _legend(ax.figure, [ax], ncol=3, fontsize="small")
+    return _save(ax.figure, path)
 
 
 def bench_figure(speed, names):
@@ -214,8 +218,7 @@ def bench_figure(speed, names):
         raise ValueError(f"bench ratios: {len(labels)} contenders, {len(BENCH_COLOURS)} "
                          "colours (BENCH_COLOURS)")
     quartiles = all("q1" in v for row in speed for v in row["vs_direct"].values())
-    fig = Figure(figsize=BENCH_INCHES, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = _figure(*BENCH_INCHES)
     ax = fig.subplots()
     width = 0.8 / len(labels)
     for i, label in enumerate(labels):
@@ -270,8 +273,9 @@ def redraw_benchmarks(markdown_path):
     return _save(fig, os.path.splitext(markdown_path)[0] + ".png")
 
 
-def _figure(rows, columns, width=PANEL_INCHES[0]):
-    fig = Figure(figsize=(width * columns, PANEL_INCHES[1] * rows), layout="constrained")
+def _figure(width, height):
+    """A figure of that size in inches, on the Agg canvas, laid out by constrained layout."""
+    fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
