@@ -106,20 +106,19 @@ def verdict_lines(rows, fair, scale):
     if compared:
         lines.append("- Against the post: " + _post_verdict(compared, fair))
     others = rows[1:]
-    for name, field in (("best", "best"), ("final", "final")):
+    for field in ("best", "final"):
         p_values = [getattr(r, "p_" + field) for r in others]
-        differ = [r for r, p in zip(others, p_values) if p < ALPHA]
+        differ = [(r, p) for r, p in zip(others, p_values) if p < ALPHA]
         if not differ:
-            lines.append(f"- Averaging against one large batch ({name} accuracy): no N "
+            lines.append(f"- Averaging against one large batch ({field} accuracy): no N "
                          f"differs from N=1 at the 5% level (Welch p = "
                          + ", ".join(fmt_p(p) for p in p_values) + ").")
             continue
         lines.append(
-            f"- Averaging against one large batch ({name} accuracy): "
-            + "; ".join(f"N={r.setting.average_gradients} differs from N=1 "
-                        f"(p = {fmt_p(getattr(r, 'p_' + field))}, "
+            f"- Averaging against one large batch ({field} accuracy): "
+            + "; ".join(f"N={r.setting.average_gradients} differs from N=1 (p = {fmt_p(p)}, "
                         f"{getattr(r, field)[0] - getattr(rows[0], field)[0]:+.2f} points)"
-                        for r in differ)
+                        for r, p in differ)
             + ("; the others do not" if len(differ) < len(others) else "")
             + " (5% level).")
     lines.append(f"  With {rows[0].n} runs per configuration, p > 0.05 means that no "
@@ -179,14 +178,9 @@ def table_document(rows, fair, scale, command, timing, drawn=(), notes=()):
              f"Made by `{command}` on {datetime.date.today().isoformat()}, {common.machine()}.",
              timing, ""]
     lines += table_lines(rows)
-    lines += ["",
-              "Accuracies in percent on the 10,000 test images, mean ± population std over "
-              "the runs (the post's convention). *best*: the best of a run's evaluations, "
-              "as the post reported; *final*: the accuracy after the last update. "
-              "*95% CI*: Student-t interval for our mean best (sample std). *p vs N=1*: "
-              "two-sided Welch t-test of this row's runs against the N=1 row's. *s/run*: "
-              "mean seconds of training plus evaluation per run (process start-up aside).",
-              ""]
+    lines += ["", "Accuracies in percent on the 10,000 test images, mean ± population std over "
+              "the runs (the post's convention); *best*: the best of a run's evaluations, "
+              "*final*: after the last update. docs/reproducing.md explains every column.", ""]
     lines += verdict_lines(rows, fair, scale)
     lines += figure_lines(drawn, notes, scale)
     return "\n".join(lines) + "\n"
