@@ -215,6 +215,7 @@ class Runner:
                     process.terminate()
 
     def run_all(self):
+        """Runs every run of `todo`; ReproduceError on the first that fails."""
         order = sorted(self.todo, key=prior, reverse=True)
         with progress.Bar(len(order), "reproduce", unit="run", remaining=self.eta) as bar, \
                 concurrent.futures.ThreadPoolExecutor(self.jobs) as pool:
