@@ -36,12 +36,10 @@ def free_ports(count):
 
 def chief_only(args):
     """The arguments minus the outputs only worker 0 writes (CHIEF_ONLY_FLAGS)."""
-    kept, skip = [], False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in CHIEF_ONLY_FLAGS:
-            skip = True  # its value is the next argument
+    kept, rest = [], iter(args)
+    for arg in rest:
+        if arg in CHIEF_ONLY_FLAGS:
+            next(rest, None)  # its value is the next argument
         elif not arg.startswith(tuple(f + "=" for f in CHIEF_ONLY_FLAGS)):
             kept.append(arg)
     return kept
@@ -54,23 +52,27 @@ def role(index):
     return "worker: trains its slice of each mini-batch; its output is shown if it fails"
 
 
+def worker_envs(count, env=None):
+    """This environment, `env` added, and TF_CONFIG for each of `count` workers on free ports of
+    HOST, worker 0 first."""
+    cluster = {"worker": [f"{HOST}:{p}" for p in free_ports(count)]}
+    return [dict(os.environ, **(env or {}), TF_CONFIG=json.dumps(
+        {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        for index in range(count)]
+
+
 def start(worker_args, outputs, python=sys.executable, env=None, live=False):
     """A Popen per `worker_args` entry (worker 0 first), its output to `outputs`' file (None:
     this process's); `live` prints a line per worker first."""
-    ports = free_ports(len(worker_args))
-    cluster = {"worker": [f"{HOST}:{p}" for p in ports]}
+    envs = worker_envs(len(worker_args), env)
     if live:
-        for index, address in enumerate(cluster["worker"]):
+        for index, address in enumerate(json.loads(envs[0]["TF_CONFIG"])["cluster"]["worker"]):
             print(f"worker {index} at {address}: {role(index)}", flush=True)
-    procs = []
-    for index, (args, output) in enumerate(zip(worker_args, outputs)):
-        worker_env = dict(os.environ, **(env or {}), TF_CONFIG=json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [python, common.MAIN, "--engine=tf2", "--distribute=multi_worker", *args],
-            cwd=common.ROOT, env=worker_env, stdout=output,
-            stderr=None if output is None else subprocess.STDOUT, text=True))
-    return procs
+    return [subprocess.Popen(
+        [python, common.MAIN, "--engine=tf2", "--distribute=multi_worker", *args],
+        cwd=common.ROOT, env=worker_env, stdout=output,
+        stderr=None if output is None else subprocess.STDOUT, text=True)
+        for args, output, worker_env in zip(worker_args, outputs, envs)]
 
 
 def launch(args, workers=2, timeout=300, python=sys.executable, env=None, live=False):
@@ -81,29 +83,29 @@ def launch(args, workers=2, timeout=300, python=sys.executable, env=None, live=F
     procs = start([args if index == 0 else chief_only(args) for index in range(workers)],
                   logs, python=python, env=env, live=live)
     deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            failed = any(p.poll() not in (None, 0) for p in procs)
-            if failed or time.monotonic() > deadline:
-                break
+    try:  # until all are done, one fails or the time is up
+        while (any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs)
+               and time.monotonic() <= deadline):
             time.sleep(0.2)
     finally:
         for p in procs:  # a worker whose peer is gone would wait for it forever
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    outputs = []
-    for log in logs:
-        if log is None:  # written as it came
-            outputs.append("")
-            continue
-        log.seek(0)
-        outputs.append(log.read())
-        log.close()
+    outputs = [_read(log) for log in logs]
     codes = [p.returncode for p in procs]
     if time.monotonic() > deadline and any(c != 0 for c in codes):
         outputs[0] += f"\nerror: the workers did not finish within {timeout} s\n"
     return codes, outputs
+
+
+def _read(log):
+    """A worker's output, the file closed ("" where it wrote to this terminal)."""
+    if log is None:
+        return ""
+    with log:
+        log.seek(0)
+        return log.read()
 
 
 def main():
