@@ -64,9 +64,9 @@ class MicroBatchSearch(Section):
                 return dict(row, error=searches[-1])
         found, given, _ = searches[0]
         found_ms = (found if given["oom"] else given)["update_ms"]
+        seconds = [s for *_, s in searches]
         row.update(found=b_found(found), given="OOM" if given["oom"] else "fits",
-                   search_s=statistics.median(seconds for *_, seconds in searches),
-                   searches=[seconds for *_, seconds in searches],
+                   search_s=statistics.median(seconds), searches=seconds,
                    searched_b=[b_found(f) for f, *_ in searches],
                    search_trials=len(found["trials"]),
                    found_ms=found_ms, largest_ms=found_ms,
@@ -74,7 +74,8 @@ class MicroBatchSearch(Section):
         return self._bisect(row, found, probe)
 
     def _search(self, probe):
-        """(the search's probe, a fresh process's given its B, search_seconds) or an error."""
+        """(the search's probe, a fresh process's given its B, the seconds the search added) or
+        an error."""
         found = probe("accumulate", "auto", self.settings["timed"])
         if found.get("error") or "micro_batch_size" not in found:
             return found.get("error") or "OOM in the search"
@@ -83,7 +84,10 @@ class MicroBatchSearch(Section):
         given = probe("accumulate", b_found(found), self.settings["timed"])
         if given.get("error"):
             return given["error"]
-        return found, given, search_seconds(found, None if given["oom"] else given)
+        if given["oom"]:  # nothing to subtract: the search's own seconds
+            return found, given, found["search_s"]
+        # Its process's first fit call less the given one's: both trace the same functions.
+        return found, given, (found["warmup_ms"] - given["warmup_ms"]) / 1e3
 
     def _bisect(self, row, found, probe):
         """`row` with the largest B that fits, by bisection up from the found B, first trying
@@ -122,73 +126,39 @@ class MicroBatchSearch(Section):
                   failed=failed)]
 
     def markdown(self, result):
-        rows = []
-        for r in result:
-            if r["error"]:
-                rows.append([_name(r["model"], r.get("xla")), r["effective"], r["limit_mb"],
-                             r["direct"], r["error"]] + ["–"] * 8)
-                continue
-            over = f" ({r['over']}: OOM)" if r["over"] else ""
-            rows.append([_name(r["model"], r.get("xla")), r["effective"], r["limit_mb"],
-                         r["direct"], f"{r['found']} ({r['given']})", f"{r['largest']}{over}",
-                         f"{r['found'] / r['largest']:.2f}",
-                         f"{r['search_s']:.1f} ("
-                         + ", ".join(f"{s:.1f}" for s in r.get("searches", ())) +
-                         f"; {r['search_trials']}"
-                         + (f"; B found {', '.join(map(str, r['searched_b']))}"
-                            if len(set(r.get("searched_b", ()))) > 1 else "") + ")",
-                         f"{r['epoch_s']:.0f}",
-                         f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
-                         f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"])
+        s = self.settings
         return self.heading(
             "Each update is one effective batch of E samples under a CPU device of the "
-            "limit's size (the BFC allocator's limit, tools/memory.py's probes, one "
-            "process each). `B found`: the micro-batch `accumulate(model, "
-            "micro_batch_size=\"auto\")` finds before training, with the default "
-            "margin, and in brackets whether a fresh process given that B fits; `search "
-            "s`: the seconds the search added to training (the first fit call of its "
-            "process, the search then one window, less that of the fresh process given "
-            "the B found; both trace the same functions; where that one ran out of "
-            "memory, the search's own seconds), the median of "
-            f"{self.settings['search_repeats']} searches (a row's own number where set: "
-            "the language model's one), each in a fresh process beside its own given one "
-            "(a process's first call varies by seconds from another's); in brackets each "
-            "search's, then the first one's trials (its B is the one found), then each "
-            "search's B where "
-            "they differ; `largest "
-            "B`: the largest B whose fit of E runs two updates without an OOM (training "
-            "that halved B after one counts as one), by "
-            f"bisection up from the found B to {TOLERANCE:.0%} of it, its first trial the "
-            "smallest size the search ran out of memory at where one did (one fresh "
-            "process per trial; the OOM edge moves from process to process, and need not be "
-            "monotone in B). The epoch is estimated: "
-            f"{EPOCH:,} samples in updates of E at the found B's time (so, at its "
-            "shortest). Times per update: "
-            f"the fastest of {self.settings['timed'] + 1} updates of a fresh process given "
-            "B (of the finder's own process where that ran out of memory). "
-            "Where the direct batch fits (a model whose own memory, its weights, "
-            "optimizer slots, accumulators and update, outweighs a batch's activations, "
-            "so that the finder's margin needs a limit the direct batch fits in), a row "
-            "measures what that margin costs. `(XLA)`: the row's probes of accumulate "
-            "compiled with `jit_compile=True`, as Keras compiles by default on a GPU (its "
-            "direct batch's not: on this CPU Keras's XLA step that runs out of memory "
-            "aborts the process, in TensorFlow's BFC allocator): each "
-            "mini-batch size is an XLA program compiled, so the search tries sizes on a "
-            "grid and its seconds include its programs' compilations (less the given "
-            "process's own, of B and the last mini-batch; docs/effective-batch.md).") + table(
+            "limit's size (tools/memory.py's probes, one process each). `B found`: what "
+            "`accumulate(model, micro_batch_size=\"auto\")` finds, in brackets whether a "
+            "fresh process given it fits; `search s`: the seconds the search added to "
+            f"training, the median of {s['search_repeats']} searches (a row's own number "
+            "where set), in brackets each search's, the first one's trials and each "
+            "search's B where they differ; `largest B`: by bisection up from the found B to "
+            f"{TOLERANCE:.0%} of it; the epoch: {EPOCH:,} samples at the found B's time per "
+            f"update (the fastest of {s['timed'] + 1}). `(XLA)`: accumulate's probes "
+            "compiled with `jit_compile=True`. How each is measured: "
+            "[docs/limits.md](docs/limits.md#the-micro-batch-found).") + table(
             ["model", "E", "limit MiB", "direct batch", "B found (fresh)", "largest B",
              "found / largest", "search s (each; trials)", "epoch s",
              "search / epoch", "ms per update at found", "at largest", "found / largest"],
-            rows)
+            [_cells(r) for r in result])
 
 
-def search_seconds(found, given):
-    """The searching process's first fit call less the given process's (both trace the same
-    functions); where the given one ran out of memory, the search's own seconds."""
-    if given is None:
-        return found["search_s"]
-    return (found["warmup_ms"] - given["warmup_ms"]) / 1e3
-
+def _cells(r):
+    """A row of the table: a failed row's error in place of what it did not measure."""
+    cells = [_name(r["model"], r.get("xla")), r["effective"], r["limit_mb"], r["direct"]]
+    if r["error"]:
+        return cells + [r["error"]] + ["–"] * 8
+    over = f" ({r['over']}: OOM)" if r["over"] else ""
+    searches = ", ".join(f"{s:.1f}" for s in r["searches"]) + f"; {r['search_trials']}"
+    if len(set(r["searched_b"])) > 1:
+        searches += f"; B found {', '.join(map(str, r['searched_b']))}"
+    return cells + [
+        f"{r['found']} ({r['given']})", f"{r['largest']}{over}",
+        f"{r['found'] / r['largest']:.2f}", f"{r['search_s']:.1f} ({searches})",
+        f"{r['epoch_s']:.0f}", f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
+        f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"]
 
 def b_found(found):
     """The B a search began training at (before any halving)."""
