@@ -57,7 +57,7 @@ NORMS = {"BatchNormalization": lambda channels: keras.layers.BatchNormalization(
 
 
 def statistics(model):
-    return [v.numpy() for layer in model._flatten_layers()  # noqa: SLF001 (no public API)
+    return [v.numpy() for layer in model.layers
             if isinstance(layer, keras.layers.BatchNormalization)
             for v in (layer.moving_mean, layer.moving_variance)]
 

@@ -26,12 +26,7 @@ def machine():
                         if line.startswith("model name")), cpu)
     except OSError:
         pass
-    memory = "unknown"
-    try:
-        with open("/proc/meminfo") as f:  # MemTotal, in kB
-            memory = f"{int(f.readline().split()[1]) / (1 << 20):.1f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    return (f"{os.cpu_count()} cores ({cpu}), {memory} RAM, {platform.system()} "
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return (f"{os.cpu_count()} cores ({cpu}), {memory:.1f} GiB RAM, {platform.system()} "
             f"{platform.release()}; Python {platform.python_version()}, TensorFlow "
             f"{_version('tensorflow')}, Keras {_version('keras')}, numpy {_version('numpy')}")
