@@ -1,7 +1,8 @@
 """What the bench races, how they take turns against the clock, and where their time goes.
 
-A contender has a `label` and `train(updates)` (and `close()` where it holds a session).
-Keras loads only inside the contenders that use it: a probe without them measures TensorFlow.
+A contender has a `label` and `train(updates)` (and `close()` where it holds a session);
+race() is the one runner every speed section uses. Keras loads only inside the contenders
+that use it: a probe without them measures TensorFlow.
 """
 
 import collections
@@ -81,17 +82,17 @@ class TrainOp:
     def __init__(self, label, build):
         self.label, self.graph, self.k = label, tf.Graph(), 0
         with self.graph.as_default():
-            self.train_op, self.feeds = build()
+            train_ops, self.feeds = build()
             init = tf.compat.v1.global_variables_initializer()
+        self.train_ops = train_ops if isinstance(train_ops, list) else [train_ops]
         self.graph.finalize()
         self.sess = tf.compat.v1.Session(graph=self.graph)
         self.sess.run(init)
 
     def train(self, runs):
         for _ in range(runs):
-            train_op = (self.train_op[self.k % len(self.train_op)]
-                        if isinstance(self.train_op, list) else self.train_op)
-            self.sess.run(train_op, self.feeds[self.k % len(self.feeds)])
+            self.sess.run(self.train_ops[self.k % len(self.train_ops)],
+                          self.feeds[self.k % len(self.feeds)])
             self.k += 1
 
     def close(self):
@@ -169,10 +170,9 @@ class Apply:
 
 def contender(label, n, b, datasets, updates=1):
     """The contender of that label at N x B (bench_speed.CONTENDERS)."""
-    if label == "direct":
-        return SessionContender(label, 1, n * b, datasets.train)
-    if label == "tf2_direct":
-        return SessionContender(label, 1, n * b, datasets.train, "tf2")
+    if label in ("direct", "tf2_direct"):
+        return SessionContender(label, 1, n * b, datasets.train,
+                                "tf2" if label == "tf2_direct" else "stack")
     if label in ("keras", "keras_long"):
         return keras_contender(label, n, b, datasets, n * updates if label == "keras_long" else n)
     if label in ("keras_fit", "keras_fit_p2"):
@@ -183,18 +183,36 @@ def contender(label, n, b, datasets, updates=1):
     return SessionContender(label, n, b, datasets.train, label)
 
 
-def race(labels, n, b, datasets, updates, repeats, profiled=False):
-    """The contenders at N x B, interleaved: {"n", "b", "times", "median_ms", "vs_direct"
-    (paired ratios), "profiles" ({label: profile} with `profiled`, else None)}."""
-    contenders = [contender(label, n, b, datasets, updates) for label in labels]
+def race(contenders, updates, repeats, profiled=(), classes=OP_CLASSES):
+    """The one runner: `contenders` interleaved, then the labels `profiled` names (or a
+    function of the CPU times returns) profiled, then all released: (wall, cpu, profiles):
+    {label: [seconds per update, one per round]} of each clock, {label: profile}."""
     try:
-        times = interleaved(contenders, updates, repeats)
-        profiles = {c.label: profile(c, updates) for c in contenders} if profiled else None
+        cpu = {}
+        wall = interleaved(contenders, updates, repeats, cpu=cpu)
+        traced = profiled(cpu) if callable(profiled) else profiled
+        profiles = {c.label: profile(c, updates, classes) for c in contenders
+                    if c.label in traced}
     finally:
         release(contenders)
-    return dict(n=n, b=b, times=times, profiles=profiles,
-                median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
-                vs_direct={k: paired_ratio(times, k, "direct") for k in times})
+    return wall, cpu, profiles
+
+
+def clocked(times, **ratios):
+    """`times` -> {"times", "median_ms": {label: ms}} and, per `ratios` {name: (labels,
+    base)}, {name: {label: paired ratio to base}}."""
+    return dict(times=times, median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
+                **{name: {k: paired_ratio(times, k, base) for k in labels}
+                   for name, (labels, base) in ratios.items()})
+
+
+def race_labels(labels, n, b, datasets, updates, repeats, profiled=False):
+    """The contenders of `labels` at N x B, raced: {"n", "b", "times", "median_ms",
+    "vs_direct" (paired ratios), "profiles" ({label: profile} with `profiled`, else None)}."""
+    wall, _, profiles = race([contender(label, n, b, datasets, updates) for label in labels],
+                             updates, repeats, labels if profiled else ())
+    return dict(n=n, b=b, profiles=profiles if profiled else None,
+                **clocked(wall, vs_direct=(wall, "direct")))
 
 
 def release(contenders):
@@ -209,8 +227,8 @@ def release(contenders):
 
 
 def race_probe(spec):
-    """race() in a probe process (bench_probe.py), on its own MNIST."""
-    return race(spec["labels"], spec["n"], spec["b"], data.load_mnist(), spec["updates"],
+    """race_labels() in a probe process (bench_probe.py), on its own MNIST."""
+    return race_labels(spec["labels"], spec["n"], spec["b"], data.load_mnist(), spec["updates"],
                 spec["repeats"])
 
 
@@ -241,13 +259,10 @@ def paired_ratio(times, label, base):
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
 
 
-def op_class(op_type, classes=OP_CLASSES):
-    return next((name for name, pattern in classes if re.search(pattern, op_type)), "other")
-
-
 def profile(contender, updates, classes=OP_CLASSES):
-    """Per update of a traced block: {"wall_ms", "cpu_ms", "kernel_ms": {op class (op_class,
-    else "other"): kernel ms summed over threads, ops that hold others left out}}."""
+    """Per update of a traced block: {"wall_ms", "cpu_ms", "kernel_ms": {op class (the first
+    of `classes` whose pattern its type matches, else "other"): kernel ms summed over threads,
+    ops that hold others left out}}."""
     kernel_ms = collections.Counter()
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as logdir:
         tf.profiler.experimental.start(logdir)
@@ -263,6 +278,7 @@ def profile(contender, updates, classes=OP_CLASSES):
             op_type = name.rsplit(":", 1)[1]
             if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
                 continue
-            kernel_ms[op_class(op_type, classes)] += ms / updates
+            kernel_ms[next((name for name, pattern in classes if re.search(pattern, op_type)),
+                           "other")] += ms / updates
     return {"wall_ms": 1e3 * wall / updates, "cpu_ms": 1e3 * cpu / updates,
             "kernel_ms": dict(kernel_ms)}

@@ -1,15 +1,10 @@
-"""The speed of accumulation itself: each TF2 path's time per update against its floor.
-
-An update of N mini-batches of B runs N passes and one apply, N steps at B alone N passes and
-N applies: the floor is N x (a step at B alone) - (N - 1) x (the apply alone), and a path's
-time over it is what accumulating costs. The floor's terms run in the paths' interleaved
-rounds, each round's floor from that round's; a ratio is the median of the rounds' ratios.
-CPU time is judged: on a shared machine wall-clock time waits for other work (kept beside).
+"""The speed of accumulation itself: each TF2 path's time per update against its floor,
+N x (a step at B alone) - (N - 1) x (the apply alone), each round's from that round's terms,
+in CPU time (docs/speed.md); and the language model's Embedding gradient added as rows.
 """
 
 import collections
 import os
-import statistics
 
 import tensorflow as tf
 
@@ -20,18 +15,13 @@ from tools.bench_section import quartiles
 from tools.bench_section import table
 from tools.bench_section import worst
 
-
-def _mnist(datasets):
-    return tuple(datasets.train)
-
-
-# build: () -> a fresh seeded model; data: (the bench's MNIST) -> (x, y); limit: the most a
-# TF2 path may take of the floor; mini_batches: per timed block (at least one update).
-Workload = collections.namedtuple("Workload", "name build data limit mini_batches repeats words")
+# Each on MNIST. build: () -> a fresh seeded model; limit: the most a TF2 path may take of
+# the floor; mini_batches: per timed block (at least one update).
+Workload = collections.namedtuple("Workload", "name build limit mini_batches repeats words")
 WORKLOADS = (
-    Workload("convnet", models.post_model("convnet"), _mnist, 1.05, 64, 7,
+    Workload("convnet", models.post_model("convnet"), 1.05, 64, 7,
              "the post's ConvNet (44,426 weights, dropout on)"),
-    Workload("mlp", models.post_model("mlp"), _mnist, 1.10, 4, 3,
+    Workload("mlp", models.post_model("mlp"), 1.10, 4, 3,
              "the mlp (two dense layers of 4096, 20.0M weights, dropout on): adding its "
              "gradients into the sums each mini-batch is a real share of the work"),
 )
@@ -59,29 +49,34 @@ OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
                               r"Relu|ReluGrad|Cast|Select|SelectV2|Pow|Identity)$"))
 
 
+def _samples(datasets):
+    """MNIST's training samples as an endless dataset."""
+    return tf.data.Dataset.from_tensor_slices(tuple(datasets.train)).repeat()
+
+
+def _batched(base, b):
+    return base.batch(b, drop_remainder=True).prefetch(2)
+
+
 def contenders(workload, n, b, base, noise=False, jit=False):
     """The floor's terms, references and paths at N x B, each on its own model; `base`: the
     samples as an endless dataset; `noise`: one more alone; `jit`: all compiled with XLA."""
     from gradient_averaging.keras_fit import accumulate
-    batches = base.batch(b, drop_remainder=True).prefetch(2)
-    out = [*_floor_terms(workload.build, base, n, b, jit),
-           bc.Fit("keras", workload.build(), batches, n, n,
-                  models.adam(gradient_accumulation_steps=n), jit),
-           bc.Window("window", workload.build(), batches, n, jit),
-           bc.MiniBatch("mini_batch", workload.build(), batches, n, jit),
-           bc.Fit("accumulate", accumulate(workload.build(), n), batches, n, 1, models.adam(),
-                  jit)]
-    if noise:
-        out.append(bc.Fit(NOISE, workload.build(), batches, n, n, models.adam(), jit))
-    return out
+    build, batches = workload.build, _batched(base, b)
+    return [*_floor_terms(build, base, n, b, jit),
+            bc.Fit("keras", build(), batches, n, n, models.adam(gradient_accumulation_steps=n),
+                   jit),
+            bc.Window("window", build(), batches, n, jit),
+            bc.MiniBatch("mini_batch", build(), batches, n, jit),
+            bc.Fit("accumulate", accumulate(build(), n), batches, n, 1, models.adam(), jit),
+            *([bc.Fit(NOISE, build(), batches, n, n, models.adam(), jit)] if noise else [])]
 
 
 def _floor_terms(build, base, n, b, jit=False):
     """The floor's two terms (alone, apply) and the direct batch, each on build()'s model."""
-    return [bc.Fit("alone", build(), base.batch(b, drop_remainder=True).prefetch(2), n, n,
-                   models.adam(), jit), bc.Apply("apply", build(), n, jit),
-            bc.Fit("direct", build(), base.batch(n * b, drop_remainder=True).prefetch(2), 1, 1,
-                   models.adam(), jit)]
+    return [bc.Fit("alone", build(), _batched(base, b), n, n, models.adam(), jit),
+            bc.Apply("apply", build(), n, jit),
+            bc.Fit("direct", build(), _batched(base, n * b), 1, 1, models.adam(), jit)]
 
 
 def missing(vs_floor, limit):
@@ -89,16 +84,12 @@ def missing(vs_floor, limit):
     return [k for k in PATHS if vs_floor[k]["ratio"] > limit]
 
 
-def with_floor(times, noise=None, **ratios):
-    """One clock's `times` -> {"times" (plus each round's floor), "median_ms", "noise" (|the
-    `noise` (label, base) ratio - 1|, None if not raced)} and, per `ratios` {name: (labels,
-    base)}, {name: {label: paired ratio to base}}."""
+def with_floor(times, noise, **ratios):
+    """One clock's `times` (plus each round's floor) -> bc.clocked(times, **ratios), with
+    "noise": |the `noise` (label, base) ratio - 1|, None if not raced."""
     times = dict(times, floor=[a - p for a, p in zip(times["alone"], times["apply"])])
-    return dict(times=times, median_ms={k: 1e3 * statistics.median(t) for k, t in times.items()},
-                noise=abs(bc.paired_ratio(times, *noise)["ratio"] - 1)
-                if noise and noise[0] in times else None,
-                **{name: {k: bc.paired_ratio(times, k, base) for k in labels}
-                   for name, (labels, base) in ratios.items()})
+    return dict(bc.clocked(times, **ratios), noise=abs(bc.paired_ratio(times, *noise)["ratio"] - 1)
+                if noise[0] in times else None)
 
 
 def clock(times):
@@ -107,29 +98,27 @@ def clock(times):
                       vs_keras=(PATHS, "keras"))
 
 
-def summary(model, n, b, updates, cpu, wall=None, profiles=None):
-    """A row: model, n, b, updates, profiles ({label: profile}), wall (clock(wall); None: cpu)
-    and clock(cpu)'s keys, the judged ones (CPU time leaves out a loaded machine's other work)."""
-    return dict(model=model, n=n, b=b, updates=updates, profiles=profiles or {},
-                wall=clock(cpu if wall is None else wall), **clock(cpu))
+def summary(clock, cpu, wall=None, profiles=None, **about):
+    """A row: `about` (model, n, b...), profiles ({label: profile}), wall (clock(wall); None:
+    cpu) and clock(cpu)'s keys, the judged ones (CPU time leaves out a loaded machine's other
+    work)."""
+    return dict(about, profiles=profiles or {}, wall=clock(cpu if wall is None else wall),
+                **clock(cpu))
 
 
 def race(workload, n, b, base, noise=False, profiled=(), jit=False):
-    """One (N, B), interleaved: summary()'s row; the paths over the limit, not in `profiled`
-    (traced at an earlier N x B), and the floor's terms profiled after."""
+    """One (N, B), interleaved: its summary() row, with "load"; the paths over the limit, not
+    in `profiled` (traced at an earlier N x B), and the floor's terms profiled after."""
     updates = max(1, workload.mini_batches // n)
-    racing = contenders(workload, n, b, base, noise, jit)
-    try:
-        cpu = {}
-        wall = bc.interleaved(racing, updates, workload.repeats, cpu=cpu)
-        over = [k for k in missing(summary(workload.name, n, b, updates, cpu)["vs_floor"],
-                                   workload.limit) if k not in profiled]
-        profiles = {c.label: bc.profile(c, updates, OP_CLASSES) for c in racing
-                    if over and c.label in ("alone", "apply", *over)}
-    finally:
-        bc.release(racing)
-    return dict(summary(workload.name, n, b, updates, cpu, wall, profiles),
-                load=os.getloadavg()[0])
+
+    def traced(cpu):
+        over = [k for k in missing(clock(cpu)["vs_floor"], workload.limit) if k not in profiled]
+        return ("alone", "apply", *over) if over else ()
+
+    wall, cpu, profiles = bc.race(contenders(workload, n, b, base, noise, jit), updates,
+                                  workload.repeats, traced, OP_CLASSES)
+    return summary(clock, cpu, wall, profiles, model=workload.name, n=n, b=b, updates=updates,
+                   load=os.getloadavg()[0])
 
 
 def noise_of(rows, model):
@@ -179,7 +168,7 @@ class Floor(Section):
         """`w`'s row at N x B, raced here; `mine`: its rows so far; `bases`: samples per workload,
         made once; the noise and each path's profile once per workload."""
         if w.name not in bases:
-            bases[w.name] = tf.data.Dataset.from_tensor_slices(w.data(run.datasets)).repeat()
+            bases[w.name] = _samples(run.datasets)
         return race(w, n, b, bases[w.name], noise=not mine,
                     profiled={k for r in mine for k in r["profiles"]})
 
@@ -211,20 +200,13 @@ class Floor(Section):
     def markdown(self, rows):
         s = self.settings
         lines = self.heading(
-            "What accumulation itself costs: each path's time per update of N "
-            "mini-batches of B against the floor `N x (one step at B alone) - (N - 1) "
-            "x (the optimizer's apply alone)`: N passes are unavoidable, one apply "
-            "instead of N is the gain. Real MNIST, Adam 1e-3, every contender on its "
-            "own model, built once, trained one untimed block, then timed in rounds in "
-            "which each trains a block of updates, the order rotating every round; each "
-            "round's floor is that round's `alone` less its `apply`, each ratio the "
-            "median of the per-round ratios (quartiles in brackets). " + self.compiled(),
-            "Time is this process's CPU time (all its threads), which the targets judge: "
-            "on a machine that other work loads, the wall-clock time of a block waits "
-            "for that work as much as for its own (its ratios are the `wall` columns, "
-            "their quartiles several times as wide). On an idle machine the two agree "
-            "but for what leaves a core idle (a path's time spent waiting), which CPU "
-            "time leaves out and the wall-clock counts.")
+            "What accumulation itself costs: each path's time per update of N mini-batches of "
+            "B against the floor `N x (one step at B alone) - (N - 1) x (the optimizer's apply "
+            "alone)`, on real MNIST with Adam 1e-3, every contender on its own model, timed in "
+            "interleaved rounds; each round's floor is that round's `alone` less its `apply`, "
+            "each ratio the median of the per-round ratios (quartiles in brackets). Time is "
+            "this process's CPU time, which the targets judge (the wall-clock ratios are the "
+            "`wall` columns); docs/speed.md gives the method. " + self.compiled())
         lines += [f"- `{k}`: {v}" for k, v in {**FLOOR, **REFERENCES, **PATHS}.items()]
         for w in s["workloads"]:
             mine = [r for r in rows if r["model"] == w.name]
@@ -274,15 +256,9 @@ class Floor(Section):
                       f"x B={r['b']} (each path over {workload.limit}x, at the first N x B "
                       "where it was): tf.profiler over one block of each after the timed "
                       "rounds, ms per update; the floor's is alone's less apply's, each "
-                      "path's is its own less the floor's. `CPU ms`: the process's; below "
-                      "it, the ops' durations by class, summed over threads (`in kernels`, "
-                      "their sum): each from the op's start to its end, which a loaded "
-                      "machine stretches (its thread waiting for a core), so that they can "
-                      "add up to more than the CPU time; a path's CPU time over the floor "
-                      "that its kernels do not show went to Python, its calls and the input "
-                      "pipeline. `variable adds` are the in-place adds: the paths' sums "
-                      "(each mini-batch's gradients, and their zeroing), and Adam's moments "
-                      "in each.", ""]
+                      "path's its own less the floor's. `CPU ms`: the process's; below it, "
+                      "the ops' durations by class, summed over threads (docs/speed.md says "
+                      "how to read them).", ""]
             lines += table(("", "floor", *(f"{k} over it" for k in over)), [
                 ("CPU ms, traced", f"{cpu_floor:.1f}",
                  *(f"{p[k].get('cpu_ms', 0) - cpu_floor:+.1f}" for k in over)),
@@ -299,8 +275,8 @@ def xla_race(spec):
     from experiment import data
     w = next(w for w in WORKLOADS if w.name == spec["workload"])._replace(
         mini_batches=spec["mini_batches"], repeats=spec["repeats"])
-    base = tf.data.Dataset.from_tensor_slices(w.data(data.load_mnist())).repeat()
-    return race(w, spec["n"], spec["b"], base, noise=spec["noise"], profiled=PATHS, jit=True)
+    return race(w, spec["n"], spec["b"], _samples(data.load_mnist()), noise=spec["noise"],
+                profiled=PATHS, jit=True)
 
 
 class FloorXLA(Floor):
@@ -355,8 +331,8 @@ def lm_contenders(lm, base):
         keras.utils.set_random_seed(models.SEED)
         return models.language_model(lm.vocabulary, dense_rows)
 
-    batches = base.batch(lm.b, drop_remainder=True).prefetch(2)
-    return [*_floor_terms(build, base, lm.n, lm.b)] + [
+    batches = _batched(base, lm.b)
+    return _floor_terms(build, base, lm.n, lm.b) + [
         bc.Fit(label, accumulate(build(dense_rows=label == "dense_rows"), lm.n), batches, lm.n,
                1, models.adam()) for label in ("rows", "dense_rows", "again")]
 
@@ -369,21 +345,11 @@ def lm_clock(times):
 
 
 def lm_race(lm):
-    """One language model's contenders, interleaved: its lm_summary, with "load"."""
+    """One language model's contenders, interleaved: its summary() row, with "load"."""
     base = tf.data.Dataset.from_tensor_slices(models.tokens(lm.vocabulary, LM_SAMPLES)).repeat()
-    racing = lm_contenders(lm, base)
-    try:
-        cpu = {}
-        wall = bc.interleaved(racing, 1, lm.repeats, cpu=cpu)
-    finally:
-        bc.release(racing)
-    return dict(lm_summary(lm, cpu, wall), load=os.getloadavg()[0])
-
-
-def lm_summary(lm, cpu, wall=None):
-    """A row: model, vocabulary, n, b, repeats, wall (lm_clock(wall)) and lm_clock(cpu)'s keys."""
-    return dict(model=lm.name, vocabulary=lm.vocabulary, n=lm.n, b=lm.b, repeats=lm.repeats,
-                wall=lm_clock(cpu if wall is None else wall), **lm_clock(cpu))
+    wall, cpu, _ = bc.race(lm_contenders(lm, base), 1, lm.repeats)
+    return summary(lm_clock, cpu, wall, model=lm.name, vocabulary=lm.vocabulary, n=lm.n,
+                   b=lm.b, repeats=lm.repeats, load=os.getloadavg()[0])
 
 
 class LanguageModelSpeed(Section):
@@ -418,18 +384,12 @@ class LanguageModelSpeed(Section):
         if not rows:
             return []
         lines = self.heading(
-            "What adding the Embedding's gradient as rows saves in time: the decoder "
-            "language model of the tensor-memory section (tools/memory.py; an untied "
-            "Dense(V) output) on random token sequences of 32, Adam 1e-3, its time per "
-            "update of N mini-batches of B sequences, timed as the floor section "
-            "times its paths (each contender on its own model, one untimed update, "
-            "then rounds of one update each, the order rotating; each ratio the median "
-            "of the per-round ratios, quartiles in brackets; the process's CPU time, "
-            "the wall-clock ratio beside). `dense_rows` makes the gradient dense inside "
-            "the model, with the op `tf.convert_to_tensor` makes of rows, so that the "
-            "library adds it dense: the computation every embedding's gradient went "
-            "through before 957cad7, beside today's in one run. Under op determinism, "
-            "no XLA.")
+            "What adding the Embedding's gradient as rows saves in time (docs/speed.md): the "
+            "tensor-memory section's decoder language model on random token sequences of 32, "
+            "Adam 1e-3, per update of N mini-batches of B sequences, timed as the floor "
+            "section times its paths, in rounds of one update each (CPU time; the wall-clock "
+            "ratio beside). `dense_rows` adds the gradient dense, as every embedding's was "
+            "before 957cad7. Under op determinism, no XLA.")
         lines += [f"- `{k}`: {v}" for k, v in LM_LABELS.items()]
         lines += [""] + table(
             ("model", "N x B", "alone / N", "apply / (N - 1)", "floor", "direct",

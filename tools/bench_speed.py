@@ -1,8 +1,6 @@
 """The speed sections: time per update of every contender at the post's (N, B) and where it
 goes, Keras used plainly, and fused against direct again on Eigen kernels (oneDNN off)."""
 
-import statistics
-
 from experiment import averagers
 from tools import bench_contenders as bc
 from tools import bench_probe
@@ -36,18 +34,14 @@ LABELS = ("direct", *averagers.AVERAGERS, *KERAS, "tf2", "keras_fit", "tf2_p2", 
 ABOUT = """\
 What the post's own configurations cost: each update trains N*B = 100 samples of real \
 MNIST (the post's ConvNet, dropout on, Adam 1e-3). Their targets compare the paths with \
-one another only. At B = 5 to 20 a kernel call's fixed cost on this 2-core CPU decides \
-how a path compares with the direct batch (one call per layer where a window makes N) or \
-with Keras's accumulation, not accumulation itself: that is measured against its floor \
-at B = 32 and 128 (the section above). \
-Every contender is built once, trained one untimed block, then timed in {repeats} rounds in \
-which each trains a block of {updates} updates, the order rotating every round; the ratio \
-is the median of the per-round ratios to `direct`. The engines train through their `step` \
-as `main.py`'s loop does (the tf1 averagers are its `--accumulate`, docs/averagers.md), \
-Keras on tf.data (Keras's fastest ways: the plain ones are below); no evaluation; all \
-under op determinism, as `main.py` runs, so no XLA (docs/tf2-engine.md has its speed). \
-At N=1 each tf1 averager is `direct`'s graph (their spread there is this run's noise), \
-and Keras does not accumulate."""
+one another only: at B = 5 to 20 a kernel call's fixed cost decides how a path compares \
+with the direct batch or Keras's accumulation (docs/speed.md), not accumulation itself, \
+which the floor section above measures. {repeats} interleaved rounds of {updates} updates \
+each, timed as there, the ratio the median of the per-round ratios to `direct`. The engines \
+train through their `step` as `main.py`'s loop does (the tf1 averagers are its \
+`--accumulate`, docs/averagers.md), Keras on tf.data (its plain ways are below); all under \
+op determinism, so no XLA (docs/tf2-engine.md has its speed). At N=1 each tf1 averager is \
+`direct`'s graph (their spread there is this run's noise), and Keras does not accumulate."""
 
 
 def keras_best(row):
@@ -79,7 +73,8 @@ class Speed(Section):
         s, rows = self.settings, []
         for n, b in s["configs"]:
             run.log(f"Speed at N={n} x B={b} (direct: B={n * b})")
-            row = bc.race(LABELS, n, b, run.datasets, s["updates"], s["repeats"], profiled=True)
+            row = bc.race_labels(LABELS, n, b, run.datasets, s["updates"], s["repeats"],
+                                 profiled=True)
             run.log("  " + ", ".join(f"{k}: {row['median_ms'][k]:.1f} ms "
                                      f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in LABELS))
             rows.append(row)
@@ -141,8 +136,8 @@ class KerasPlain(Section):
                       for label, per_call in (("train_on_batch", None),
                                               ("fit, steps_per_execution=1", 1),
                                               ("fit, steps_per_execution=N", s["n"]))]
-        times = bc.interleaved(contenders, s["updates"], s["repeats"])
-        ms = {label: 1e3 * statistics.median(t) for label, t in times.items()}
+        times, _, _ = bc.race(contenders, s["updates"], s["repeats"])
+        ms = bc.clocked(times)["median_ms"]
         run.log("  " + ", ".join(f"{label}: {v:.1f} ms" for label, v in ms.items()))
         return ms
 

@@ -5,7 +5,6 @@ contender a TrainOp fed a few fixed random batches (the values do not change the
 """
 
 import contextlib
-import statistics
 from unittest import mock
 
 import numpy as np
@@ -14,10 +13,7 @@ import tensorflow as tf
 import model
 from gradient_averaging import AveragingOptimizer
 from gradient_averaging import tf1
-from tools.bench_contenders import TrainOp
-from tools.bench_contenders import interleaved
-from tools.bench_contenders import paired_ratio
-from tools.bench_contenders import release
+from tools import bench_contenders as bc
 from tools.bench_section import Section
 from tools.bench_section import quartiles
 from tools.bench_section import table
@@ -132,23 +128,20 @@ class Wrapper(Section):
     FULL, QUICK = dict(rounds=15, windows=10), dict(rounds=2, windows=1)  # block: windows*N
 
     def measure(self, run):
-        """{model: {"n", "b", "ms": {label: median ms per run}, "vs_plain", "vs_floor": {label:
-        paired ratio}, "lock": wrapped / unlocked}}."""
+        """{model: {"n", "b", "times", "median_ms", "vs_plain", "vs_floor": {label: paired
+        ratio}, "lock": wrapped / unlocked}}."""
         out = {}
         for name, (build, n, b) in MODELS.items():
-            contenders = [TrainOp(label, _train_op(build, n if size == "N" else size, locked))
+            contenders = [bc.TrainOp(label, _train_op(build, n if size == "N" else size, locked))
                           for label, (size, locked) in CONTENDERS.items()]
-            contenders.append(TrainOp("floor", _floor(build, n, b)))
-            times = interleaved(contenders, self.settings["windows"] * n, self.settings["rounds"])
-            release(contenders)
-            out[name] = {"n": n, "b": b,
-                         "ms": {k: 1e3 * statistics.median(t) for k, t in times.items()},
-                         "vs_plain": {k: paired_ratio(times, k, "plain") for k in times
-                                      if k != "plain"},
-                         "lock": paired_ratio(times, "wrapped", "unlocked"),
-                         "vs_floor": {k: paired_ratio(times, k, "floor") for k in
-                                      ("plain", "wrapped", "unlocked")}}
-            run.log(f"AveragingOptimizer, {name} at N={n} x B={out[name]['b']}: " + ", ".join(
+            contenders.append(bc.TrainOp("floor", _floor(build, n, b)))
+            times, _, _ = bc.race(contenders, self.settings["windows"] * n,
+                                  self.settings["rounds"])
+            out[name] = dict(n=n, b=b, lock=bc.paired_ratio(times, "wrapped", "unlocked"),
+                             **bc.clocked(times, vs_plain=([k for k in times if k != "plain"],
+                                                           "plain"),
+                                          vs_floor=(("plain", "wrapped", "unlocked"), "floor")))
+            run.log(f"AveragingOptimizer, {name} at N={n} x B={b}: " + ", ".join(
                 f"{k}: {r['ratio']:.3f}x plain" for k, r in out[name]["vs_plain"].items()))
         return out
 
@@ -167,14 +160,13 @@ class Wrapper(Section):
             "Per mini-batch run at the same B: the ConvNet with Adam (dense gradients) and "
             f"a {ROWS} x {WIDTH} table with Momentum (sparse gradients). Median ms per "
             "run; ratios paired per round (median, quartiles). `unlocked`: without the "
-            "lock that makes concurrent runs atomic. `floor`: the least any design that adds "
-            "each run's gradient and applies the window's mean later runs: N train ops in "
-            "turn, the last also applying, with no count, branch, lock or finiteness check "
-            "(sparse gradients' target: no design brings them near the plain run).") + table(
+            "window's lock. `floor`: N train ops in turn, the last also applying, with no "
+            "count, branch, lock or finiteness check: the least any design that adds each "
+            "run's gradient runs (docs/tf1-code.md).") + table(
             ("model", "N x B", "plain ms", "wrapped ms", "floor ms", "wrapped / plain",
              "unlocked / plain", "N=1 / plain", "floor / plain", "wrapped / floor",
              "the lock: wrapped / unlocked"),
-            [(name, f"{row['n']} x {row['b']}", *(f"{row['ms'][k]:.2f}" for k in (
+            [(name, f"{row['n']} x {row['b']}", *(f"{row['median_ms'][k]:.2f}" for k in (
                 "plain", "wrapped", "floor")), *(quartiles(row["vs_plain"][k]) for k in (
                     "wrapped", "unlocked", "wrapped N=1", "floor")),
               quartiles(row["vs_floor"]["wrapped"]), quartiles(row["lock"]))

@@ -84,7 +84,8 @@ def _floor_row(model, n, b, profiles=None, wall=None, **times):
     """A floor row as bench_floor.race makes it: `times` gives a label's per-round CPU
     seconds per update (`wall` its wall-clock's, None: the same); the floor is alone's
     less apply's, round by round."""
-    return bench_floor.summary(model, n, b, 1, times, wall, profiles)
+    return bench_floor.summary(bench_floor.clock, times, wall, profiles, model=model, n=n, b=b,
+                               updates=1)
 
 
 def test_the_floor_is_each_rounds_n_steps_less_its_n_minus_1_applies():
@@ -206,16 +207,18 @@ def test_lm_speed_judges_rows_against_rows_made_dense_within_its_noise():
                    for name, v in (("lm", 32_000), ("lm_128k", 128_000)))
     # N=8: alone 8 steps of 100 ms, apply 7 applies of 10 ms: a floor of 730 ms.
     floor = dict(alone=[0.8] * 3, apply=[0.07] * 3, direct=[0.5] * 3)
-    row = bench_floor.lm_summary(lm, dict(floor, rows=[0.80, 0.84, 0.80],
-                                          dense_rows=[1.0, 1.0, 0.8],
-                                          again=[0.82, 0.84, 0.84]))
+    def summary(lm, cpu):
+        return bench_floor.summary(bench_floor.lm_clock, cpu, model=lm.name,
+                                   vocabulary=lm.vocabulary, n=lm.n, b=lm.b, repeats=lm.repeats)
+
+    row = summary(lm, dict(floor, rows=[0.80, 0.84, 0.80], dense_rows=[1.0, 1.0, 0.8],
+                           again=[0.82, 0.84, 0.84]))
     assert row["median_ms"]["floor"] == pytest.approx(730.0)
     assert row["vs_dense"] == pytest.approx({"ratio": 0.84, "q1": 0.82, "q3": 0.92})
     assert row["noise"] == pytest.approx(0.025)  # again / rows: 1.025, 1.0, 1.05
     assert row["vs_floor"]["rows"]["ratio"] == pytest.approx(0.80 / 0.73)
     # At V=128,000 rows 2% over dense_rows in every round: over 1.0, within the noise.
-    big = bench_floor.lm_summary(lm_128k, dict(floor, rows=[1.02] * 3, dense_rows=[1.0] * 3,
-                                               again=[1.02] * 3))
+    big = summary(lm_128k, dict(floor, rows=[1.02] * 3, dense_rows=[1.0] * 3, again=[1.02] * 3))
     section = bench_floor.LanguageModelSpeed()
     (target,) = section.targets([row, big])
     assert target.target == "lm: accumulate + fit with rows at or under rows made dense (N=8)"
