@@ -109,10 +109,19 @@ def keras_contender(label, n, b, datasets, per_call=1, accumulate=False, paralle
     net = models.post_model("convnet")()
     if accumulate:
         net = keras_fit.accumulate(net, average_gradients=n, parallel_mini_batches=parallel)
-    dataset = (tf.data.Dataset.from_tensor_slices(tuple(datasets.train))
-               .repeat().batch(b, drop_remainder=True).prefetch(2))
     steps = n if n > 1 and not accumulate else None
-    return Fit(label, net, dataset, n, per_call, models.adam(gradient_accumulation_steps=steps))
+    return Fit(label, net, batched(endless(tuple(datasets.train)), b), n, per_call,
+               models.adam(gradient_accumulation_steps=steps))
+
+
+def endless(samples):
+    """`samples` (a tuple of arrays) as an endless dataset."""
+    return tf.data.Dataset.from_tensor_slices(samples).repeat()
+
+
+def batched(base, b):
+    """`base` in batches of B, prefetched: what every Keras contender trains on."""
+    return base.batch(b, drop_remainder=True).prefetch(2)
 
 
 class Window:

@@ -6,8 +6,6 @@ in CPU time (docs/speed.md); and the language model's Embedding gradient added a
 import collections
 import os
 
-import tensorflow as tf
-
 from tools import bench_contenders as bc
 from tools import models
 from tools.bench_section import Section
@@ -49,20 +47,11 @@ OP_CLASSES = (("conv", r"Conv2D"), ("pool", r"MaxPool"), ("matmul", r"MatMul"),
                               r"Relu|ReluGrad|Cast|Select|SelectV2|Pow|Identity)$"))
 
 
-def _samples(datasets):
-    """MNIST's training samples as an endless dataset."""
-    return tf.data.Dataset.from_tensor_slices(tuple(datasets.train)).repeat()
-
-
-def _batched(base, b):
-    return base.batch(b, drop_remainder=True).prefetch(2)
-
-
 def contenders(workload, n, b, base, noise=False, jit=False):
     """The floor's terms, references and paths at N x B, each on its own model; `base`: the
     samples as an endless dataset; `noise`: one more alone; `jit`: all compiled with XLA."""
     from gradient_averaging.keras_fit import accumulate
-    build, batches = workload.build, _batched(base, b)
+    build, batches = workload.build, bc.batched(base, b)
     return [*_floor_terms(build, base, n, b, jit),
             bc.Fit("keras", build(), batches, n, n, models.adam(gradient_accumulation_steps=n),
                    jit),
@@ -74,9 +63,9 @@ def contenders(workload, n, b, base, noise=False, jit=False):
 
 def _floor_terms(build, base, n, b, jit=False):
     """The floor's two terms (alone, apply) and the direct batch, each on build()'s model."""
-    return [bc.Fit("alone", build(), _batched(base, b), n, n, models.adam(), jit),
+    return [bc.Fit("alone", build(), bc.batched(base, b), n, n, models.adam(), jit),
             bc.Apply("apply", build(), n, jit),
-            bc.Fit("direct", build(), _batched(base, n * b), 1, 1, models.adam(), jit)]
+            bc.Fit("direct", build(), bc.batched(base, n * b), 1, 1, models.adam(), jit)]
 
 
 def missing(vs_floor, limit):
@@ -168,7 +157,7 @@ class Floor(Section):
         """`w`'s row at N x B, raced here; `mine`: its rows so far; `bases`: samples per workload,
         made once; the noise and each path's profile once per workload."""
         if w.name not in bases:
-            bases[w.name] = _samples(run.datasets)
+            bases[w.name] = bc.endless(tuple(run.datasets.train))
         return race(w, n, b, bases[w.name], noise=not mine,
                     profiled={k for r in mine for k in r["profiles"]})
 
@@ -275,8 +264,8 @@ def xla_race(spec):
     from experiment import data
     w = next(w for w in WORKLOADS if w.name == spec["workload"])._replace(
         mini_batches=spec["mini_batches"], repeats=spec["repeats"])
-    return race(w, spec["n"], spec["b"], _samples(data.load_mnist()), noise=spec["noise"],
-                profiled=PATHS, jit=True)
+    return race(w, spec["n"], spec["b"], bc.endless(tuple(data.load_mnist().train)),
+                noise=spec["noise"], profiled=PATHS, jit=True)
 
 
 class FloorXLA(Floor):
@@ -331,7 +320,7 @@ def lm_contenders(lm, base):
         keras.utils.set_random_seed(models.SEED)
         return models.language_model(lm.vocabulary, dense_rows)
 
-    batches = _batched(base, lm.b)
+    batches = bc.batched(base, lm.b)
     return _floor_terms(build, base, lm.n, lm.b) + [
         bc.Fit(label, accumulate(build(dense_rows=label == "dense_rows"), lm.n), batches, lm.n,
                1, models.adam()) for label in ("rows", "dense_rows", "again")]
@@ -346,7 +335,7 @@ def lm_clock(times):
 
 def lm_race(lm):
     """One language model's contenders, interleaved: its summary() row, with "load"."""
-    base = tf.data.Dataset.from_tensor_slices(models.tokens(lm.vocabulary, LM_SAMPLES)).repeat()
+    base = bc.endless(models.tokens(lm.vocabulary, LM_SAMPLES))
     wall, cpu, _ = bc.race(lm_contenders(lm, base), 1, lm.repeats)
     return summary(lm_clock, cpu, wall, model=lm.name, vocabulary=lm.vocabulary, n=lm.n,
                    b=lm.b, repeats=lm.repeats, load=os.getloadavg()[0])
