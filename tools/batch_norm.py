@@ -133,12 +133,11 @@ def main(argv):
     text = table(measure(updates), command, updates)
     print(text)
     if FLAGS.quick:
-        return 0
+        return
     try:
         results.atomic_write_text(path, f"{head}{BEGIN}\n{text}{END}{tail}")
     except OSError as e:
         cli.fail(f"--output {path}: cannot write ({results.cause(e)})", code=1)
-    return 0
 
 
 def define_flags():

@@ -134,10 +134,11 @@ class MicroBatchSearch(Section):
             "fresh process given it fits; `search s`: the seconds the search added to "
             f"training, the median of {s['search_repeats']} searches (a row's own number "
             "where set), in brackets each search's, the first one's trials and each "
-            "search's B where they differ; `largest B`: by bisection up from the found B to "
-            f"{TOLERANCE:.0%} of it; the epoch: {EPOCH:,} samples at the found B's time per "
-            f"update (the fastest of {s['timed'] + 1}). `(XLA)`: accumulate's probes "
-            "compiled with `jit_compile=True`. How each is measured: "
+            "search's B where they differ; `largest B`: the largest that trains two updates "
+            f"without an OOM, by bisection up from the found B to {TOLERANCE:.0%} of it; the "
+            f"epoch: {EPOCH:,} samples at the found B's time per update (the fastest of "
+            f"{s['timed'] + 1}). `(XLA)`: accumulate's probes compiled with "
+            "`jit_compile=True`. How each is measured: "
             "[docs/limits.md](docs/limits.md#the-micro-batch-found).") + table(
             ["model", "E", "limit MiB", "direct batch", "B found (fresh)", "largest B",
              "found / largest", "search s (each; trials)", "epoch s",
