@@ -36,7 +36,7 @@ def _dense_model():
     rng = np.random.RandomState(0)
     feeds = [{images: rng.rand(DENSE_B, 28, 28, 1).astype(np.float32),
               labels: rng.randint(10, size=DENSE_B)} for _ in range(8)]
-    return ops.loss, feeds, lambda: v1.train.AdamOptimizer(1e-3)
+    return ops.loss, feeds, v1.train.AdamOptimizer(1e-3)
 
 
 def _sparse_model():
@@ -48,9 +48,10 @@ def _sparse_model():
     rng = np.random.RandomState(0)
     feeds = [{ids: rng.randint(ROWS, size=SPARSE_B), target: rng.rand(SPARSE_B)}
              for _ in range(8)]
-    return loss, feeds, lambda: v1.train.MomentumOptimizer(0.01, 0.9)
+    return loss, feeds, v1.train.MomentumOptimizer(0.01, 0.9)
 
 
+# model -> (build: () -> (loss, [feed dict], optimizer) in the graph, N, B).
 MODELS = {"dense": (_dense_model, DENSE_N, DENSE_B),
           "sparse": (_sparse_model, SPARSE_N, SPARSE_B)}
 # label -> (N, lock): None for the plain optimizer's minimize.
@@ -63,8 +64,7 @@ def _floor(build, n, b):
     finiteness check; each adds its gradient (sparse: its rows, ids kept), the last also
     applies the sum / N and zeroes what it applied."""
     def train_ops():
-        loss, feeds, make_optimizer = build()
-        optimizer = make_optimizer()
+        loss, feeds, optimizer = build()
         pairs = optimizer.compute_gradients(loss)
         sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for _, v in pairs]
         ids = [tf.Variable(tf.zeros([n, b], tf.int32), trainable=False)
@@ -112,8 +112,7 @@ def _unlocked(window, after):
 def _train_op(build, n, locked):
     """A TrainOp's build: the optimizer in AveragingOptimizer(n) unless n is None."""
     def train_op():
-        loss, feeds, make_optimizer = build()
-        optimizer = make_optimizer()
+        loss, feeds, optimizer = build()
         if n is not None:
             optimizer = AveragingOptimizer(optimizer, n)
         unlocked = mock.patch.object(tf1._Window, "locked",  # noqa: SLF001 (as _unlocked)
