@@ -56,9 +56,8 @@ def noise_floor(rows):
 
 
 def _ratios(rows, label, base):
-    """{"at N=../B=..": paired ratio label / base} over rows; label may be a function."""
-    return {f"at N={r['n']}/B={r['b']}": bc.paired_ratio(
-        r["times"], label(r) if callable(label) else label, base) for r in rows}
+    """{"at N=../B=..": paired ratio label / base} over rows."""
+    return {f"at N={r['n']}/B={r['b']}": bc.paired_ratio(r["times"], label, base) for r in rows}
 
 
 class Speed(Section):
