@@ -237,8 +237,8 @@ def release(contenders):
 
 def race_probe(spec):
     """race_labels() in a probe process (bench_probe.py), on its own MNIST."""
-    return race_labels(spec["labels"], spec["n"], spec["b"], data.load_mnist(), spec["updates"],
-                spec["repeats"])
+    return race_labels(spec["labels"], spec["n"], spec["b"], data.load_mnist(),
+                       spec["updates"], spec["repeats"])
 
 
 def interleaved(contenders, updates, repeats, cpu=None, warmups=1):
@@ -287,7 +287,7 @@ def profile(contender, updates, classes=OP_CLASSES):
             op_type = name.rsplit(":", 1)[1]
             if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
                 continue
-            kernel_ms[next((name for name, pattern in classes if re.search(pattern, op_type)),
+            kernel_ms[next((kind for kind, pattern in classes if re.search(pattern, op_type)),
                            "other")] += ms / updates
     return {"wall_ms": 1e3 * wall / updates, "cpu_ms": 1e3 * cpu / updates,
             "kernel_ms": dict(kernel_ms)}
