@@ -32,16 +32,13 @@ CONTENDERS = {  # in words: the section's list and the figure's legend
 LABELS = ("direct", *averagers.AVERAGERS, *KERAS, "tf2", "keras_fit", "tf2_p2", "keras_fit_p2")
 
 ABOUT = """\
-What the post's own configurations cost: each update trains N*B = 100 samples of real \
-MNIST (the post's ConvNet, dropout on, Adam 1e-3). Their targets compare the paths with \
-one another only: at B = 5 to 20 a kernel call's fixed cost decides how a path compares \
-with the direct batch or Keras's accumulation (docs/speed.md), not accumulation itself, \
-which the floor section above measures. {repeats} interleaved rounds of {updates} updates \
-each, timed as there, the ratio the median of the per-round ratios to `direct`. The engines \
-train through their `step` as `main.py`'s loop does (the tf1 averagers are its \
-`--accumulate`, docs/averagers.md), Keras on tf.data (its plain ways are below); all under \
-op determinism, so no XLA (docs/tf2-engine.md has its speed). At N=1 each tf1 averager is \
-`direct`'s graph (their spread there is this run's noise), and Keras does not accumulate."""
+Each update trains N*B = 100 samples of real MNIST (the post's ConvNet, dropout on, Adam \
+1e-3): the engines through their `step` as `main.py`'s loop does, Keras on tf.data (its \
+plain ways are below), all under op determinism, so no XLA. The targets compare the paths \
+with one another only (docs/speed.md says why). {repeats} interleaved rounds of {updates} \
+updates, timed as the floor section's; the ratio is the median of the per-round ratios to \
+`direct`. At N=1 each tf1 averager is `direct`'s graph (their spread there is this run's \
+noise), and Keras does not accumulate."""
 
 
 def keras_best(row):
