@@ -238,8 +238,11 @@ class Runner:
 def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=False,
               accumulate=DEFAULT_ACCUMULATE, verbose=False, command="python -m tools.reproduce",
               log=say):
-    """Runs what the table lacks, writes and returns table.md's text; ReproduceError on
-    stored runs of other settings, or a failed run."""
+    """Runs what the table lacks, writes and returns table.md's text; ReproduceError on bad
+    settings, stored runs of other settings, or a failed run."""
+    if reps < 1 or scale < 1 or jobs < 0 or threads < 0 or seed < 0:
+        raise ReproduceError("reps and scale must be at least 1; jobs, threads and seed "
+                             "not negative")
     cores = os.cpu_count() or 1
     jobs = jobs or cores
     threads = threads or max(1, cores // jobs)
