@@ -285,11 +285,10 @@ class FusedAverager(Averager):
             self._window[int(k)][sess.graph.get_tensor_by_name(tensor_name)] = value
 
 
-def _sum_window(mini_batch_gradients, sums, state, data, sizes,
-                parallel_iterations=window_lib.PARALLEL_ITERATIONS):
+def _sum_window(mini_batch_gradients, sums, state, data, sizes):
     """FusedAverager's window loop: sums each mini-batch's gradients in order, as loop values
     (without automatic control dependencies, a graph cannot order in-place additions). Returns
-    (sums, state); at most `parallel_iterations` mini-batches' activations are held at once.
+    (sums, state); at most window.PARALLEL_ITERATIONS mini-batches' activations held at once.
 
     Args:
       mini_batch_gradients: (i, batch, state) -> (gradients, state), a gradient None where the
@@ -306,7 +305,7 @@ def _sum_window(mini_batch_gradients, sums, state, data, sizes,
 
     _, state, sums = tf.while_loop(
         lambda i, *_: i < tf.shape(sizes)[0], body, (tf.constant(0), state, list(sums)),
-        parallel_iterations=parallel_iterations)
+        parallel_iterations=window_lib.PARALLEL_ITERATIONS)
     return sums, state
 
 
