@@ -122,20 +122,15 @@ def at_peak_text(rows):
     return ", ".join(f"{op} {shape} {mb:.1f}".replace("  ", " ") for op, shape, mb in rows)
 
 
-# Held to bound_mb; the others (a TF1 session, two passes at once) to bound_with_sums_mb.
+# Held to bound_mb without the accumulators; the others (a TF1 session, two passes at once) with.
 ONE_PASS_TF2 = ("accumulate", "window", "mini_batch")
 
 
-def bound_mb(alone_mb, largest_mb):
+def bound_mb(alone_mb, largest_mb, accumulators_mb=0.0):
     """B alone's peak plus one temporary of the largest variable (the sums stand in for the
-    gradients B alone holds), plus MARGIN of that, MARGIN_MIN_MB at least."""
-    base = alone_mb + largest_mb
-    return base + max(MARGIN * base, MARGIN_MIN_MB)
-
-
-def bound_with_sums_mb(alone_mb, accumulators_mb, largest_mb):
-    """bound_mb with the accumulators (in their accumulation dtype) added before the margin."""
-    base = alone_mb + accumulators_mb + largest_mb
+    gradients B alone holds), plus `accumulators_mb` where the sums come on top (in their
+    accumulation dtype), plus MARGIN of that, MARGIN_MIN_MB at least."""
+    base = alone_mb + largest_mb + accumulators_mb
     return base + max(MARGIN * base, MARGIN_MIN_MB)
 
 
@@ -171,10 +166,9 @@ def with_ratios(rows):
             peaks.get("alone"), peaks.get("direct"))
         bound = None
         if alone is not None and sizes:
-            bound = (bound_mb(alone, sizes["largest_mb"])
-                     if row["path"] in ONE_PASS_TF2 + ("alone", "direct", "keras")
-                     else bound_with_sums_mb(alone, sizes["accumulators_mb"],
-                                             sizes["largest_mb"]))
+            one_pass = row["path"] in ONE_PASS_TF2 + ("alone", "direct", "keras")
+            bound = bound_mb(alone, sizes["largest_mb"],
+                             0.0 if one_pass else sizes["accumulators_mb"])
         references = {"bound": bound, "alone": alone, "direct": direct,
                       "keras": peaks.get("keras")}
         return dict(row, bound_mb=bound, **{f"to_{name}": ratio(row["peak_mb"], reference)
@@ -314,35 +308,34 @@ def _fit(model, x, y, batch_size, samples):
 # a function of the trainable values[, a function of more result keys]).
 
 
-def _values(variables):
-    return lambda: [v.numpy() for v in variables]
+def _keras_path(net, update, *more):
+    """A path's result for the Keras model `net`, trained by `update`."""
+    trainable = net.trainable_weights
+    return (update, net.weights, trainable, lambda: [v.numpy() for v in trainable], *more)
+
 
 def _path_alone(model, n, b, x, y):
     # N updates at B, the input pipeline running beside them as beside a window's mini-batches.
     net = _compiled(models.keras_model(model))
-    return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
-            _values(net.trainable_weights))
+    return _keras_path(net, _fit(net, x, y, b, n * b))
 
 
 def _path_direct(model, n, b, x, y, jit_compile="auto"):
     net = _compiled(models.keras_model(model), jit_compile=jit_compile)
-    return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
-            _values(net.trainable_weights))
+    return _keras_path(net, _fit(net, x, y, n * b, n * b))
 
 
 def _path_keras(model, n, b, x, y):
     net = _compiled(models.keras_model(model), _adam(gradient_accumulation_steps=n))
-    return (_fit(net, x, y, b, n * b), net.weights, net.trainable_weights,
-            _values(net.trainable_weights))
+    return _keras_path(net, _fit(net, x, y, b, n * b))
 
 
 def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compile="auto"):
     from gradient_averaging.keras_fit import accumulate
     net = models.keras_model(model)
     if micro_batch is None:
-        return (_fit(_compiled(accumulate(net, n, parallel_mini_batches=parallel)), x, y, b,
-                     n * b), net.weights,
-                net.trainable_weights, _values(net.trainable_weights))
+        cut = _compiled(accumulate(net, n, parallel_mini_batches=parallel))
+        return _keras_path(net, _fit(cut, x, y, b, n * b))
     cut = _compiled(accumulate(net, micro_batch_size=micro_batch), jit_compile=jit_compile)
     update = _fit(cut, x, y, n * b, n * b)  # "auto": the first call searches, then trains
 
@@ -352,8 +345,7 @@ def _path_accumulate(model, n, b, x, y, micro_batch=None, parallel=1, jit_compil
                     trials=[(size, peak and peak / MIB) for size, peak in m.trials],
                     halved=list(m.out_of_memory))
 
-    return (update, net.weights, net.trainable_weights, _values(net.trainable_weights),
-            found)
+    return _keras_path(net, update, found)
 
 
 def _dataset(x, y, b, samples):
@@ -386,8 +378,7 @@ def _path_window(model, n, b, x, y, parallel=1):
     accumulator = WindowAccumulator(net, _adam(), models.sample_loss(model),
                                     average_gradients=n, parallel_mini_batches=parallel)
     dataset = _dataset(x, y, b, n * b)
-    return (functools.partial(accumulator.fit, dataset), net.weights, net.trainable_weights,
-            _values(net.trainable_weights))
+    return _keras_path(net, functools.partial(accumulator.fit, dataset))
 
 
 def _path_mini_batch(model, n, b, x, y):
@@ -401,7 +392,7 @@ def _path_mini_batch(model, n, b, x, y):
             accumulator.accumulate(mini_x, mini_y)
         accumulator.apply()
 
-    return update, net.weights, net.trainable_weights, _values(net.trainable_weights)
+    return _keras_path(net, update)
 
 
 def _path_tf1(model, n, b, x, y, plain=None):
@@ -439,8 +430,7 @@ def _path_tf1(model, n, b, x, y, plain=None):
 
 def _path_dense_direct(model, n, b, x, y):
     net = _compiled(models.keras_model(model, dense_rows=True))
-    return (_fit(net, x, y, n * b, n * b), net.weights, net.trainable_weights,
-            _values(net.trainable_weights))
+    return _keras_path(net, _fit(net, x, y, n * b, n * b))
 
 
 _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
@@ -454,19 +444,16 @@ _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
 
 
 def _sizes(weights, trainable):
-    """MiB: weights, largest trainable variable, accumulators (16-bit floats summed in float32)."""
+    """MiB: weights, largest trainable variable, accumulators (in window.accumulator_dtype)."""
     import tensorflow as tf
 
-    def elements(v):
-        return int(np.prod([int(d) for d in v.shape]))
+    from gradient_averaging import window
 
-    def accumulated(v):
-        dtype = tf.as_dtype(v.dtype)
-        return 4 if dtype in (tf.float16, tf.bfloat16) else dtype.size
+    def mib(v, dtype=None):
+        return int(np.prod([int(d) for d in v.shape])) * (dtype or tf.as_dtype(v.dtype)).size / MIB
 
-    return dict(weights_mb=sum(elements(v) * tf.as_dtype(v.dtype).size for v in weights) / MIB,
-                largest_mb=max(elements(v) * tf.as_dtype(v.dtype).size for v in trainable) / MIB,
-                accumulators_mb=sum(elements(v) * accumulated(v) for v in trainable) / MIB)
+    return dict(weights_mb=sum(map(mib, weights)), largest_mb=max(map(mib, trainable)),
+                accumulators_mb=sum(mib(v, window.accumulator_dtype(v)) for v in trainable))
 
 
 def _milliseconds(run):

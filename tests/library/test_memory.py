@@ -74,10 +74,9 @@ def test_each_paths_peak_is_within_b_alone_plus_the_largest_variable(probed, pat
     """B alone, plus one temporary the size of the largest variable, plus 5% (4 MiB at
     least): the sums stand in for B alone's gradients. The TF1 graph's bound adds one
     accumulator per trainable variable to its own B alone (its session keeps the
-    initializer's zeros: memory.bound_with_sums_mb)."""
+    initializer's zeros: memory.bound_mb with the accumulators)."""
     alone, _ = probed[("tf1_alone" if path == "tf1" else "alone", LIMIT_MB)]
     result, _ = probed[(path, LIMIT_MB)]
-    bound = (memory.bound_with_sums_mb(alone["peak_mb"], result["accumulators_mb"],
-                                       result["largest_mb"]) if path == "tf1"
-             else memory.bound_mb(alone["peak_mb"], result["largest_mb"]))
+    bound = memory.bound_mb(alone["peak_mb"], result["largest_mb"],
+                            result["accumulators_mb"] if path == "tf1" else 0.0)
     assert result["peak_mb"] <= bound, (result["peak_mb"], bound)

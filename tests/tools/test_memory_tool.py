@@ -70,7 +70,7 @@ def test_the_bound_is_alone_plus_the_largest_variable_plus_a_margin():
     assert memory.bound_mb(300.0, 64.0) == pytest.approx(364.0 * 1.05)
     assert memory.bound_mb(50.0, 0.25) == pytest.approx(50.25 + 4.0)  # 4 MiB at least
     # the TF1 graph's and the _p2 paths': the accumulators too
-    assert memory.bound_with_sums_mb(300.0, 76.0, 64.0) == pytest.approx(440.0 * 1.05)
+    assert memory.bound_mb(300.0, 64.0, 76.0) == pytest.approx(440.0 * 1.05)
 
 
 def _row(path, peak, ooms=0):
