@@ -17,6 +17,8 @@ from gradient_averaging import micro_batch as micro_batch_lib
 from gradient_averaging.arguments import check_average_gradients
 from gradient_averaging.window import accumulator_dtype
 from gradient_averaging.window import all_finite
+from gradient_averaging.window import nonzero
+from gradient_averaging.window import scalar_in_place
 from gradient_averaging.window import zero_sums
 from gradient_averaging.window import zeros
 
@@ -350,8 +352,8 @@ class AveragingOptimizer(v1.train.Optimizer):
                 updates=tf.constant(True)))
 
     def _apply_window(self, window):
-        """Applies the window's mean, then resets it. Dense sums are divided in place one by one
-        (one quotient alive at a time, no copy of the window); sparse sums apply and reset only
+        """Applies the window's mean, then resets it. Dense sums are divided in their own buffers
+        one by one (no quotient made: window.scalar_in_place); sparse sums apply and reset only
         the touched rows, so other rows' slots stay as the whole batch at once would leave them."""
         weight_sum = window.weight_sum.read_value()
         pairs, resets, divided, dense = [], [], [], []
@@ -366,13 +368,14 @@ class AveragingOptimizer(v1.train.Optimizer):
                 resets.append(functools.partial(_zero_rows, acc, touched, rows, summed))
             else:
                 with tf.control_dependencies(divided[-1:]):
-                    divided.append(acc.assign(acc.read_value() / total, read_value=False))
+                    divided.append(scalar_in_place(  # a sum of 0 or less is skipped, not applied
+                        tf.raw_ops.ResourceScatterDiv, acc, nonzero(total, acc.dtype)))
                 with tf.control_dependencies(divided[-1:]):
                     grad = tf.cast(acc.read_value(), var.dtype.base_dtype)
                 dense.append(acc)
             pairs.append((grad, var))
 
-        def reset():  # one sum after another, as zero_sums
+        def reset():  # the dense sums zeroed, then the sparse ones' rows one after another
             ops = zero_sums(dense)
             for r in resets:
                 with tf.control_dependencies(ops[-1:]):

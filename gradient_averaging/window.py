@@ -181,20 +181,35 @@ def zeros(shape, dtype):
                             init=True)
 
 
+def scalar_in_place(scatter, variable, scalar):
+    """Applies `scatter` (tf.raw_ops.ResourceScatterUpdate or ResourceScatterDiv) of one scalar
+    to every element of `variable`'s own buffer, no temporary made (a rank-0 variable is
+    assigned), then copy-on-read off (as add_rows). A divisor must not be 0 (the scatter
+    refuses it: `nonzero`). Returns the op."""
+    scalar = tf.cast(scalar, variable.dtype)
+    if not variable.shape.rank:
+        value = scalar if scatter is tf.raw_ops.ResourceScatterUpdate else variable / scalar
+        return variable.assign(value, read_value=False)
+    # The rows from the variable's own shape op: Grappler would fold a static shape's range
+    # into a constant that every executor running it keeps (as `zeros` says).
+    rows = tf.range(tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)[0])
+    with tf.control_dependencies([scatter(resource=variable.handle, indices=rows,
+                                          updates=scalar)]):
+        return tf.raw_ops.DisableCopyOnRead(resource=variable.handle)
+
+
 def zero_sums(sums):
-    """Zeros each sum in its own buffer, in turn (one variable-sized temporary at a time), whatever
-    it held (NaN too). Returns [the op that zeroes the last], to wait for."""
-    done = []
-    for total in sums:
-        with tf.control_dependencies(done):
-            done = [assign_in_place(total, zeros(total.shape, total.dtype))]
-    return done
+    """Zeros each sum in its own buffer, whatever it held (NaN too), with no temporary.
+    Returns [an op that exists once all are zeroed], to wait for."""
+    return [tf.group([scalar_in_place(tf.raw_ops.ResourceScatterUpdate, total, 0)
+                      for total in sums])]
 
 
 def divide_in_place(terms, divisors, addends=None, overwrite=None):
     """Writes each variable's share of the window's mean into its first sum's buffer, one variable
-    at a time (all at once would hold a second copy of the gradients). Returns (the new values,
-    reads that share the buffers; a bool scalar tensor, whether all of them are finite).
+    at a time: the first sum divided in place (scalar_in_place: no temporary, the same bits as a
+    division), each other term's share and the addend added after, in that order. Returns (the
+    new values, reads that share the buffers; a bool scalar tensor, whether all are finite).
 
     Args:
       terms: per term, a sum variable or None (not reached) per variable, aligned; each
@@ -213,26 +228,35 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
                 if term[i] is not None]
         buffer = sums[0][0]
         with tf.control_dependencies(done):
-            value = None
-            for total, divisor in sums:
-                if overwrite[i]:
-                    part = total.read_value()
-                    value = part if value is None else tf.maximum(value, part)
-                    continue
-                part = total
-                if divisor is not None:
-                    part = total / nonzero(divisor, total.dtype)
-                value = part if value is None else value + part
-            addend = addends[i]
-            if callable(addend):
-                addend = addend()
-            if addend is not None and not overwrite[i]:
-                value += tf.cast(addend, buffer.dtype)
-            check = finite(value)
-            checks.append(check)
-            with tf.control_dependencies([check]):
+            if overwrite[i]:
+                value = sums[0][0].read_value()
+                for total, _ in sums[1:]:
+                    value = tf.maximum(value, total.read_value())
                 done = [assign_in_place(buffer, value)]
+            else:
+                done = _shares_in_place(buffer, sums, addends[i])
+        with tf.control_dependencies(done):
+            checks.append(finite(buffer.read_value()))
+        done = checks[-1:]
         buffers.append(buffer)
     with tf.control_dependencies(done):
         values = [buffer.read_value() for buffer in buffers]
     return values, (tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True))
+
+
+def _shares_in_place(buffer, sums, addend):
+    """divide_in_place's one variable, not overwritten: -> [the op that writes its last]."""
+    divisor, done = sums[0][1], []
+    if divisor is not None:
+        done = [scalar_in_place(tf.raw_ops.ResourceScatterDiv, buffer,
+                                nonzero(divisor, buffer.dtype))]
+    for total, divisor in sums[1:]:
+        with tf.control_dependencies(done):
+            part = total if divisor is None else total / nonzero(divisor, total.dtype)
+            done = [buffer.assign_add(part, read_value=False)]
+    with tf.control_dependencies(done):
+        if callable(addend):
+            addend = addend()
+        if addend is not None:
+            done = [buffer.assign_add(tf.cast(addend, buffer.dtype), read_value=False)]
+    return done

@@ -10,6 +10,8 @@ so their weights are compared for equality, not closeness.
 
 import ctypes
 import json
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -35,6 +37,8 @@ from tests.library.toys import side_branch
 from tests.library.toys import small_conv_net
 from tests.library.toys import tiny_model as toy_model
 from tests.library.toys import windows
+from tools import common
+from tools import memory
 
 
 def accumulator(optimizer, model=None, **kwargs):
@@ -331,6 +335,49 @@ def test_the_sums_keep_their_buffers_through_a_windows_additions(mnist):
         per_mini.accumulate(x, y)
         assert [buffer_address(s) for s in per_mini.sums] == before
     assert all(np.any(s.numpy()) for s in per_mini.sums)  # and they were added to
+
+
+IN_PLACE = """
+import json
+import numpy as np
+import tensorflow as tf
+from gradient_averaging import window
+rng = np.random.default_rng(0)
+values = [rng.standard_normal(shape).astype(np.float32) for shape in ((4096, 1024), (1024,))]
+values[0][0, 0] = np.nan
+sums = [tf.Variable(v) for v in values]
+divide = tf.function(lambda: window.divide_in_place([sums], [tf.constant(3.0, tf.float64)])[1])
+
+
+@tf.function
+def zero():
+    window.zero_sums(sums)
+
+
+def growth(run):  # MiB the peak rose over what was held as `run` ran
+    held = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    result = run()
+    return (tf.config.experimental.get_memory_info("CPU:0")["peak"] - held) / 2**20, result
+
+divided, finite = growth(divide)
+same = all(np.array_equal(s.numpy(), v / np.float32(3), equal_nan=True)
+           for s, v in zip(sums, values))
+zeroed = growth(zero)[0]
+print(json.dumps(dict(divided=divided, finite=bool(finite), same=same, zeroed=zeroed,
+                      zeros=all(not np.any(s.numpy()) for s in sums))))
+"""
+
+
+def test_the_sums_are_divided_and_zeroed_in_their_own_buffers_with_no_temporary():
+    """The window's close makes no sum-sized temporary (16 MiB here): the mean is divided in
+    place, bit for bit a division, a NaN seen; the next window's zeros are written in place."""
+    done = subprocess.run([sys.executable, "-c", IN_PLACE], cwd=common.ROOT,
+                          env=memory.probe_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert got["same"] and not got["finite"] and got["zeros"], got
+    assert got["divided"] < 1 and got["zeroed"] < 1, got
 
 
 def test_lr_schedule_counts_updates_in_one_call(mnist):
