@@ -229,7 +229,7 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
         buffer = sums[0][0]
         with tf.control_dependencies(done):
             if overwrite[i]:
-                value = sums[0][0].read_value()
+                value = buffer.read_value()
                 for total, _ in sums[1:]:
                     value = tf.maximum(value, total.read_value())
                 done = [assign_in_place(buffer, value)]
