@@ -390,9 +390,15 @@ class WindowStep:
 
     def _reset(self):
         """Replica context: opens the next window, its sums zeroed in place (a branch in each
-        pass that wrote its first would move the pass's buffers), then its counts."""
-        with tf.control_dependencies(
-                window_lib.zero_sums([s for sums in self.sums for s in sums])):
+        pass that wrote its first would move the pass's buffers), then its counts. An empty
+        window's sums are zero already (only `add` writes them, and counts it)."""
+        def zero():
+            with tf.control_dependencies(
+                    window_lib.zero_sums([s for sums in self.sums for s in sums])):
+                return tf.constant(True)
+
+        with tf.control_dependencies([tf.cond(self.mini_batches.read_value() > 0, zero,
+                                              lambda: tf.constant(False))]):
             self.mini_batches.assign(0)
             self.samples.assign(0.0)
             self.logged_samples.assign(0.0)
@@ -412,27 +418,32 @@ class WindowStep:
         its scale, which a window skipped before it could not. Returns (applied, bool; float64
         [layers]: per batch-norm layer, the mini-batches that gave it one value a channel)."""
         strategy, optimizer = self.strategy, self.optimizer
-        shares, nonfinite = strategy.run(self._shares)
         variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        voting = self.check_finite or scaled
 
         def apply_shares(shares):
             with _keras_src.one_variable_at_a_time(optimizer):
                 optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
                                            for share, v in zip(shares, variables)])
 
-        def apply():
-            # Called cross-replica inside the branch: an all-reduce may not enter it from a replica.
-            strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
-            return tf.constant(True)
+        def close():
+            # Replicas are run cross-replica inside each branch: an all-reduce may not enter one
+            # from a replica. -> (ran, the non-finite votes; 0 when not voting).
+            shares, nonfinite = strategy.run(self._shares)
+            votes = (strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+                     if voting else tf.constant(0.0))
 
-        non_empty = self.mini_batches.read_value() > 0
-        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        votes = (strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
-                 if self.check_finite or scaled else None)
-        apply_it = non_empty
-        if self.check_finite and not scaled:
-            apply_it = tf.logical_and(apply_it, votes == 0)
-        ran = tf.cond(apply_it, apply, lambda: tf.constant(False))
+            def apply():
+                strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
+                return tf.constant(True)
+
+            apply_it = votes == 0 if self.check_finite and not scaled else tf.constant(True)
+            return tf.cond(apply_it, apply, lambda: tf.constant(False)), votes
+
+        # An empty window (the call that finds a dataset ended) divides and applies nothing.
+        ran, votes = tf.cond(self.mini_batches.read_value() > 0, close,
+                             lambda: (tf.constant(False), tf.constant(0.0)))
         # A window a LossScaleOptimizer skipped steps the batch statistics, as a direct batch does.
         applied, counts = (tf.logical_and(ran, votes == 0), ran) if scaled else (ran, ran)
         single = tf.zeros([0], tf.float64)
