@@ -368,18 +368,29 @@ class WindowStep:
             return gradient
 
         reached = [i for i, r in enumerate(self._reached()) if r]
-        shares, finite = window_lib.divide_in_place(
-            [[None if none[i] else sums[i] for i in reached]
-             for sums, none in zip(self.sums, self.no_gradient)],
-            term_divisors,
-            [functools.partial(addend, i) if self.regularizers[i] else None
-             for i in reached],
-            [self.overwrite[i] for i in reached])
+        terms = [[None if none[i] else sums[i] for i in reached]
+                 for sums, none in zip(self.sums, self.no_gradient)]
+
+        def divide():
+            shares, finite = window_lib.divide_in_place(
+                terms, term_divisors,
+                [functools.partial(addend, i) if self.regularizers[i] else None
+                 for i in reached],
+                [self.overwrite[i] for i in reached])
+            return shares, finite, tf.add_n(regularization) if regularization else 0.0
+
+        def empty():  # nothing added since the sums were zeroed: nothing to divide
+            return ([next(t for t in variable if t is not None).read_value()
+                     for variable in zip(*terms)], tf.constant(True), 0.0)
+
+        # No collective in the branch: with the all-reduces in one, an out-of-memory error in
+        # the update crashed the process (test_multi_worker).
+        shares, finite, regularized = tf.cond(self.mini_batches.read_value() > 0, divide, empty)
         if self.log_loss:
             loss, values_of_parts = loss_of(values[:2 * count])
             with tf.control_dependencies([finite]):
-                if regularization:
-                    loss += tf.cast(tf.add_n(regularization), tf.float64)
+                if any(self.regularizers[i] for i in reached):
+                    loss += tf.cast(regularized, tf.float64)
                 self.log_loss(loss, values_of_parts, samples, values[-1])
         return shares, self.nonfinite.read_value() + 1.0 - tf.cast(finite, tf.float32)
 
@@ -418,32 +429,27 @@ class WindowStep:
         its scale, which a window skipped before it could not. Returns (applied, bool; float64
         [layers]: per batch-norm layer, the mini-batches that gave it one value a channel)."""
         strategy, optimizer = self.strategy, self.optimizer
+        shares, nonfinite = strategy.run(self._shares)
         variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
-        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        voting = self.check_finite or scaled
 
         def apply_shares(shares):
             with _keras_src.one_variable_at_a_time(optimizer):
                 optimizer.apply_gradients([(tf.cast(share, v.dtype), v)
                                            for share, v in zip(shares, variables)])
 
-        def close():
-            # Replicas are run cross-replica inside each branch: an all-reduce may not enter one
-            # from a replica. -> (ran, the non-finite votes; 0 when not voting).
-            shares, nonfinite = strategy.run(self._shares)
-            votes = (strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
-                     if voting else tf.constant(0.0))
+        def apply():
+            # Called cross-replica inside the branch: an all-reduce may not enter it from a replica.
+            strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
+            return tf.constant(True)
 
-            def apply():
-                strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
-                return tf.constant(True)
-
-            apply_it = votes == 0 if self.check_finite and not scaled else tf.constant(True)
-            return tf.cond(apply_it, apply, lambda: tf.constant(False)), votes
-
-        # An empty window (the call that finds a dataset ended) divides and applies nothing.
-        ran, votes = tf.cond(self.mini_batches.read_value() > 0, close,
-                             lambda: (tf.constant(False), tf.constant(0.0)))
+        non_empty = self.mini_batches.read_value() > 0
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        votes = (strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
+                 if self.check_finite or scaled else None)
+        apply_it = non_empty
+        if self.check_finite and not scaled:
+            apply_it = tf.logical_and(apply_it, votes == 0)
+        ran = tf.cond(apply_it, apply, lambda: tf.constant(False))
         # A window a LossScaleOptimizer skipped steps the batch statistics, as a direct batch does.
         applied, counts = (tf.logical_and(ran, votes == 0), ran) if scaled else (ran, ran)
         single = tf.zeros([0], tf.float64)
