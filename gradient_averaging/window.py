@@ -205,6 +205,12 @@ def zero_sums(sums):
                       for total in sums])]
 
 
+def first_sums(terms):
+    """Per variable (terms as divide_in_place's), its first term's sum: the buffer its mean is
+    written into."""
+    return [next(total for total in variable if total is not None) for variable in zip(*terms)]
+
+
 def divide_in_place(terms, divisors, addends=None, overwrite=None):
     """Writes each variable's share of the window's mean into its first sum's buffer, one variable
     at a time: the first sum divided in place (scalar_in_place: no temporary, the same bits as a
@@ -219,14 +225,13 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
         its temporary lives only then), added after the division: what samples do not divide.
       overwrite: None, or per variable whether it takes its terms' elementwise maximum,
         undivided (float8's scales and histories)."""
-    count = len(terms[0]) if terms else 0
-    addends = [None] * count if addends is None else addends
-    overwrite = [False] * count if overwrite is None else overwrite
-    checks, done, buffers = [], [], []
-    for i in range(count):
+    buffers = first_sums(terms)
+    addends = [None] * len(buffers) if addends is None else addends
+    overwrite = [False] * len(buffers) if overwrite is None else overwrite
+    checks, done = [], []
+    for i, buffer in enumerate(buffers):
         sums = [(term[i], divisor) for term, divisor in zip(terms, divisors)
                 if term[i] is not None]
-        buffer = sums[0][0]
         with tf.control_dependencies(done):
             if overwrite[i]:
                 value = buffer.read_value()
@@ -238,7 +243,6 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
         with tf.control_dependencies(done):
             checks.append(finite(buffer.read_value()))
         done = checks[-1:]
-        buffers.append(buffer)
     with tf.control_dependencies(done):
         values = [buffer.read_value() for buffer in buffers]
     return values, (tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True))

@@ -380,12 +380,12 @@ class WindowStep:
             return shares, finite, tf.add_n(regularization) if regularization else 0.0
 
         def empty():  # nothing added since the sums were zeroed: nothing to divide
-            return ([next(t for t in variable if t is not None).read_value()
-                     for variable in zip(*terms)], tf.constant(True), 0.0)
+            return ([total.read_value() for total in window_lib.first_sums(terms)],
+                    tf.constant(True), 0.0)
 
         # No collective in the branch: with the all-reduces in one, an out-of-memory error in
         # the update crashed the process (test_multi_worker).
-        shares, finite, regularized = tf.cond(self.mini_batches.read_value() > 0, divide, empty)
+        shares, finite, regularized = tf.cond(self._holds_mini_batches(), divide, empty)
         if self.log_loss:
             loss, values_of_parts = loss_of(values[:2 * count])
             with tf.control_dependencies([finite]):
@@ -399,6 +399,11 @@ class WindowStep:
         return [not all(term[i] for term in self.no_gradient)
                 for i in range(len(self.variables))]
 
+    def _holds_mini_batches(self):
+        """Whether the open window holds a mini-batch: every replica counts each one, so all
+        agree (in a replica, its own count; across replicas, the first's)."""
+        return self.mini_batches.read_value() > 0
+
     def _reset(self):
         """Replica context: opens the next window, its sums zeroed in place (a branch in each
         pass that wrote its first would move the pass's buffers), then its counts. An empty
@@ -408,7 +413,7 @@ class WindowStep:
                     window_lib.zero_sums([s for sums in self.sums for s in sums])):
                 return tf.constant(True)
 
-        with tf.control_dependencies([tf.cond(self.mini_batches.read_value() > 0, zero,
+        with tf.control_dependencies([tf.cond(self._holds_mini_batches(), zero,
                                               lambda: tf.constant(False))]):
             self.mini_batches.assign(0)
             self.samples.assign(0.0)
@@ -442,7 +447,7 @@ class WindowStep:
             strategy.extended.call_for_each_replica(apply_shares, args=(shares,))
             return tf.constant(True)
 
-        non_empty = self.mini_batches.read_value() > 0
+        non_empty = self._holds_mini_batches()
         scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
         votes = (strategy.reduce(tf.distribute.ReduceOp.SUM, nonfinite, axis=None)
                  if self.check_finite or scaled else None)
