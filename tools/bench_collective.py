@@ -14,6 +14,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 
 from tools import bench_probe
 from tools import launch_workers
@@ -28,6 +29,7 @@ from tools.bench_section import worst
 
 SMALL = 64  # elements: a collective of at most this many is a count or a vote
 BASELINE = "per mini-batch"
+SETTLE = 0.2  # seconds a traced window's events are given before the profiler stops
 OPS = 16  # --ops: the kinds of events listed, each path's longest
 PATHS = ("accumulate + fit", "fit_accumulated", "command line", BASELINE)
 
@@ -77,6 +79,7 @@ def _profile(path, traced, traces):
         with tempfile.TemporaryDirectory() as logdir:
             tf.profiler.experimental.start(logdir)
             path.window()
+            time.sleep(SETTLE)  # the threads that ran its ops record their events
             tf.profiler.experimental.stop()
             runs, by_kind = traced_events(logdir)
         seen.append(runs)
@@ -263,7 +266,7 @@ def summarize(probe):
 class Collective(Section):
     name, title = "collective", "One exchange of the gradients per update (two workers)"
     FULL = dict(n=(1, 4, 16), b=32, model="convnet", warmup=2, windows=30, traces=3)
-    QUICK = dict(n=(1, 4), b=8, model="convnet", warmup=1, windows=2, traces=2)
+    QUICK = dict(n=(1, 4), b=8, model="convnet", warmup=1, windows=2, traces=3)
     ONCE = "the gradients exchanged once per update, whatever N, on every path (two workers)"
     TIME = "time per update of every path at or under the per-mini-batch exchange's, N > 1"
 
