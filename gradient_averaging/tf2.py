@@ -448,8 +448,8 @@ class MiniBatchAccumulator(_Accumulator):
             self.mini_batch_step = tf.function(mini_batch_step, input_signature=signature)
             if self.step.rescale:
                 self.step.expected.assign(self.average_gradients or 1)
-            # Traced now (apply_step needs what gets a gradient); called as traced: a call
-            # skips matching its arguments to a signature, half of its Python time.
+            # Traced now: apply_step needs what gets a gradient. `accumulate` calls the trace
+            # itself, so a call does not match its arguments to the signature again.
             self._mini_batch_call = self.mini_batch_step.get_concrete_function()
 
     def accumulate(self, x, y):
