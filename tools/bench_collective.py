@@ -79,7 +79,7 @@ def _profile(path, traced, traces):
         with tempfile.TemporaryDirectory() as logdir:
             tf.profiler.experimental.start(logdir)
             path.window()
-            time.sleep(SETTLE)  # time for the window's last events to reach the trace
+            time.sleep(SETTLE)
             tf.profiler.experimental.stop()
             runs, by_kind = traced_events(logdir)
         seen.append(runs)
