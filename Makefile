@@ -92,7 +92,7 @@ VERBOSE     ?= 0
 ACCUMULATE  ?= fused
 .PHONY: reproduce
 reproduce: install
-	$(PY) -m tools.reproduce --reps=$(REPS) --results-dir=$(RESULTS_DIR) --jobs=$(JOBS) \
+	$(PY) -m experiment.reproduce --reps=$(REPS) --results-dir=$(RESULTS_DIR) --jobs=$(JOBS) \
 	  --fair=$(FAIR) --scale=$(SCALE) --verbose=$(VERBOSE) --accumulate=$(ACCUMULATE)
 
 # Two worker processes on 127.0.0.1 (free ports) train one model together with

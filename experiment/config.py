@@ -3,7 +3,7 @@
 Each field carries its flag's help and its check (`setting(...)`); the rest is derived,
 never listed again: flags.py makes them absl flags (the dashed name public, the
 underscore spelling accepted), a checkpoint's identity is the fields marked `identity`,
-a results file records every setting, tools/reproduce.py pins the fields marked `post`.
+a results file records every setting, experiment/reproduce.py pins the fields marked `post`.
 The names a flag can pick (averagers, engines, models) are here too, with the module
 that implements each, loaded only when a run uses it.
 
@@ -89,7 +89,7 @@ def setting(default, help, *,  # noqa: A002 (absl's name)
       check: (predicate on the value, what the value must be), for other constraints.
       flag: the public name, where it is not the field's with dashes.
       identity: a resumed run must have the same value as its checkpoint.
-      post: the post's value, which tools/reproduce.py pins for every run.
+      post: the post's value, which experiment/reproduce.py pins for every run.
       auto: the flag also takes `auto` (stored as AUTO: found when the run starts).
     """
     return dataclasses.field(default=default, metadata=dict(
@@ -310,7 +310,7 @@ def _settings(cls):
 SETTINGS = {s.name: s for cls in (Config, Runs) for s in _settings(cls)}
 # The fields a checkpoint records and a resumed run must share (beside the seed).
 IDENTITY_FIELDS = tuple(s.attribute for s in SETTINGS.values() if s.identity)
-# The settings the post fixed, at its values: tools/reproduce.py pins them.
+# The settings the post fixed, at its values: experiment/reproduce.py pins them.
 POST_VALUES = {s.name: s.post for s in SETTINGS.values() if s.post is not None}
 
 

@@ -2,9 +2,11 @@
 
 import dataclasses
 import errno
+import importlib.metadata
 import json
 import logging
 import os
+import platform
 import tempfile
 
 from experiment import faults
@@ -267,3 +269,25 @@ def results_document(config, runs):
     mean, std = stats.mean_std([r["best_accuracy"] for r in runs])
     return {"config": dict(config), "runs": list(runs),
             "mean_accuracy": mean, "std_accuracy": std}
+
+
+def machine():
+    """The machine and the software in a few words, for the record beside the numbers (the
+    versions read without importing the packages: TensorFlow is slow)."""
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "?"
+
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
+    return (f"{os.cpu_count()} cores ({cpu}), {memory:.1f} GiB RAM, {platform.system()} "
+            f"{platform.release()}; Python {platform.python_version()}, TensorFlow "
+            f"{version('tensorflow')}, Keras {version('keras')}, numpy {version('numpy')}")

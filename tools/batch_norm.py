@@ -98,7 +98,7 @@ def measure(updates, log=print):
 
 
 def table(rows, command, updates):
-    lines = [f"Measured {datetime.date.today()} by `{command}` on {common.machine()}: "
+    lines = [f"Measured {datetime.date.today()} by `{command}` on {results.machine()}: "
              f"{updates} updates of {WINDOW} samples, Adam 1e-3, momentum 0.99, test "
              "accuracy on the 10,000 test images in inference mode.", "",
              "| normalization | N x B | moving statistics | moving-average steps | test "

@@ -18,11 +18,13 @@ from experiment import cli
 cli.import_tensorflow_quietly()  # first: its C++ start-up lines would reach stderr
 # ruff: noqa: E402 (the imports below follow the quiet TensorFlow import)
 
+import numpy as np
 import tensorflow as tf
 from absl import app
 from absl import flags
 
 from experiment import data
+from experiment import figures
 from experiment import progress
 from experiment import results
 from tools import bench_collective
@@ -33,7 +35,6 @@ from tools import bench_micro_batch
 from tools import bench_speed
 from tools import bench_tensor_memory
 from tools import bench_tf1_wrapper
-from tools import figures
 from tools.bench_section import Run
 from tools.bench_section import header
 from tools.bench_section import targets_table
@@ -46,10 +47,54 @@ SECTIONS = (bench_tensor_memory.TensorMemory, bench_micro_batch.MicroBatchSearch
             bench_memory.HostGrowth, bench_tf1_wrapper.Wrapper, bench_collective.Collective,
             bench_device.Device)
 
+BENCH_INCHES = (8.0, 5.6)  # the bench figure as it reads at README width (~960 px)
+# Every contender its own colour: tab10's ten, then five darker ones of tab20b's.
+BENCH_COLOURS = tuple(f"C{i}" for i in range(10)) + (
+    "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173")
+BENCH_LEGEND_COLUMNS = 2  # the longest name (about 60 characters) fits twice across
+
 cli.define("bool", "quick", False, "Every section scaled down, some left out (a smoke test).")
 cli.define("string", "output", "BENCHMARKS.md", "Markdown file to write.")
 cli.define("list", "sections", None, "Only these sections, by name: " + ", ".join(
     cls.name for cls in SECTIONS))
+
+
+def bench_figure(speed, names):
+    """The bench's speed ratios, not saved: (Figure, axes). Per (N, B) of `speed` (Speed's rows,
+    {"n", "b", "vs_direct": {label: paired ratio}}) a bar per contender, whiskers its "q1" and
+    "q3" where held; `names`: {label: words}. ValueError: no rows, more labels than colours."""
+    if not speed:
+        raise ValueError("bench ratios: no speed rows to draw")
+    labels = [k for k in speed[0]["vs_direct"] if k != "direct"]
+    if len(labels) > len(BENCH_COLOURS):
+        raise ValueError(f"bench ratios: {len(labels)} contenders, {len(BENCH_COLOURS)} "
+                         "colours (BENCH_COLOURS)")
+    quartiles = all("q1" in v for row in speed for v in row["vs_direct"].values())
+    fig = figures.figure(*BENCH_INCHES)
+    ax = fig.subplots()
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        r = [row["vs_direct"][label] for row in speed]
+        ratio = np.array([v["ratio"] for v in r])
+        spread = None if not quartiles else np.maximum(
+            [[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]], 0)
+        ax.bar(np.arange(len(speed)) - 0.4 + (i + 0.5) * width, ratio, width, yerr=spread,
+               capsize=2, label=f"{label}: {names[label]}", color=BENCH_COLOURS[i],
+               error_kw={"linewidth": 0.8})
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--",
+               label=f"direct: {names['direct']} (= 1)")
+    ax.set_ylim(0, 1.08 * max(max(v.get("q3", 0), v["ratio"]) for row in speed
+                              for v in row["vs_direct"].values()))
+    ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])
+    ax.set_xlabel("N x B: N mini-batches of B samples per update")
+    ax.set_ylabel("time per update / direct's")
+    ax.set_title("Speed: median ratio to direct" + (", whiskers the quartiles" if quartiles
+                                                    else "") + " (lower is faster)",
+                 fontsize="medium")
+    ax.grid(axis="y", alpha=0.3)
+    fig.legend(loc="outside lower center", ncol=BENCH_LEGEND_COLUMNS, fontsize="x-small")
+    fig.suptitle("Gradient accumulation: speed (make bench)")
+    return fig, ax
 
 
 def render(command, sections, run, targets, elapsed, figure=None):
@@ -109,7 +154,7 @@ def main_bench(argv):
         print(f"  {t.status:>13}: {t.target} -- {t.measured}")
     figure = os.path.splitext(output)[0] + ".png"
     try:
-        fig, _ = figures.bench_figure(run.results.get("speed"), bench_speed.CONTENDERS)
+        fig, _ = bench_figure(run.results.get("speed"), bench_speed.CONTENDERS)
         png = figures.png_bytes(fig)
         drawn = os.path.basename(figure)
     except ValueError as e:  # nothing measured that a figure could show

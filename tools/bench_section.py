@@ -7,7 +7,7 @@ import glob
 import os
 import time
 
-from tools import common
+from experiment import results
 
 Target = collections.namedtuple("Target", "target measured status")
 
@@ -100,7 +100,7 @@ def header(title, command, elapsed):
     """A report's opening lines: its title, the command that wrote it, when, the machine."""
     when = datetime.datetime.now()
     return [f"# {title}", "", f"Written by `{command}` on {when:%Y-%m-%d %H:%M} in "
-            f"{elapsed / 60:.1f} minutes.", "", f"Machine: {common.machine()}.", ""]
+            f"{elapsed / 60:.1f} minutes.", "", f"Machine: {results.machine()}.", ""]
 
 
 def targets_table(targets):

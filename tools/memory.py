@@ -26,8 +26,8 @@ import numpy as np
 from absl import flags
 
 from experiment import cli
+from experiment import results
 from tools import bench_probe
-from tools import common
 from tools import models
 from tools.bench_section import xplanes
 
@@ -592,7 +592,7 @@ def main(argv):
     if unknown:
         cli.fail(f"--paths: unknown {', '.join(unknown)}; choose from {', '.join(PATHS)}")
     print(f"`{shlex.join(['python', '-m', 'tools.memory'] + sys.argv[1:])}` on "
-          f"{common.machine()}\n")
+          f"{results.machine()}\n")
 
     def log(line):
         print("  " + line, file=sys.stderr, flush=True)

@@ -5,8 +5,8 @@ import collections
 import datetime
 import math
 
+from experiment import results
 from experiment import stats
-from tools import common
 
 # The post's table: (N, B, iterations) -> its mean and population std of the per-run best.
 POST_TABLE = collections.OrderedDict([
@@ -175,7 +175,7 @@ def table_document(rows, fair, scale, command, timing, drawn=(), notes=()):
     protocol = (f"every configuration evaluated every {FAIR_EVAL_EVERY_UPDATES} updates"
                 if fair else f"the post's protocol, evaluated every {EVAL_EVERY} iterations")
     lines = [f"# The post's table, reproduced ({protocol})", "",
-             f"Made by `{command}` on {datetime.date.today().isoformat()}, {common.machine()}.",
+             f"Made by `{command}` on {datetime.date.today().isoformat()}, {results.machine()}.",
              timing, ""]
     lines += table_lines(rows)
     lines += ["", "Accuracies in percent on the 10,000 test images, mean ± population std over "

@@ -1,6 +1,6 @@
 """The post's whole table from one command, side by side with the post's numbers.
 
-    python -m tools.reproduce --reps=10 --results-dir=results   # what `make reproduce` runs
+    python -m experiment.reproduce --reps=10 --results-dir=results   # what `make reproduce` runs
 
 Each run is its own `main.py --reps=1 --seed=S --results=FILE` process, JOBS at a time with
 TensorFlow's threads split between them, stored by configuration and seed, so a stopped
@@ -26,15 +26,16 @@ from absl import flags as absl_flags
 
 from experiment import cli
 from experiment import config as experiment_config
+from experiment import figures
 from experiment import progress
+from experiment import reproduce_table
 from experiment import results
-from tools import common
-from tools import figures
-from tools import reproduce_table
-from tools.reproduce_table import EVAL_EVERY
-from tools.reproduce_table import FAIR_EVAL_EVERY_UPDATES
-from tools.reproduce_table import POST_TABLE
+from experiment.reproduce_table import EVAL_EVERY
+from experiment.reproduce_table import FAIR_EVAL_EVERY_UPDATES
+from experiment.reproduce_table import POST_TABLE
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN = os.path.join(ROOT, "main.py")  # each run is the real command line
 DEFAULT_ACCUMULATE = "fused"  # the fastest; the post's stack's weights, bit for bit
 # The rest of a run pinned to the post's values, not main.py's defaults; a stored run must match.
 POST_FLAGS = experiment_config.POST_VALUES
@@ -166,7 +167,7 @@ class Runner:
 
     def run_one(self, spec):
         """Runs one main.py process; returns its run, or None if stopped before it began."""
-        command = [sys.executable, common.MAIN, *(f"--{k}={v}" for k, v in spec.flags.items()),
+        command = [sys.executable, MAIN, *(f"--{k}={v}" for k, v in spec.flags.items()),
                    f"--threads={self.threads}", f"--results={spec.path}",
                    f"--logdir={self.tb_dir}"] + (["--verbose"] if self.verbose else [])
         with self.lock:
@@ -180,7 +181,7 @@ class Runner:
                 except OSError:  # old curves beside the new: untidy, not wrong numbers
                     pass
             start = time.perf_counter()
-            process = subprocess.Popen(command, cwd=common.ROOT, text=True,
+            process = subprocess.Popen(command, cwd=ROOT, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.processes.add(process)
         tail = collections.deque(maxlen=20)
@@ -236,8 +237,8 @@ class Runner:
 
 
 def reproduce(results_dir, reps=10, seed=0, jobs=0, threads=0, scale=1, fair=False,
-              accumulate=DEFAULT_ACCUMULATE, verbose=False, command="python -m tools.reproduce",
-              log=say):
+              accumulate=DEFAULT_ACCUMULATE, verbose=False,
+              command="python -m experiment.reproduce", log=say):
     """Runs what the table lacks, writes and returns table.md's text; ReproduceError on bad
     settings, stored runs of other settings, or a failed run."""
     if reps < 1 or scale < 1 or jobs < 0 or threads < 0 or seed < 0:
@@ -367,7 +368,7 @@ def main(argv):
     if len(argv) > 1:
         cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
     FLAGS = absl_flags.FLAGS
-    command = shlex.join(["python", "-m", "tools.reproduce"] + sys.argv[1:])
+    command = shlex.join(["python", "-m", "experiment.reproduce"] + sys.argv[1:])
     try:
         text = reproduce(FLAGS["results-dir"].value, reps=FLAGS.reps, seed=FLAGS.seed,
                          jobs=FLAGS.jobs, threads=FLAGS.threads, scale=FLAGS.scale,

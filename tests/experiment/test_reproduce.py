@@ -1,4 +1,4 @@
-"""The reproduction of the post's table (tools/reproduce.py): the table, resume, events, make.
+"""The reproduction of the post's table (experiment/reproduce.py): the table, resume, events, make.
 
 The table is checked against numbers worked out by hand; resume and `make reproduce` with
 real, tiny runs. Its statistics are tests/experiment/test_stats.py's.
@@ -21,11 +21,11 @@ import flags
 from experiment import config
 from experiment import faults
 from experiment import loop
+from experiment import reproduce
+from experiment import reproduce_table
 from experiment import results
 from tests.helpers import ROOT
 from tests.helpers import run_cli
-from tools import reproduce
-from tools import reproduce_table
 
 v1 = tf.compat.v1
 MAKE_TIMEOUT = 300
@@ -162,7 +162,7 @@ def test_runs_made_with_other_settings_are_refused(tmp_path):
     with pytest.raises(reproduce.ReproduceError, match="--learning-rate=0.01, not 0.001"):
         reproduce.reproduce(str(tmp_path), reps=1, log=lambda line: None)
     # The command line says so in one line, without a traceback, before any training.
-    process = run_cli(f"--results-dir={tmp_path}", "--reps=1", module="tools.reproduce",
+    process = run_cli(f"--results-dir={tmp_path}", "--reps=1", module="experiment.reproduce",
                       timeout=60)
     assert process.returncode == 1
     assert process.stderr.strip().count("\n") == 0
@@ -172,7 +172,7 @@ def test_runs_made_with_other_settings_are_refused(tmp_path):
 @pytest.mark.parametrize("argument, named", [("--scale=0", "--scale"),
                                              ("--jobs=two", "--jobs"), ("extra", "extra")])
 def test_bad_driver_input_is_one_line(argument, named):
-    process = run_cli(argument, module="tools.reproduce", timeout=60)
+    process = run_cli(argument, module="experiment.reproduce", timeout=60)
     assert process.returncode == 2
     assert process.stderr.startswith("error: ") and named in process.stderr
     assert process.stderr.strip().count("\n") == 0 and not process.stdout
@@ -322,7 +322,7 @@ def test_resume_runs_only_what_is_missing(made, tmp_path):
 def test_help_lists_the_tools_own_flags():
     """A tool run as `python -m` files its flags under its path, as absl does for a
     script; --help must find them there."""
-    proc = run_cli("--help", module="tools.reproduce", timeout=60)
+    proc = run_cli("--help", module="experiment.reproduce", timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for flag in ("--results-dir", "--jobs", "--[no]fair", "--scale", "--reps"):
         assert flag in proc.stdout, flag

@@ -1,19 +1,15 @@
-"""tools/figures.py: each figure is written as a real PNG from records shaped as the tools
-make them, with the post's marks where given; missing and empty data are handled; every
-data point lies inside its axes, legends lie outside them, the bench figure reads at
-README width and names each contender."""
+"""experiment/figures.py: each figure is written as a real PNG from records shaped as
+`make reproduce` makes them, with the post's marks where given; missing and empty data are
+handled; every data point lies inside its axes, legends lie outside them."""
 
 import math
-import os
 
 import numpy as np
 import pytest
 from matplotlib import colors
 from matplotlib import image
-from matplotlib.container import BarContainer
 
-from tests.helpers import ROOT
-from tools import figures
+from experiment import figures
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # an empty canvas of these sizes is a few kB; drawn panels are more
@@ -152,89 +148,9 @@ def test_best_accuracy_spread_shows_runs_and_the_posts_error_bars(tmp_path):
         figures.best_accuracy_spread({1: []}, POST_MEAN_STD, str(tmp_path / "empty.png"))
 
 
-def speed_rows():
-    """bench_speed.Speed's rows, every contender the bench races, with the keys the figure
-    does not use left in."""
-    from tools.bench_speed import LABELS as labels
-
-    rows = []
-    for n, b in ((1, 100), (5, 20), (20, 5)):
-        ratios = {k: 1.0 + 0.1 * i * (n > 1) for i, k in enumerate(labels)}
-        rows.append({"n": n, "b": b, "times": {}, "profiles": {},
-                     "median_ms": {k: 50.0 * r for k, r in ratios.items()},
-                     "vs_direct": {k: {"ratio": r, "q1": 0.95 * r, "q3": 1.05 * r}
-                                   for k, r in ratios.items()}})
-    return rows
-
-
-def test_bench_figure_reads_at_readme_width_shows_every_bar_and_names_every_contender(
-        tmp_path):
-    from tools.bench_speed import CONTENDERS  # the names the bench draws
-    fig, ax = figures.bench_figure(speed_rows(), CONTENDERS)
-    path = tmp_path / "bench.png"
-    path.write_bytes(figures.png_bytes(fig))
-    assert_png(path)
-    assert image.imread(path).shape[1] <= 1000  # README width, not a strip
-    for row in speed_rows():
-        for v in row["vs_direct"].values():
-            assert inside(v["q3"], ax.get_ylim()) and inside(v["q1"], ax.get_ylim())
-    names = [t.get_text() for leg in fig.legends for t in leg.texts]
-    for label in speed_rows()[0]["vs_direct"]:
-        assert any(name.startswith(label + ":") for name in names), (label, names)
-    assert_legends_off_the_axes(fig, [ax])
-    assert_legends_inside_the_figure(fig)
-    assert_a_colour_per_contender(ax, len(speed_rows()[0]["vs_direct"]) - 1)
-    with pytest.raises(ValueError, match="no speed rows"):
-        figures.bench_figure([], CONTENDERS)
-
-
-def assert_legends_inside_the_figure(fig):
-    """Every legend of `fig` lies whole inside the figure: no entry cut at its edges."""
-    renderer = fig.canvas.get_renderer()
-    fig.draw(renderer)
-    for legend in fig.legends:
-        box = legend.get_window_extent(renderer)
-        assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1, (box, fig.bbox)
-        assert fig.bbox.y0 <= box.y0 and box.y1 <= fig.bbox.y1, (box, fig.bbox)
-
-
-def assert_a_colour_per_contender(ax, contenders):
-    """Each contender's bars share one colour, and no two contenders share theirs."""
-    by_label = {}
-    for container in ax.containers:
-        if isinstance(container, BarContainer):
-            by_label[container.get_label()] = {bar.get_facecolor() for bar in container.patches}
-    assert len(by_label) == contenders
-    assert all(len(colours) == 1 for colours in by_label.values()), by_label
-    assert len({colours.pop() for colours in by_label.values()}) == contenders
-
-
-def test_bench_figure_redraws_from_the_table_benchmarks_md_holds(tmp_path):
-    """BENCHMARKS.md's speed table and contender list give the figure again (its medians;
-    the file keeps no quartiles, so no whiskers), written beside the markdown."""
-    from tools.bench_speed import LABELS
-
-    with open(os.path.join(ROOT, "BENCHMARKS.md")) as f:
-        text = f.read()
-    speed, names = figures.speed_from_benchmarks(text)
-    assert [(row["n"], row["b"]) for row in speed] == [(1, 100), (5, 20), (10, 10), (20, 5)]
-    assert list(speed[0]["vs_direct"]) == list(names) == list(LABELS)
-    assert speed[0]["vs_direct"]["direct"] == {"ratio": 1.0}
-    (tmp_path / "BENCHMARKS.md").write_text(text)
-    path = figures.redraw_benchmarks(str(tmp_path / "BENCHMARKS.md"))
-    assert path == str(tmp_path / "BENCHMARKS.png")
-    assert_png(path)
-    fig, ax = figures.bench_figure(speed, names)
-    assert "whiskers" not in ax.get_title()
-    assert_legends_inside_the_figure(fig)
-    assert_a_colour_per_contender(ax, len(LABELS) - 1)
-    with pytest.raises(ValueError, match="no speed table"):
-        figures.speed_from_benchmarks("# Benchmarks\n")
-
-
 @pytest.mark.parametrize("scale", [1, 10])
 def test_table_links_each_figure_and_says_where_the_posts_marks_are_not_drawn(scale):
-    from tools import reproduce_table  # the figures above, linked from table.md
+    from experiment import reproduce_table  # the figures above, linked from table.md
 
     text = "\n".join(reproduce_table.figure_lines(
         ["accuracy_curves.png", "best_accuracy.png"], ["x.png not drawn: why."], scale))

@@ -1,23 +1,17 @@
-"""The figures of `make reproduce` and `make bench`, as PNG files written whole or not at all.
+"""The figures beside table.md (`make reproduce`), as PNG files written whole or not at all;
+the bench draws BENCHMARKS.png with the same canvas.
 
 matplotlib's Agg canvas, without pyplot (no display, no global state); accuracies in percent.
-
-    python -m tools.figures --benchmarks=BENCHMARKS.md   # BENCHMARKS.png again, from its table
 """
 
 import collections
 import io
-import os
-import re
 
 import numpy as np
-from absl import app
-from absl import flags
 from matplotlib import ticker
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from experiment import cli
 from experiment import results
 
 DPI = 120
@@ -31,13 +25,6 @@ CURVE_HEIGHTS = (3, 1)  # the part above a break against the part below it
 MARKED_POINTS = 30  # curves with this few evaluations get a marker at each (one is a dot)
 JITTER = 0.08  # half-width of the strip of per-run points, in category widths
 SEED = 0       # the strip's jitter is drawn the same every time
-BENCH_INCHES = (8.0, 5.6)  # the bench figure as it reads at README width (~960 px)
-# Every contender its own colour: tab10's ten, then five darker ones of tab20b's.
-BENCH_COLOURS = tuple(f"C{i}" for i in range(10)) + (
-    "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173")
-BENCH_LEGEND_COLUMNS = 2  # the longest name (about 60 characters) fits twice across
-# BENCHMARKS.md's section whose table the figure draws (bench_speed.Speed's).
-SPEED_SECTION = "## Speed at the post's configurations"
 
 
 def runs_to_inputs(pairs):
@@ -83,7 +70,7 @@ def curves_figure(curves_by_n, post_accuracy):
     upper_low, high, lower_low, broken = _curve_limits(panels)
     columns = min(len(panels), CURVE_COLUMNS)
     rows = -(-len(panels) // columns)
-    fig = _figure(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows)
+    fig = figure(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows)
     cells = fig.add_gridspec(rows, columns)
     counts = {panel.runs for panel in panels}
     labels = {"band": "ours: lowest to highest run" + (
@@ -188,7 +175,7 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
     if not columns:
         raise ValueError("best accuracy spread: no runs to draw")
     rng = np.random.default_rng(SEED)
-    ax = _figure(max(PANEL_INCHES[0], 1.1 * len(columns) + 1.2), PANEL_INCHES[1]).subplots()
+    ax = figure(max(PANEL_INCHES[0], 1.1 * len(columns) + 1.2), PANEL_INCHES[1]).subplots()
     for x, (n, bests) in enumerate(columns):
         ax.scatter(x - 0.12 + rng.uniform(-JITTER, JITTER, len(bests)), bests, s=18,
                    color=OURS, alpha=0.75, zorder=3, label="ours: best of each run")
@@ -207,74 +194,9 @@ def best_accuracy_spread(best_by_n, post_mean_std, path):
     return _save(ax.figure, path)
 
 
-def bench_figure(speed, names):
-    """The bench's speed ratios, not saved: (Figure, axes). Per (N, B) of `speed` (Speed's rows,
-    {"n", "b", "vs_direct": {label: paired ratio}}) a bar per contender, whiskers its "q1" and
-    "q3" where held; `names`: {label: words}. ValueError: no rows, more labels than colours."""
-    if not speed:
-        raise ValueError("bench ratios: no speed rows to draw")
-    labels = [k for k in speed[0]["vs_direct"] if k != "direct"]
-    if len(labels) > len(BENCH_COLOURS):
-        raise ValueError(f"bench ratios: {len(labels)} contenders, {len(BENCH_COLOURS)} "
-                         "colours (BENCH_COLOURS)")
-    quartiles = all("q1" in v for row in speed for v in row["vs_direct"].values())
-    fig = _figure(*BENCH_INCHES)
-    ax = fig.subplots()
-    width = 0.8 / len(labels)
-    for i, label in enumerate(labels):
-        r = [row["vs_direct"][label] for row in speed]
-        ratio = np.array([v["ratio"] for v in r])
-        spread = None if not quartiles else np.maximum(
-            [[v["ratio"] - v["q1"] for v in r], [v["q3"] - v["ratio"] for v in r]], 0)
-        ax.bar(np.arange(len(speed)) - 0.4 + (i + 0.5) * width, ratio, width, yerr=spread,
-               capsize=2, label=f"{label}: {names[label]}", color=BENCH_COLOURS[i],
-               error_kw={"linewidth": 0.8})
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--",
-               label=f"direct: {names['direct']} (= 1)")
-    ax.set_ylim(0, 1.08 * max(max(v.get("q3", 0), v["ratio"]) for row in speed
-                              for v in row["vs_direct"].values()))
-    ax.set_xticks(range(len(speed)), [f"{row['n']} x {row['b']}" for row in speed])
-    ax.set_xlabel("N x B: N mini-batches of B samples per update")
-    ax.set_ylabel("time per update / direct's")
-    ax.set_title("Speed: median ratio to direct" + (", whiskers the quartiles" if quartiles
-                                                    else "") + " (lower is faster)",
-                 fontsize="medium")
-    ax.grid(axis="y", alpha=0.3)
-    fig.legend(loc="outside lower center", ncol=BENCH_LEGEND_COLUMNS, fontsize="x-small")
-    fig.suptitle("Gradient accumulation: speed (make bench)")
-    return fig, ax
-
-
-def speed_from_benchmarks(text):
-    """bench_figure's (speed, names) from BENCHMARKS.md's speed table (cells "6.1 ms, 1.00x":
-    medians only) and its "- `label`: words" list. ValueError where either is missing."""
-    _, found, section = text.partition(SPEED_SECTION)
-    section = section.split("\n## ", 1)[0]
-    names = dict(re.findall(r"^- `(\w+)`: (.+)$", section, flags=re.M))
-    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
-            for line in section.splitlines() if line.startswith("|")]
-    if not (found and names and len(rows) > 2 and rows[0][0] == "N x B"):
-        raise ValueError(f"no speed table under {SPEED_SECTION!r} (make bench writes it)")
-    columns = {label: k for k, label in enumerate(rows[0]) if label in names}
-    speed = []
-    for cells in rows[2:]:  # the header's separator row left out
-        n, b = (int(v) for v in cells[0].split(" x "))
-        speed.append({"n": n, "b": b, "vs_direct": {
-            label: {"ratio": float(re.search(r"([\d.]+)x$", cells[k]).group(1))}
-            for label, k in columns.items()}})
-    return speed, names
-
-
-def redraw_benchmarks(markdown_path):
-    """BENCHMARKS.png beside `markdown_path` again from its table (no whiskers); its path."""
-    with open(markdown_path) as f:
-        speed, names = speed_from_benchmarks(f.read())
-    fig, _ = bench_figure(speed, names)
-    return _save(fig, os.path.splitext(markdown_path)[0] + ".png")
-
-
-def _figure(width, height):
-    """A figure of that size in inches, on the Agg canvas, laid out by constrained layout."""
+def figure(width, height):
+    """A figure of that size in inches, on the Agg canvas, laid out by constrained layout
+    (BENCHMARKS.png's too)."""
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
@@ -290,21 +212,3 @@ def png_bytes(fig):
 def _save(fig, path):
     results.atomic_write_bytes(path, png_bytes(fig))
     return path
-
-
-def main(argv):
-    if len(argv) > 1:
-        cli.fail(f"unexpected arguments: {' '.join(argv[1:])}")
-    path = flags.FLAGS.benchmarks
-    try:
-        print(f"Wrote {redraw_benchmarks(path)}")
-    except OSError as e:
-        cli.fail(f"--benchmarks={path}: cannot read it or write its figure ({results.cause(e)})")
-    except ValueError as e:
-        cli.fail(f"--benchmarks={path}: {e}")
-
-
-if __name__ == "__main__":
-    cli.define("string", "benchmarks", "BENCHMARKS.md", "The bench's markdown, whose speed "
-               "table is drawn again into the PNG of the same name beside it.")
-    app.run(main, flags_parser=cli.parse_flags)
