@@ -17,7 +17,6 @@ import tensorflow as tf
 
 from experiment import config
 from experiment import data
-from experiment import engine_tf1
 from tools import models
 from tools.bench_section import trace_events
 
@@ -31,21 +30,16 @@ CONTAINER_OPS = ("While", "If", "PartitionedCall", "Case")  # time of ops they h
 
 class SessionContender:
     """An engine's `step` on `train` (a data.Split), as main.py's loop: the tf1 engine with
-    `averager`, or with "tf2" the tf2 engine."""
+    `averager`, or with "tf2" the tf2 engine (Keras loads only then)."""
 
     def __init__(self, label, n, b, train, averager="stack", model="convnet", parallel=1):
-        self.label, self.n = label, n
         tf2 = averager == "tf2"
         cfg = config.Config(average_gradients=n, batch_size=b, model=model, engine="tf2"
                             if tf2 else "tf1", accumulate="stack" if tf2 else averager,
                             parallel_mini_batches=parallel)
-        if tf2:
-            from experiment import engine_tf2  # Keras loads only where a tf2 contender runs
-            self.engine = engine_tf2.Engine(cfg, models.SEED)
-        else:
-            self.engine = engine_tf1.Engine(cfg, models.SEED)
+        self.label, self.n, self.iteration = label, n, 0
+        self.engine = config.ENGINES[cfg.engine].load().Engine(cfg, models.SEED)
         self.batches = data.batches(train, models.SEED, b, 0, ENDLESS)
-        self.iteration = 0
 
     def train(self, updates):
         for _ in range(updates * self.n):
@@ -76,15 +70,14 @@ class Fit:
 
 
 class TrainOp:
-    """A TF1 train op (or a list, run in turn) in its own session, once per mini-batch on
-    fixed feeds in turn; `build()` makes (train op, [feed dict]) in the graph."""
+    """TF1 train ops in their own session, run in turn, one per mini-batch, on fixed feeds in
+    turn; `build(*args)` makes ([train op], [feed dict]) in the graph."""
 
-    def __init__(self, label, build):
+    def __init__(self, label, build, *args):
         self.label, self.graph, self.k = label, tf.Graph(), 0
         with self.graph.as_default():
-            train_ops, self.feeds = build()
+            self.train_ops, self.feeds = build(*args)
             init = tf.compat.v1.global_variables_initializer()
-        self.train_ops = train_ops if isinstance(train_ops, list) else [train_ops]
         self.graph.finalize()
         self.sess = tf.compat.v1.Session(graph=self.graph)
         self.sess.run(init)
@@ -178,24 +171,24 @@ class Apply:
 
 
 def contender(label, n, b, datasets, updates=1):
-    """The contender of that label at N x B (bench_speed.CONTENDERS)."""
-    if label in ("direct", "tf2_direct"):
-        return SessionContender(label, 1, n * b, datasets.train,
-                                "tf2" if label == "tf2_direct" else "stack")
-    if label in ("keras", "keras_long"):
-        return keras_contender(label, n, b, datasets, n * updates if label == "keras_long" else n)
-    if label in ("keras_fit", "keras_fit_p2"):
-        return keras_contender(label, n, b, datasets, accumulate=True,
-                               parallel=2 if label.endswith("_p2") else 1)
-    if label == "tf2_p2":
-        return SessionContender(label, n, b, datasets.train, "tf2", parallel=2)
-    return SessionContender(label, n, b, datasets.train, label)
+    """The contender of that label at N x B (bench_speed.CONTENDERS); "_p2": two passes at
+    once."""
+    parallel, base = (2, label[:-3]) if label.endswith("_p2") else (1, label)
+    if base == "keras_fit":
+        return keras_contender(label, n, b, datasets, accumulate=True, parallel=parallel)
+    if base in ("keras", "keras_long"):
+        return keras_contender(label, n, b, datasets, n * updates if base == "keras_long" else n)
+    if base.endswith("direct"):  # one batch of N*B
+        n, b = 1, n * b
+    averager = "tf2" if base.startswith("tf2") else "stack" if base == "direct" else base
+    return SessionContender(label, n, b, datasets.train, averager, parallel=parallel)
 
 
 def race(contenders, updates, repeats, profiled=(), classes=OP_CLASSES):
     """The one runner: `contenders` interleaved, then the labels `profiled` names (or a
-    function of the CPU times returns) profiled, then all released: (wall, cpu, profiles):
-    {label: [seconds per update, one per round]} of each clock, {label: profile}."""
+    function of the CPU times returns) profiled, then all released (sessions closed, models
+    freed, the list emptied): (wall, cpu, profiles): {label: [seconds per update, one per
+    round]} of each clock, {label: profile}."""
     try:
         cpu = {}
         wall = interleaved(contenders, updates, repeats, cpu=cpu)
@@ -203,7 +196,13 @@ def race(contenders, updates, repeats, profiled=(), classes=OP_CLASSES):
         profiles = {c.label: profile(c, updates, classes) for c in contenders
                     if c.label in traced}
     finally:
-        release(contenders)
+        for c in contenders:
+            if hasattr(c, "close"):
+                c.close()
+        contenders.clear()
+        if "keras" in sys.modules:
+            sys.modules["keras"].utils.clear_session()
+        gc.collect()
     return wall, cpu, profiles
 
 
@@ -215,30 +214,15 @@ def clocked(times, **ratios):
                    for name, (labels, base) in ratios.items()})
 
 
-def race_labels(labels, n, b, datasets, updates, repeats, profiled=False):
-    """The contenders of `labels` at N x B, raced: {"n", "b", "times", "median_ms",
-    "vs_direct" (paired ratios), "profiles" ({label: profile} with `profiled`, else None)}."""
+def race_labels(spec, datasets=None, profiled=False):
+    """The contenders of spec's "labels" at its N x B, raced (its "updates", "repeats") on
+    `datasets` (None: its own MNIST, as a probe, bench_probe.py): {"n", "b", "times",
+    "median_ms", "vs_direct" (paired ratios), "profiles" ({label: profile} with `profiled`)}."""
+    n, b, labels, updates = spec["n"], spec["b"], spec["labels"], spec["updates"]
+    datasets = data.load_mnist() if datasets is None else datasets
     wall, _, profiles = race([contender(label, n, b, datasets, updates) for label in labels],
-                             updates, repeats, labels if profiled else ())
-    return dict(n=n, b=b, profiles=profiles if profiled else None,
-                **clocked(wall, vs_direct=(wall, "direct")))
-
-
-def release(contenders):
-    """Closes the contenders' sessions and frees their models, emptying the list."""
-    for c in contenders:
-        if hasattr(c, "close"):
-            c.close()
-    contenders.clear()
-    if "keras" in sys.modules:
-        sys.modules["keras"].utils.clear_session()
-    gc.collect()
-
-
-def race_probe(spec):
-    """race_labels() in a probe process (bench_probe.py), on its own MNIST."""
-    return race_labels(spec["labels"], spec["n"], spec["b"], data.load_mnist(),
-                       spec["updates"], spec["repeats"])
+                             updates, spec["repeats"], labels if profiled else ())
+    return dict(n=n, b=b, profiles=profiles, **clocked(wall, vs_direct=(wall, "direct")))
 
 
 def interleaved(contenders, updates, repeats, cpu=None, warmups=1):
@@ -268,7 +252,7 @@ def paired_ratio(times, label, base):
     return {"ratio": statistics.median(ratios), "q1": q[0], "q3": q[2]}
 
 
-def profile(contender, updates, classes=OP_CLASSES):
+def profile(contender, updates, classes):
     """Per update of a traced block: {"wall_ms", "cpu_ms", "kernel_ms": {op class (the first
     of `classes` whose pattern its type matches, else "other"): kernel ms summed over threads,
     ops that hold others left out}}."""
@@ -280,12 +264,9 @@ def profile(contender, updates, classes=OP_CLASSES):
         wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         tf.profiler.experimental.stop()
         for line, name, ms in trace_events(logdir):
-            if not line.startswith("tf_Compute"):
-                continue
-            if ":" not in name or "::" in name:
-                continue  # executor bookkeeping (ExecutorState::Process), not an op
-            op_type = name.rsplit(":", 1)[1]
-            if op_type.endswith(CONTAINER_OPS) or op_type.startswith("__"):
+            op_type = name.rsplit(":", 1)[-1]  # an op's; "::": executor bookkeeping, not an op
+            if (not line.startswith("tf_Compute") or ":" not in name or "::" in name
+                    or op_type.endswith(CONTAINER_OPS) or op_type.startswith("__")):
                 continue
             kernel_ms[next((kind for kind, pattern in classes if re.search(pattern, op_type)),
                            "other")] += ms / updates

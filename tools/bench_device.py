@@ -14,6 +14,7 @@ from tools.bench_section import Section
 from tools.bench_section import Target
 from tools.bench_section import table
 from tools.bench_section import worst
+from tools.bench_speed import cell
 
 GPU = "GPU:0"
 MB = 1 << 20
@@ -27,7 +28,8 @@ NO_GPU = "no GPU: not measured here; `make gpu-check` measures it where there is
 
 @functools.cache
 def gpus():
-    """[{name, device_name, compute_capability, driver, memory}] of the GPUs TensorFlow sees."""
+    """[{name, device_name, compute_capability, driver, memory}] of the GPUs TensorFlow sees;
+    driver and memory: nvidia-smi's ("?" where it does not answer)."""
     try:
         text = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
                                "--format=csv,noheader"], capture_output=True, text=True,
@@ -39,10 +41,9 @@ def gpus():
     for i, gpu in enumerate(tf.config.list_physical_devices("GPU")):
         details = tf.config.experimental.get_device_details(gpu)
         driver, memory = smi[i][1:3] if i < len(smi) and len(smi[i]) == 3 else ("?", "?")
+        capability = ".".join(map(str, details.get("compute_capability") or ())) or "?"
         out.append(dict(name=gpu.name, device_name=details.get("device_name", "?"),
-                        compute_capability=".".join(
-                            map(str, details.get("compute_capability") or ())) or "?",
-                        driver=driver, memory=memory))
+                        compute_capability=capability, driver=driver, memory=memory))
     return out
 
 
@@ -73,10 +74,17 @@ def memory_specs(settings):
 
 
 def spec_line(p):
+    """A probe in words: a speed probe's N x B, a memory probe's engine, run and N x B."""
     if "role" not in p:
         return f"speed at N={p['n']} x B={p['b']}"
     return f"{p['engine']} {p['averager'] if p['role'] == 'accumulated' else p['role']} " \
            f"N={p['n']} B={p['b']}"
+
+
+def peak_over(p, memory, ref):
+    """p's peak over that of its engine's `ref` probe (REFS), None where either has none."""
+    base = next((q for q in memory if (q["engine"], q["role"]) == (p["engine"], ref)), {})
+    return p["peak_mb"] / base["peak_mb"] if "peak_mb" in p and "peak_mb" in base else None
 
 
 class Device(Section):
@@ -100,8 +108,8 @@ class Device(Section):
 
         run.log(f"Device memory on {found[0]['device_name']}: N={s['n']} x B={s['b']}")
         memory = [logged(probe(memory_probe, spec)) for spec in memory_specs(s)]
-        speed = [logged(probe(bc.race_probe, dict(labels=LABELS, n=n, b=b, repeats=s["repeats"],
-                                                  updates=s["speed_updates"])))
+        speed = [logged(probe(bc.race_labels, dict(labels=LABELS, n=n, b=b, repeats=s["repeats"],
+                                                   updates=s["speed_updates"])))
                  for n, b in s["speed_configs"]]
         return dict(gpu=found, memory=memory, speed=speed)
 
@@ -113,59 +121,53 @@ class Device(Section):
                  f"batch's time on the device, B >= {DEVICE_SPEED_MIN_B}"]
         if d is None:
             return [Target(name, "no GPU", "not measured") for name in names]
-        refs = {(p["engine"], p["role"]): p for p in d["memory"]}
-        failed = any("error" in p for p in d["memory"])
+        memory, speed = d["memory"], [r for r in d["speed"] if r["b"] >= DEVICE_SPEED_MIN_B]
+        failed, slow = (any("error" in p for p in probes) for probes in (memory, speed))
 
-        def ratios(ref):
-            return {
-                f"({p['engine']} {p['averager']})":
-                    p["peak_mb"] / refs[(p["engine"], ref)]["peak_mb"]
-                for p in d["memory"] if p["role"] == "accumulated" and "peak_mb" in p
-                and "peak_mb" in refs.get((p["engine"], ref), {})}
-
-        speed = [r for r in d["speed"] if r["b"] >= DEVICE_SPEED_MIN_B]
-        slow = any("error" in r for r in speed)
+        def peaks(ref):
+            return {f"({p['engine']} {p['averager']})": peak_over(p, memory, ref) for p in memory
+                    if p["role"] == "accumulated" and peak_over(p, memory, ref) is not None}
 
         def times(of):
             return {f"at N={r['n']}/B={r['b']}": of(r) for r in speed if "error" not in r}
 
-        return [worst(names[0], ratios("alone"), DEVICE_VS_ALONE, failed=failed),
-                worst(names[1], ratios("direct"), DEVICE_VS_DIRECT, failed=failed),
+        return [worst(names[0], peaks("alone"), DEVICE_VS_ALONE, failed=failed),
+                worst(names[1], peaks("direct"), DEVICE_VS_DIRECT, failed=failed),
                 worst(names[2], times(lambda r: r["vs_direct"]["fused"]), DEVICE_SPEED,
                       failed=slow),
                 worst(names[3], times(lambda r: bc.paired_ratio(r["times"], "tf2", "tf2_direct")),
                       DEVICE_SPEED, failed=slow)]
 
     def markdown(self, d):
-        lines = [f"## {self.title}", ""]
         if d is None:
-            return lines + [NO_GPU]
+            return [f"## {self.title}", "", NO_GPU]
         s = self.settings
-        lines += [f"On {', '.join(g['device_name'] for g in d['gpu'])}: the peak of "
-                  f"`get_memory_info('{GPU}')` over {s['updates']} updates after an untimed "
-                  "one; \"before\": in use at the reset (weights, optimizer slots).", ""]
-        refs = {(p["engine"], p["role"]): p for p in d["memory"]}
 
         def memory_row(p):
             cells = [p["error"]] if "error" in p else [
                 f"{p['peak_mb']:.1f}", f"{p['before_mb']:.1f}", f"{p['increment_mb']:.1f}"] + [
-                f"{p['peak_mb'] / refs[(p['engine'], ref)]['peak_mb']:.2f}"
-                if "peak_mb" in refs.get((p["engine"], ref), {}) else "" for ref in REFS]
+                "" if (r := peak_over(p, d["memory"], ref)) is None else f"{r:.2f}"
+                for ref in REFS]
             run = {"alone": "B alone", "direct": "direct"}.get(p["role"], p["averager"])
             return (p["engine"], run, f"{p['n']} x {p['b']}", *cells)
 
-        lines += table(("engine", "run", "N x B", "peak MB", "before MB", "training adds MB",
-                        "peak / B alone", "peak / direct"), map(memory_row, d["memory"]))
+        def speed_row(p):
+            return (f"{p['n']} x {p['b']}", *([p["error"]] if "error" in p else [
+                *(cell(p, k) for k in LABELS),
+                f"{bc.paired_ratio(p['times'], 'tf2', 'tf2_direct')['ratio']:.2f}x"]))
+
+        lines = self.heading(
+            f"On {', '.join(g['device_name'] for g in d['gpu'])}: the peak of "
+            f"`get_memory_info('{GPU}')` over {s['updates']} updates after an untimed one; "
+            "\"before\": in use at the reset (weights, optimizer slots).") + table(
+            ("engine", "run", "N x B", "peak MB", "before MB", "training adds MB",
+             "peak / B alone", "peak / direct"), map(memory_row, d["memory"]))
         refused = [p for p in d["memory"] + d["speed"] if "determinism_error" in p]
         if refused:
             lines += ["", "Measured without op determinism (TensorFlow refused it): " + "; ".join(
                 f"{spec_line(p)} ({p['determinism_error']})" for p in refused) + "."]
-        lines += ["", "### Speed on the device", "",
-                  f"ms per update, median of {s['repeats']} interleaved rounds of "
-                  f"{s['speed_updates']} updates, as the speed section; `tf2_direct`: the tf2 "
-                  "engine's own direct batch of N*B.", ""]
-        return lines + table(("N x B", *LABELS, "tf2 / tf2_direct"), [
-            (f"{p['n']} x {p['b']}", *([p["error"]] if "error" in p else [
-                f"{p['median_ms'][k]:.1f} ms, {p['vs_direct'][k]['ratio']:.2f}x" for k in LABELS
-            ] + [f"{bc.paired_ratio(p['times'], 'tf2', 'tf2_direct')['ratio']:.2f}x"]))
-            for p in d["speed"]])
+        return lines + [
+            "", "### Speed on the device", "", f"ms per update, median of {s['repeats']} "
+            f"interleaved rounds of {s['speed_updates']} updates, as the speed section; "
+            "`tf2_direct`: the tf2 engine's own direct batch of N*B.", ""] + table(
+            ("N x B", *LABELS, "tf2 / tf2_direct"), map(speed_row, d["speed"]))

@@ -41,12 +41,12 @@ class MicroBatchSearch(Section):
         """One row: the direct batch, the found B, the bisection up from it (the OOM edge need
         not be monotone in B). `xla` leaves the direct batch uncompiled: on the CPU an XLA
         step out of memory aborts the process."""
-        def probe(path, micro_batch=None, timed=0):
-            compiled = {"jit_compile": True} if xla and path != "direct" else {}
-            r = memory.probe(model, path, 1, effective, limit_mb=limit,
-                             micro_batch=micro_batch, timed=timed, **compiled)
-            # Halved in training: an OOM at the B it began with.
-            r = dict(r, oom=r.get("oom") or bool(r.get("halved")))
+        def probe(path, micro_batch=None):
+            direct = path == "direct"
+            r = memory.probe(model, path, 1, effective, limit_mb=limit, micro_batch=micro_batch,
+                             timed=0 if direct else self.settings["timed"],
+                             **({"jit_compile": True} if xla and not direct else {}))
+            r = dict(r, oom=r.get("oom") or bool(r.get("halved")))  # halved: OOM at its first B
             log(f"micro-batch: {_name(model, xla)}, E={effective} under {limit} MiB, {path} "
                 f"B={micro_batch or effective}: " + (
                     r.get("error") or ("OOM" if r["oom"] else f"fits (peak "
@@ -68,20 +68,19 @@ class MicroBatchSearch(Section):
         row.update(found=b_found(found), given="OOM" if given["oom"] else "fits",
                    search_s=statistics.median(seconds), searches=seconds,
                    searched_b=[b_found(f) for f, *_ in searches],
-                   search_trials=len(found["trials"]),
-                   found_ms=found_ms, largest_ms=found_ms,
+                   search_trials=len(found["trials"]), found_ms=found_ms, largest_ms=found_ms,
                    epoch_s=math.ceil(EPOCH / effective) * found_ms / 1e3)
         return self._bisect(row, found, probe)
 
     def _search(self, probe):
         """(the search's probe, a fresh process's given its B, the seconds the search added) or
         an error."""
-        found = probe("accumulate", "auto", self.settings["timed"])
+        found = probe("accumulate", "auto")
         if found.get("error") or "micro_batch_size" not in found:
             return found.get("error") or "OOM in the search"
         # Whether the found B fits without the search's history in the allocator, timed as
         # the bisection's trials are.
-        given = probe("accumulate", b_found(found), self.settings["timed"])
+        given = probe("accumulate", b_found(found))
         if given.get("error"):
             return given["error"]
         if given["oom"]:  # nothing to subtract: the search's own seconds
@@ -104,7 +103,7 @@ class MicroBatchSearch(Section):
                 size, ran_out = ran_out, None
             else:
                 size = (lo + hi) // 2
-            trial = probe("accumulate", size, self.settings["timed"])
+            trial = probe("accumulate", size)
             row["probes"] += 1
             if trial.get("error"):
                 return dict(row, error=trial["error"])
@@ -160,6 +159,7 @@ def _cells(r):
         f"{r['found'] / r['largest']:.2f}", f"{r['search_s']:.1f} ({searches})",
         f"{r['epoch_s']:.0f}", f"{r['search_s'] / r['epoch_s']:.3f}", f"{r['found_ms']:.0f}",
         f"{r['largest_ms']:.0f}", f"{r['found_ms'] / r['largest_ms']:.2f}"]
+
 
 def b_found(found):
     """The B a search began training at (before any halving)."""

@@ -8,8 +8,6 @@ from tools.bench_section import Section
 from tools.bench_section import table
 from tools.bench_section import worst
 
-# The targets compare the paths with one another: at B = 5 to 20 a kernel call's fixed cost
-# decides the time against direct or Keras's (bench_floor measures accumulation's).
 EDGES = ((5, 20), (20, 5))  # the post's largest and smallest B: tf2 against fused here
 TF2_VS_FUSED = 1.15  # the tf2 window against tf1's fused, at EDGES
 KERAS_FIT_CONFIG = (5, 20)  # fit with accumulate no slower than Keras's own here
@@ -41,15 +39,15 @@ updates, timed as the floor section's; the ratio is the median of the per-round 
 noise), and Keras does not accumulate."""
 
 
-def keras_best(row):
-    """The faster of Keras's two contenders in this row."""
-    return min(KERAS, key=lambda k: row["median_ms"][k])
-
-
 def noise_floor(rows):
     """This run's noise: the averagers' largest |ratio to direct - 1| at N=1 (the same graph)."""
     return next((max(abs(r["vs_direct"][s]["ratio"] - 1) for s in averagers.AVERAGERS)
                  for r in rows if r["n"] == 1), None)
+
+
+def cell(row, label):
+    """A label's ms per update in a speed row, and its ratio to direct."""
+    return f"{row['median_ms'][label]:.1f} ms, {row['vs_direct'][label]['ratio']:.2f}x"
 
 
 def _ratios(rows, label, base):
@@ -69,10 +67,8 @@ class Speed(Section):
         s, rows = self.settings, []
         for n, b in s["configs"]:
             run.log(f"Speed at N={n} x B={b} (direct: B={n * b})")
-            row = bc.race_labels(LABELS, n, b, run.datasets, s["updates"], s["repeats"],
-                                 profiled=True)
-            run.log("  " + ", ".join(f"{k}: {row['median_ms'][k]:.1f} ms "
-                                     f"({row['vs_direct'][k]['ratio']:.2f}x)" for k in LABELS))
+            row = bc.race_labels(dict(s, labels=LABELS, n=n, b=b), run.datasets, profiled=True)
+            run.log("  " + "; ".join(f"{k}: {cell(row, k)}" for k in LABELS))
             rows.append(row)
             run.step()
         return rows
@@ -97,14 +93,14 @@ class Speed(Section):
         return out
 
     def markdown(self, rows):
-        def cell(r, k):
-            return f"{r['median_ms'][k]:.1f} ms, {r['vs_direct'][k]['ratio']:.2f}x"
+        def cells(r):
+            keras = min(KERAS, key=lambda k: r["median_ms"][k])  # the faster
+            return (f"{r['n']} x {r['b']}", *(cell(r, k) for k in LABELS),
+                    f"{bc.paired_ratio(r['times'], keras, 'fused')['ratio']:.2f}x")
 
         lines = self.heading(ABOUT.format(**self.settings))
         lines += [f"- `{k}`: {CONTENDERS[k]}" for k in LABELS] + [""]
-        lines += table(("N x B", *LABELS, "faster Keras / fused"), [
-            (f"{r['n']} x {r['b']}", *(cell(r, k) for k in LABELS),
-             f"{bc.paired_ratio(r['times'], keras_best(r), 'fused')['ratio']:.2f}x") for r in rows])
+        lines += table(("N x B", *LABELS, "faster Keras / fused"), map(cells, rows))
         noise = noise_floor(rows)
         if noise is not None:
             lines += ["", f"This run's noise (the averagers at N=1 against `direct`): {noise:.0%}."
@@ -151,12 +147,9 @@ class Kernels(Section):
     def measure(self, run):
         """[{"onednn": the speed section's row, "eigen": the same race in a probe}]."""
         rows = []
-        for row in run.results.get("speed") or []:
-            if (row["n"], row["b"]) not in EDGES:
-                continue
-            eigen = bench_probe.probe(bc.race_probe, dict(
-                labels=("direct", "fused"), n=row["n"], b=row["b"],
-                updates=self.settings["updates"], repeats=self.settings["repeats"]),
+        for row in [r for r in run.results.get("speed") or [] if (r["n"], r["b"]) in EDGES]:
+            eigen = bench_probe.probe(bc.race_labels, dict(
+                self.settings, labels=("direct", "fused"), n=row["n"], b=row["b"]),
                 env={"TF_ENABLE_ONEDNN_OPTS": "0"})
             run.log(f"Fused against direct with oneDNN off, N={row['n']} x B={row['b']}: "
                     + (eigen.get("error") or f"{eigen['vs_direct']['fused']['ratio']:.2f}x"))

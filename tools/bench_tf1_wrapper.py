@@ -23,9 +23,6 @@ v1 = tf.compat.v1
 
 DENSE_N, DENSE_B = 5, 20  # the post's (5, 20)
 SPARSE_N, SPARSE_B, ROWS, WIDTH = 4, 128, 50000, 64  # docs/tf1-code.md's table
-# model -> (what the wrapper is held to, the most it may take of it); sparse gradients are
-# held to the floor, as no design brings them near the plain run.
-TARGETS = {"dense": ("plain", 1.05), "sparse": ("floor", 1.35)}
 
 
 def _dense_model():
@@ -51,54 +48,48 @@ def _sparse_model():
     return loss, feeds, v1.train.MomentumOptimizer(0.01, 0.9)
 
 
-# model -> (build: () -> (loss, [feed dict], optimizer) in the graph, N, B).
-MODELS = {"dense": (_dense_model, DENSE_N, DENSE_B),
-          "sparse": (_sparse_model, SPARSE_N, SPARSE_B)}
+# model -> (build: () -> (loss, [feed dict], optimizer) in the graph, N, B, what the wrapper
+# is held to, the most it may take of it); sparse gradients are held to the floor, as no
+# design brings them near the plain run.
+MODELS = {"dense": (_dense_model, DENSE_N, DENSE_B, "plain", 1.05),
+          "sparse": (_sparse_model, SPARSE_N, SPARSE_B, "floor", 1.35)}
 # label -> (N, lock): None for the plain optimizer's minimize.
 CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", False),
               "wrapped N=1": (1, True)}
 
 
 def _floor(build, n, b):
-    """The least any accumulating design runs: N train ops in turn, no counter, branch, lock or
-    finiteness check; each adds its gradient (sparse: its rows, ids kept), the last also
-    applies the sum / N and zeroes what it applied."""
-    def train_ops():
-        loss, feeds, optimizer = build()
-        pairs = optimizer.compute_gradients(loss)
-        sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for _, v in pairs]
-        ids = [tf.Variable(tf.zeros([n, b], tf.int32), trainable=False)
-               if isinstance(g, tf.IndexedSlices) else None for g, _ in pairs]
+    """A TrainOp's build of the least any accumulating design runs: N train ops in turn, no
+    counter, branch, lock or finiteness check; each adds its gradient (sparse: its rows, ids
+    kept), the last also applies the sum / N and then zeroes what it applied."""
+    loss, feeds, optimizer = build()
+    pairs = optimizer.compute_gradients(loss)
+    sums = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for _, v in pairs]
+    ids = [tf.Variable(tf.zeros([n, b], tf.int32), trainable=False)
+           if isinstance(g, tf.IndexedSlices) else None for g, _ in pairs]
 
-        def add(k):
-            ops = []
-            for (g, _), total, window_ids in zip(pairs, sums, ids):
-                if window_ids is None:
-                    ops.append(total.assign_add(g, read_value=False))
-                else:
-                    ops += [v1.scatter_add(total, g.indices, g.values),
-                            v1.scatter_update(window_ids, [k], g.indices[None])]
-            return ops
+    def add(k):
+        ops = []
+        for (g, _), total, window_ids in zip(pairs, sums, ids):
+            ops += [total.assign_add(g, read_value=False)] if window_ids is None else [
+                v1.scatter_add(total, g.indices, g.values),
+                v1.scatter_update(window_ids, [k], g.indices[None])]
+        return ops
 
-        def apply():
-            means, zeroes = [], []  # zeroes: made after the apply
-            for (_, v), total, window_ids in zip(pairs, sums, ids):
-                if window_ids is None:
-                    means.append((total / n, v))
-                    zeroes.append(lambda total=total: total.assign(tf.zeros_like(total)))
-                    continue
-                rows, _ = tf.unique(tf.reshape(window_ids, [-1]))
-                means.append((tf.IndexedSlices(tf.gather(total, rows) / n, rows), v))
-                zeroes.append(lambda total=total, rows=rows: v1.scatter_update(
-                    total, rows, tf.zeros([tf.size(rows), *total.shape[1:]], total.dtype)))
-            with tf.control_dependencies([optimizer.apply_gradients(means)]):
-                return tf.group(*[zero() for zero in zeroes])
+    def apply():
+        rows = [None if w is None else tf.unique(tf.reshape(w, [-1]))[0] for w in ids]
+        means = [(total / n if r is None else tf.IndexedSlices(tf.gather(total, r) / n, r), v)
+                 for (_, v), total, r in zip(pairs, sums, rows)]
+        with tf.control_dependencies([optimizer.apply_gradients(means)]):
+            return tf.group(*[total.assign(tf.zeros_like(total)) if r is None else
+                              v1.scatter_update(total, r, tf.zeros([tf.size(r), *total.shape[1:]],
+                                                                   total.dtype))
+                              for total, r in zip(sums, rows)])
 
-        ops = [tf.group(*add(k)) for k in range(n - 1)]
-        with tf.control_dependencies(add(n - 1)):
-            ops.append(apply())
-        return ops, feeds
-    return train_ops
+    ops = [tf.group(*add(k)) for k in range(n - 1)]
+    with tf.control_dependencies(add(n - 1)):
+        ops.append(apply())
+    return ops, feeds
 
 
 def _unlocked(window, after):
@@ -111,15 +102,13 @@ def _unlocked(window, after):
 
 def _train_op(build, n, locked):
     """A TrainOp's build: the optimizer in AveragingOptimizer(n) unless n is None."""
-    def train_op():
-        loss, feeds, optimizer = build()
-        if n is not None:
-            optimizer = AveragingOptimizer(optimizer, n)
-        unlocked = mock.patch.object(tf1._Window, "locked",  # noqa: SLF001 (as _unlocked)
-                                     contextlib.contextmanager(_unlocked))
-        with contextlib.nullcontext() if locked else unlocked:
-            return optimizer.minimize(loss), feeds
-    return train_op
+    loss, feeds, optimizer = build()
+    if n is not None:
+        optimizer = AveragingOptimizer(optimizer, n)
+    unlocked = mock.patch.object(tf1._Window, "locked",  # noqa: SLF001 (as _unlocked)
+                                 contextlib.contextmanager(_unlocked))
+    with contextlib.nullcontext() if locked else unlocked:
+        return [optimizer.minimize(loss)], feeds
 
 
 class Wrapper(Section):
@@ -130,10 +119,10 @@ class Wrapper(Section):
         """{model: {"n", "b", "times", "median_ms", "vs_plain", "vs_floor": {label: paired
         ratio}, "lock": wrapped / unlocked}}."""
         out = {}
-        for name, (build, n, b) in MODELS.items():
-            contenders = [bc.TrainOp(label, _train_op(build, n if size == "N" else size, locked))
+        for name, (build, n, b, *_) in MODELS.items():
+            contenders = [bc.TrainOp(label, _train_op, build, n if size == "N" else size, locked)
                           for label, (size, locked) in CONTENDERS.items()]
-            contenders.append(bc.TrainOp("floor", _floor(build, n, b)))
+            contenders.append(bc.TrainOp("floor", _floor, build, n, b))
             times, _, _ = bc.race(contenders, self.settings["windows"] * n,
                                   self.settings["rounds"])
             out[name] = dict(n=n, b=b, lock=bc.paired_ratio(times, "wrapped", "unlocked"),
@@ -147,7 +136,7 @@ class Wrapper(Section):
     def targets(self, result):
         out = []
         for name, row in result.items():
-            base, limit = TARGETS[name]
+            *_, base, limit = MODELS[name]
             what = "the plain optimizer's" if base == "plain" else "the floor's"
             out.append(worst(f"AveragingOptimizer's train op <= {limit}x {what}, {name} "
                              f"(N={row['n']}, B={row['b']})",
