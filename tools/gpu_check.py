@@ -62,11 +62,9 @@ def _outcomes(root):
     for case in root.iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         element = next((e for e in map(case.find, OUTCOMES) if e is not None), None)
-        if element is None:
-            out.append((name, "passed", ""))
-            continue
-        text = element.get("message") or element.text or ""
-        out.append((name, OUTCOMES[element.tag], (text.strip().splitlines() or [""])[0]))
+        outcome = "passed" if element is None else OUTCOMES[element.tag]
+        text = "" if element is None else element.get("message") or element.text or ""
+        out.append((name, outcome, (text.strip().splitlines() or [""])[0]))
     return out
 
 
