@@ -170,9 +170,9 @@ class Apply:
         self.applies(tf.constant(updates * (self.n - 1)))
 
 
-def contender(label, n, b, datasets, updates=1):
-    """The contender of that label at N x B (bench_speed.CONTENDERS); "_p2": two passes at
-    once."""
+def contender(label, n, b, datasets, updates):
+    """The contender of that label at N x B (bench_speed.CONTENDERS; "_p2": two passes at
+    once), trained in blocks of `updates` (keras_long's one call)."""
     parallel, base = (2, label[:-3]) if label.endswith("_p2") else (1, label)
     if base == "keras_fit":
         return keras_contender(label, n, b, datasets, accumulate=True, parallel=parallel)
