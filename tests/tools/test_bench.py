@@ -81,7 +81,7 @@ def test_speed_targets_at_the_posts_configurations_compare_the_paths_with_one_an
 
 
 def _floor_row(model, n, b, profiles=None, wall=None, **times):
-    """A floor row as bench_floor.race makes it: `times` gives a label's per-round CPU
+    """A floor row as bench_floor.floor_race makes it: `times` gives a label's per-round CPU
     seconds per update (`wall` its wall-clock's, None: the same); the floor is alone's
     less apply's, round by round."""
     return bench_floor.summary(bench_floor.clock, times, wall, profiles, model=model, n=n, b=b,
@@ -214,7 +214,7 @@ def test_lm_speed_judges_rows_against_rows_made_dense_within_its_noise():
     row = summary(lm, dict(floor, rows=[0.80, 0.84, 0.80], dense_rows=[1.0, 1.0, 0.8],
                            again=[0.82, 0.84, 0.84]))
     assert row["median_ms"]["floor"] == pytest.approx(730.0)
-    assert row["vs_dense"] == pytest.approx({"ratio": 0.84, "q1": 0.82, "q3": 0.92})
+    assert row["vs_dense"]["rows"] == pytest.approx({"ratio": 0.84, "q1": 0.82, "q3": 0.92})
     assert row["noise"] == pytest.approx(0.025)  # again / rows: 1.025, 1.0, 1.05
     assert row["vs_floor"]["rows"]["ratio"] == pytest.approx(0.80 / 0.73)
     # At V=128,000 rows 2% over dense_rows in every round: over 1.0, within the noise.
@@ -239,7 +239,7 @@ def test_lm_speed_quick_run_times_rows_and_rows_made_dense_side_by_side():
     assert set(row["times"]) == {"alone", "apply", "direct", "rows", "dense_rows", "again",
                                  "floor"}
     assert all(len(t) == 2 and min(t) > 0 for t in row["times"].values())
-    assert 0.5 < row["vs_dense"]["ratio"] < 2 and row["noise"] < 0.5
+    assert 0.5 < row["vs_dense"]["rows"]["ratio"] < 2 and row["noise"] < 0.5
     (target,) = section.targets(rows)
     assert target.status in STATUSES and target.target.endswith("(N=2)")
     assert "| lm (V=1,000) | 2 x 2 |" in "\n".join(section.markdown(rows))
