@@ -23,7 +23,7 @@ from experiment import checkpoint
 from experiment import config as config_lib
 from experiment import data
 from experiment import device_memory
-from experiment import faults
+from experiment import events
 from experiment import progress
 from experiment import results
 from experiment import workers
@@ -319,7 +319,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
             if saved and saved["finished"]:
                 return saved["result"]
         engine = module.Engine(config, seed)
-        writer = _EventWriter(logdir) if logdir else None
+        writer = events.Writer(logdir) if logdir else None
         closers = [engine.close] + ([writer.close] if writer else [])
         try:
             if verbose and engine.summary():
@@ -580,45 +580,3 @@ class _Run:
         if self.writer:
             self.writer.scalar("test/accuracy", accuracy, updates)
         return accuracy
-
-
-class _EventWriter:
-    """TensorBoard scalars as plain `simple_value` events (no tensorboard package needed).
-
-    Events are a run's curves, not its results: the first write that fails (a full disk,
-    a lost permission) is warned about once, through `warn`, and the run goes on without
-    events. faults.check sees each write as one to LOGDIR/events.out.tfevents.
-    """
-
-    def __init__(self, logdir):
-        self.logdir = logdir
-        self.warn = _warning
-        self._writer = self._attempt(tf.summary.create_file_writer, logdir)
-
-    def _attempt(self, write, *args):
-        """write(*args), or None where it failed (warned; the writer is then dropped)."""
-        try:
-            faults.check(os.path.join(self.logdir, "events.out.tfevents"))
-            return write(*args)
-        except (tf.errors.OpError, OSError) as e:
-            self.warn(f"--logdir: cannot write TensorBoard events in {self.logdir} "
-                      f"({results.cause(e)}); the run goes on without them")
-            self._writer = None
-            return None
-
-    def scalar(self, tag, value, step):
-        if self._writer is None:
-            return
-        summary = tf.compat.v1.Summary(
-            value=[tf.compat.v1.Summary.Value(tag=tag, simple_value=float(value))])
-
-        def write():
-            with self._writer.as_default():
-                tf.summary.experimental.write_raw_pb(summary.SerializeToString(), step=step)
-
-        self._attempt(write)
-
-    def close(self):
-        if self._writer is not None:
-            self._attempt(self._writer.close)
-            self._writer = None

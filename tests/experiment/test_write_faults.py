@@ -22,6 +22,7 @@ from experiment import checkpoint
 from experiment import config
 from experiment import data
 from experiment import engine_tf1
+from experiment import events
 from experiment import faults
 from experiment import loop
 from experiment import results
@@ -174,7 +175,7 @@ def test_an_error_while_closing_does_not_hide_why_the_run_stopped(tmp_path, monk
         raise RuntimeError("close failed")
 
     monkeypatch.setattr(engine_tf1.Engine, "close", close)
-    monkeypatch.setattr(loop._EventWriter, "close", close)  # noqa: SLF001 (its close fails)
+    monkeypatch.setattr(events.Writer, "close", close)
     with pytest.raises(loop.Stopped, match="interrupted by SIGINT"):
         loop.train_once(config.Config(average_gradients=2, batch_size=10, iterations=4,
                                     eval_every=0), mnist_quick, seed=0,
