@@ -28,8 +28,8 @@ from absl import flags
 from experiment import cli
 from experiment import results
 from tools import bench_probe
+from tools import bench_section
 from tools import models
-from tools.bench_section import xplanes
 
 FLAGS = flags.FLAGS
 
@@ -215,12 +215,11 @@ def growth(tables):
     return rows
 
 
-def _mb(value):
-    return "–" if value is None else f"{value:.1f}"
-
-
 def _ratio(value, digits=2):
     return "–" if value is None else f"{value:.{digits}f}"
+
+
+_mb = functools.partial(_ratio, digits=1)
 
 
 def _peak(row):
@@ -248,14 +247,11 @@ def markdown(rows):
                 f"; the _p2 rows' bound {_mb(with_sums)} MiB (B alone + accumulators + "
                 "largest variable + 5%)") + ". Peak MiB, median of "
              f"{first['probes']} probes (one process each)."
-             + tf1_bound(rows), "",
-             "| path | peak | before the update | peak / bound | / B alone | / direct "
-             "| / Keras's | s per probe |", "|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['path']} | {_peak(row)} | {_mb(row['current_mb'])} | "
-                     f"{_ratio(row['to_bound'])} | {_ratio(row['to_alone'])} | "
-                     f"{_ratio(row['to_direct'])} | {_ratio(row['to_keras'])} | "
-                     f"{row['seconds']:.1f} |")
+             + tf1_bound(rows), ""]
+    lines += bench_section.table(("path", "peak", "before the update", "peak / bound", "/ B alone",
+                    "/ direct", "/ Keras's", "s per probe"), [
+        (row["path"], _peak(row), _mb(row["current_mb"]), *(_ratio(row[f"to_{k}"]) for k in (
+            "bound", "alone", "direct", "keras")), f"{row['seconds']:.1f}") for row in rows])
     lines += [f"- {row['path']}: {e}" for row in rows for e in row["errors"]]
     lines += [f"- {row['path']}, alive at its peak (a profiled probe, {row['at_peak_mb']:.1f} "
               f"MiB), of what the update allocated, MiB: {at_peak_text(row['at_peak'])}"
@@ -278,15 +274,11 @@ def tf1_bound(rows):
 def growth_markdown(rows):
     """growth's rows as markdown (the ratio to 3 digits: the target is 2%)."""
     ns = sorted(rows[0]["peaks"])
-    lines = ["| path | " + " | ".join(f"N={n}" for n in ns) + f" | N={ns[-1]} / N={ns[0]} | "
-             + " | ".join(f"every probe, N={n}" for n in ns) + " |",
-             "|---" * (2 * len(ns) + 2) + "|"]
-    for row in rows:
-        lines.append(f"| {row['path']} | " + " | ".join(_mb(row["peaks"][n]) for n in ns)
-                     + f" | {_ratio(row['growth'], 3)} | "
-                     + " | ".join(", ".join(_mb(p) for p in row["probed"][n]) for n in ns)
-                     + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(bench_section.table(
+        ("path", *(f"N={n}" for n in ns), f"N={ns[-1]} / N={ns[0]}",
+         *(f"every probe, N={n}" for n in ns)),
+        [(row["path"], *(_mb(row["peaks"][n]) for n in ns), _ratio(row["growth"], 3),
+          *(", ".join(_mb(p) for p in row["probed"][n]) for n in ns)) for row in rows])) + "\n"
 
 
 _adam = functools.partial(models.adam, epsilon=models.ADAM_EPSILON)
@@ -320,8 +312,8 @@ def _path_alone(model, n, b, x, y):
     return _keras_path(net, _fit(net, x, y, b, n * b))
 
 
-def _path_direct(model, n, b, x, y, jit_compile="auto"):
-    net = _compiled(models.keras_model(model), jit_compile=jit_compile)
+def _path_direct(model, n, b, x, y, jit_compile="auto", dense_rows=False):
+    net = _compiled(models.keras_model(model, dense_rows), jit_compile=jit_compile)
     return _keras_path(net, _fit(net, x, y, n * b, n * b))
 
 
@@ -428,13 +420,8 @@ def _path_tf1(model, n, b, x, y, plain=None):
     return update, weights, weights, lambda: session.run(weights)
 
 
-def _path_dense_direct(model, n, b, x, y):
-    net = _compiled(models.keras_model(model, dense_rows=True))
-    return _keras_path(net, _fit(net, x, y, n * b, n * b))
-
-
 _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
-          "dense_direct": _path_dense_direct,
+          "dense_direct": functools.partial(_path_direct, dense_rows=True),
           "accumulate": _path_accumulate, "window": _path_window,
           "mini_batch": _path_mini_batch, "tf1": _path_tf1,
           "tf1_direct": lambda *args: _path_tf1(*args, plain="direct"),
@@ -475,7 +462,7 @@ def _profiled(update, top=PROFILE_TOP):
             times = [_milliseconds(update)]
         finally:
             tf.profiler.experimental.stop()
-        planes = list(xplanes(logdir))
+        planes = list(bench_section.xplanes(logdir))
     events = []
     for plane in planes:
         names = {key: m.name for key, m in plane.event_metadata.items()}
@@ -534,9 +521,7 @@ def run_probe(spec):
         from gradient_averaging import device as device_lib
         device_lib.reserve_cpu_memory(None if spec["limit_mb"] else RESERVE_MB)
     phase = "warm-up"
-    cut = {"micro_batch": spec["micro_batch"]} if spec.get("micro_batch") else {}
-    if spec.get("jit_compile"):
-        cut["jit_compile"] = True
+    cut = {k: spec[k] for k in ("micro_batch", "jit_compile") if spec.get(k)}
     try:
         x, y = models.data(spec["model"], max(spec["n"] * spec["b"], spec.get("held") or 0))
         if spec.get("held"):
@@ -564,8 +549,7 @@ def run_probe(spec):
         return dict(spec, oom=True, phase=phase, message=message.strip()[:300])
     return dict(spec, oom=False, device=device, peak_mb=peak / MIB, current_mb=current / MIB,
                 update_ms=min(times), warmup_ms=warmup_ms,
-                **({} if at_peak is None else {"at_peak": at_peak,
-                                               "largest_by_op": largest}),
+                **({} if at_peak is None else {"at_peak": at_peak, "largest_by_op": largest}),
                 **_sizes(weights, trainable), **(more[0]() if more else {}))
 
 
