@@ -1,17 +1,12 @@
 """A run's TensorBoard events: scalars written as plain `simple_value` events (no
 tensorboard package needed)."""
 
-import logging
 import os
 
 import tensorflow as tf
 
 from experiment import faults
 from experiment import results
-
-
-def _warning(line):
-    logging.warning("%s", line)
 
 
 class Writer:
@@ -22,9 +17,8 @@ class Writer:
     events. faults.check sees each write as one to LOGDIR/events.out.tfevents.
     """
 
-    def __init__(self, logdir):
-        self.logdir = logdir
-        self.warn = _warning  # the run's loop sets its own (the bar cleared around it)
+    def __init__(self, logdir, warn):
+        self.logdir, self.warn = logdir, warn
         self._writer = self._attempt(tf.summary.create_file_writer, logdir)
 
     def _attempt(self, write, *args):

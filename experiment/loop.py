@@ -1,10 +1,11 @@
 """The run loop: one training run of either engine, and the reps of a configuration.
 
-Engine-neutral: the evaluation cadence, the counters, the best accuracy, checkpoints
-and resume, the verdicts on non-finite windows, TensorBoard events and the result
-record live here once; an engine (engine_tf1.py, engine_tf2.py) only trains, evaluates,
-and saves its variables. It takes plain values (config.Config, config.Runs), never
-the command-line flags, so that a test or a script can run it directly.
+Engine-neutral: the evaluation cadence, the counters, the best accuracy, checkpoints and
+resume, the verdicts on non-finite windows, what goes into TensorBoard events (written by
+events.py) and the result record live here once; an engine (engine_tf1.py, engine_tf2.py)
+only trains, evaluates, and saves its variables. It takes plain values (config.Config,
+config.Runs), never the command-line flags, so that a test or a script can run it
+directly.
 
 The engine's contract is interfaces.Engine (and interfaces.EngineModule for its module);
 config.ENGINES names the engines and loads one on use.
@@ -319,7 +320,7 @@ def train_once(config, datasets, seed, verbose=False, log=None, logdir=None,
             if saved and saved["finished"]:
                 return saved["result"]
         engine = module.Engine(config, seed)
-        writer = events.Writer(logdir) if logdir else None
+        writer = events.Writer(logdir, _warning) if logdir else None
         closers = [engine.close] + ([writer.close] if writer else [])
         try:
             if verbose and engine.summary():

@@ -175,9 +175,11 @@ def collective_bytes(graph):
                 elements = tensor.shape.num_elements()
                 size = None if elements is None else elements * tensor.dtype.size
                 sizes[op.name] = size if sizes.get(op.name, size) == size else None
-        inner = [getattr(f, "graph", None) for f in getattr(graph, "_functions", {}).values()]
-        graphs += [g for g in inner if g is not None and id(g) not in seen]
-        seen.update(map(id, inner))
+        for function in getattr(graph, "_functions", {}).values():
+            inner = getattr(function, "graph", None)
+            if inner is not None and id(inner) not in seen:
+                seen.add(id(inner))
+                graphs.append(inner)
     return sizes
 
 

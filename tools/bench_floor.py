@@ -20,7 +20,8 @@ WORKLOADS = (
     Workload("convnet", models.post_model("convnet"), 1.05, 64, 7,
              "the post's ConvNet (44,426 weights, dropout on)"),
     Workload("mlp", models.post_model("mlp"), 1.10, 4, 3,
-             "the mlp (two dense layers of 4096, 20.0M weights, dropout on)"),
+             "the mlp (two dense layers of 4096, 20.0M weights, dropout on): adding its "
+             "gradients into the sums each mini-batch is a real share of the work"),
 )
 LABELS = {  # what each contender is
     "alone": "Keras fit at B, steps_per_execution=N: N steps per update",
@@ -105,9 +106,10 @@ def summary(clock, cpu, wall=None, profiles=None, **about):
                 **clock(cpu))
 
 
-def race(contenders, clock, updates, repeats, traced=(), /, **about):
-    """bc.race's summary() by `clock`, with "load": the load average as the race ended."""
-    wall, cpu, profiles = bc.race(contenders, updates, repeats, traced, OP_CLASSES)
+def race_row(contenders, clock, block, rounds, traced=(), **about):
+    """bc.race's summary() by `clock` (`block`: updates per timed block), with "load": the
+    load average as the race ended."""
+    wall, cpu, profiles = bc.race(contenders, block, rounds, traced, OP_CLASSES)
     return summary(clock, cpu, wall, profiles, **about, load=os.getloadavg()[0])
 
 
@@ -120,8 +122,8 @@ def floor_race(workload, n, b, base, noise=False, profiled=(), jit=False):
         over = [k for k in missing(clock(cpu)["vs_floor"], workload.limit) if k not in profiled]
         return ("alone", "apply", *over) if over else ()
 
-    return race(contenders(workload, n, b, base, noise, jit), clock, updates, workload.repeats,
-                traced, model=workload.name, n=n, b=b, updates=updates)
+    return race_row(contenders(workload, n, b, base, noise, jit), clock, updates,
+                    workload.repeats, traced, model=workload.name, n=n, b=b, updates=updates)
 
 
 def xla_race(spec):
@@ -148,6 +150,7 @@ def floor_profile(row):
 class Floor(Section):
     name, title = "floor", "Speed: each path against the floor"
     where = ""  # how the targets name the section's compilation
+    base = None  # the samples, an endless dataset, made at each workload's first row
     compiled = "Under op determinism, as `main.py` runs, so no XLA (the next section has it)."
     FULL = dict(workloads=WORKLOADS, batches=(32, 128), ns=(4, 16))
     QUICK = dict(workloads=(WORKLOADS[0]._replace(mini_batches=8, repeats=2),),
@@ -163,7 +166,7 @@ class Floor(Section):
     def measure(self, run):
         rows = []
         for w, n, b in self.configs():
-            run.log(f"{self.name}: {w.name} at N={n} x B={b}")
+            run.log(f"{self.title}: {w.name} at N={n} x B={b}")
             row = self.race(run, w, n, b, [r for r in rows
                                            if r["model"] == w.name and "error" not in r])
             if "error" in row:
@@ -172,10 +175,14 @@ class Floor(Section):
                 run.log(f"  floor {row['median_ms']['floor']:.1f} CPU ms; " + ", ".join(
                     f"{k}: {row['median_ms'][k]:.1f} ms ({r['ratio']:.2f}x, wall "
                     f"{row['wall']['vs_floor'][k]['ratio']:.2f}x)"
-                    for k, r in row["vs_floor"].items()))
+                    for k, r in row["vs_floor"].items()) + self.logged(row))
             rows.append(row)
             run.step()
         return rows
+
+    def logged(self, row):
+        """What the log line of a row says after its ratios to the floor."""
+        return ""
 
     def race(self, run, w, n, b, mine):
         """`w`'s row at N x B; at its first (`mine`: none), its samples made and noise raced."""
@@ -207,8 +214,9 @@ class Floor(Section):
         failed, rows = [r for r in rows if "error" in r], [r for r in rows if "error" not in r]
         lines = self.heading(
             "Each path's time per update of N mini-batches of B against the floor `N x (one "
-            "step at B alone) - (N - 1) x (the optimizer's apply alone)`, on MNIST with Adam "
-            "1e-3, every contender on its own model, in interleaved rounds (docs/speed.md): "
+            "step at B alone) - (N - 1) x (the optimizer's apply alone)`, on real MNIST with "
+            "Adam 1e-3, every contender on its own model, in interleaved rounds "
+            "(docs/speed.md): each round's floor is that round's `alone` less its `apply`, "
             "each ratio the median of the per-round ratios (quartiles in brackets), in this "
             "process's CPU time, which the targets judge (the wall-clock's: the `wall` "
             "columns). " + self.compiled)
@@ -255,9 +263,10 @@ class Floor(Section):
 
             lines += ["", f"Where the time over the floor goes, {workload.name} at N={r['n']} "
                       f"x B={r['b']} (each path over {workload.limit}x, at the first N x B "
-                      "where it was), ms per update of a block traced after the rounds, each "
-                      "path's less the floor's; `CPU ms` the process's, below it the ops' "
-                      "durations by class summed over threads (docs/speed.md).", ""]
+                      "where it was): tf.profiler over one block of each after the timed "
+                      "rounds, ms per update; the floor's is alone's less apply's, each path's "
+                      "its own less the floor's. `CPU ms`: the process's; below it the ops' "
+                      "durations by class, summed over threads (docs/speed.md).", ""]
             # (what, the floor's, {path: its own}, digits); a path's cell: its own less the floor's
             cells = [("CPU ms, traced", cpu_floor, {k: p[k].get("cpu_ms", 0) for k in over}, 1),
                      ("in kernels", sum(floor.values()),
@@ -274,9 +283,10 @@ class FloorXLA(Floor):
     """The floor section compiled by XLA, each N x B in a fresh process."""
     name, title = "floor_xla", "Speed under XLA: each path against the floor"
     where = " under XLA"
-    compiled = ("Every contender compiled with XLA (`jit_compile=True`; the accumulating paths "
-                "compile each mini-batch's pass), each N x B in a fresh process without op "
-                "determinism (under which Keras turns XLA off); no profile.")
+    compiled = ("Every contender compiled with XLA (`jit_compile=True`, Keras's default on a "
+                "GPU; the accumulating paths compile each mini-batch's pass), each N x B in a "
+                "fresh process without op determinism (under which Keras turns XLA off); no "
+                "profile.")
     FULL = dict(Floor.FULL, ns=(4,))
 
     def race(self, run, w, n, b, mine):
@@ -310,10 +320,15 @@ class LanguageModelSpeed(Floor):
 
         base = bc.endless(models.tokens(lm.vocabulary, LM_SAMPLES))
         batches = bc.batched(base, b)
-        return race(floor_terms(build, base, n, b) + [
+        contenders = floor_terms(build, base, n, b) + [
             bc.Fit(label, accumulate(build(dense_rows=label == "dense_rows"), n), batches, n, 1,
-                   models.adam()) for label in LM], lm_clock, 1, lm.repeats,
-                    model=lm.name, vocabulary=lm.vocabulary, n=n, b=b, repeats=lm.repeats)
+                   models.adam()) for label in LM]
+        return race_row(contenders, lm_clock, 1, lm.repeats, model=lm.name,
+                        vocabulary=lm.vocabulary, n=n, b=b, repeats=lm.repeats)
+
+    def logged(self, row):
+        return (f"; V={row['vocabulary']:,}: rows / dense_rows "
+                f"{quartiles(row['vs_dense']['rows'])}, noise {row['noise']:.1%}")
 
     def targets(self, rows):
         return [worst(f"lm: accumulate + fit with rows at or under rows made dense "
@@ -328,7 +343,8 @@ class LanguageModelSpeed(Floor):
             "What adding the Embedding's gradient as rows saves in time (docs/speed.md): the "
             "tensor-memory section's decoder on random sequences of 32 tokens, Adam 1e-3, per "
             "update of N mini-batches of B sequences, timed as the floor section's paths are, "
-            "in rounds of one update each; under op determinism, no XLA.")
+            "in rounds of one update each (CPU time; the wall-clock ratio beside); under op "
+            "determinism, no XLA.")
         lines += [f"- `{k}`: {LABELS[k]}" for k in ("alone", "apply", "direct", *LM)]
         lines += [""] + table(
             ("model", "N x B", "alone / N", "apply / (N - 1)", "floor", "direct",
@@ -345,4 +361,4 @@ class LanguageModelSpeed(Floor):
               f"{r['load']:.1f}" if "load" in r else "") for r in rows])
         rounds = ", ".join(str(r["repeats"]) for r in rows)
         return lines + ["", f"CPU ms per update (median); {rounds} rounds; `noise`: `again` "
-                        "against `rows`. " + LOAD]
+                        "against `rows`, in CPU time. " + LOAD]

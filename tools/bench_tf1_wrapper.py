@@ -4,6 +4,7 @@ On the post's ConvNet (dense gradients, Adam) and an embedding table (sparse, Mo
 contender a TrainOp fed a few fixed random batches (the values do not change the speed).
 """
 
+import collections
 import contextlib
 from unittest import mock
 
@@ -48,11 +49,12 @@ def _sparse_model():
     return loss, feeds, v1.train.MomentumOptimizer(0.01, 0.9)
 
 
-# model -> (build: () -> (loss, [feed dict], optimizer) in the graph, N, B, what the wrapper
-# is held to, the most it may take of it); sparse gradients are held to the floor, as no
-# design brings them near the plain run.
-MODELS = {"dense": (_dense_model, DENSE_N, DENSE_B, "plain", 1.05),
-          "sparse": (_sparse_model, SPARSE_N, SPARSE_B, "floor", 1.35)}
+# build: () -> (loss, [feed dict], optimizer) in the graph; held_to: what the wrapper is held
+# to, limit: the most it may take of it. Sparse gradients are held to the floor, as no design
+# brings them near the plain run.
+Model = collections.namedtuple("Model", "build n b held_to limit")
+MODELS = {"dense": Model(_dense_model, DENSE_N, DENSE_B, "plain", 1.05),
+          "sparse": Model(_sparse_model, SPARSE_N, SPARSE_B, "floor", 1.35)}
 # label -> (N, lock): None for the plain optimizer's minimize.
 CONTENDERS = {"plain": (None, True), "wrapped": ("N", True), "unlocked": ("N", False),
               "wrapped N=1": (1, True)}
@@ -76,15 +78,19 @@ def _floor(build, n, b):
                 v1.scatter_update(window_ids, [k], g.indices[None])]
         return ops
 
+    def zero(total, rows):
+        """What was applied of `total`, zeroed: the whole sum, or its rows."""
+        if rows is None:
+            return total.assign(tf.zeros_like(total))
+        return v1.scatter_update(total, rows, tf.zeros([tf.size(rows), *total.shape[1:]],
+                                                       total.dtype))
+
     def apply():
         rows = [None if w is None else tf.unique(tf.reshape(w, [-1]))[0] for w in ids]
         means = [(total / n if r is None else tf.IndexedSlices(tf.gather(total, r) / n, r), v)
                  for (_, v), total, r in zip(pairs, sums, rows)]
         with tf.control_dependencies([optimizer.apply_gradients(means)]):
-            return tf.group(*[total.assign(tf.zeros_like(total)) if r is None else
-                              v1.scatter_update(total, r, tf.zeros([tf.size(r), *total.shape[1:]],
-                                                                   total.dtype))
-                              for total, r in zip(sums, rows)])
+            return tf.group(*map(zero, sums, rows))
 
     ops = [tf.group(*add(k)) for k in range(n - 1)]
     with tf.control_dependencies(add(n - 1)):
@@ -136,7 +142,7 @@ class Wrapper(Section):
     def targets(self, result):
         out = []
         for name, row in result.items():
-            *_, base, limit = MODELS[name]
+            base, limit = MODELS[name].held_to, MODELS[name].limit
             what = "the plain optimizer's" if base == "plain" else "the floor's"
             out.append(worst(f"AveragingOptimizer's train op <= {limit}x {what}, {name} "
                              f"(N={row['n']}, B={row['b']})",

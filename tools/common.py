@@ -1,5 +1,4 @@
-"""The repository root and its command line, which the tools launch (the machine in words is
-experiment.results.machine, the quiet TensorFlow import cli.import_tensorflow_quietly)."""
+"""The repository root and its command line, which the tools launch."""
 
 import os
 

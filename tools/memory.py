@@ -3,14 +3,13 @@
     python -m tools.memory --model=convnet --n=2 --n=32 --paths=accumulate,window
 
 Host RSS hides a step under TensorFlow's floor; the BFC allocator (the GPU's, or the CPU's with
-TF_CPU_ALLOCATOR_USE_BFC=true) counts live tensors and, under TF_CPU_BFC_MEM_LIMIT_IN_MB,
-raises an OOM as a device that size would. A figure is one fresh process (a probe): a warm-up
-update, the peak reset, a measured update. One inter-op thread, as a GPU runs one stream (the
-peak depends on op order); oneDNN off, so a convolution's OOM raises instead of crashing; the
-CPU's allocator one region, as a GPU's (one growing by regions runs out before its limit).
-The BFC allocator hands out a free chunk of up to twice the request whole, so the peak varies
-between processes: a figure is the median of several probes, growth in N uses usual_peak.
-The parent imports no TensorFlow.
+TF_CPU_ALLOCATOR_USE_BFC=true) counts live tensors and, under TF_CPU_BFC_MEM_LIMIT_IN_MB, raises an
+OOM as a device that size would. A figure is one fresh process (a probe): a warm-up update, the
+peak reset, a measured update. One inter-op thread, as a GPU runs one stream (the peak depends on
+op order); oneDNN off, so a convolution's OOM raises instead of crashing; the CPU's allocator one
+region, as a GPU's (one growing by regions runs out before its limit). The BFC allocator hands out
+a free chunk of up to twice the request whole, so the peak varies between processes: a figure is
+the median of several probes, growth in N uses usual_peak. The parent imports no TensorFlow.
 """
 
 import concurrent.futures
@@ -215,11 +214,11 @@ def growth(tables):
     return rows
 
 
-def _ratio(value, digits=2):
+def _number(value, digits=2):
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-_mb = functools.partial(_ratio, digits=1)
+_mb = functools.partial(_number, digits=1)
 
 
 def _peak(row):
@@ -248,10 +247,12 @@ def markdown(rows):
                 "largest variable + 5%)") + ". Peak MiB, median of "
              f"{first['probes']} probes (one process each)."
              + tf1_bound(rows), ""]
-    lines += bench_section.table(("path", "peak", "before the update", "peak / bound", "/ B alone",
-                    "/ direct", "/ Keras's", "s per probe"), [
-        (row["path"], _peak(row), _mb(row["current_mb"]), *(_ratio(row[f"to_{k}"]) for k in (
-            "bound", "alone", "direct", "keras")), f"{row['seconds']:.1f}") for row in rows])
+    header = ("path", "peak", "before the update", "peak / bound", "/ B alone", "/ direct",
+              "/ Keras's", "s per probe")
+    lines += bench_section.table(header, [
+        (row["path"], _peak(row), _mb(row["current_mb"]),
+         *(_number(row[f"to_{k}"]) for k in ("bound", "alone", "direct", "keras")),
+         f"{row['seconds']:.1f}") for row in rows])
     lines += [f"- {row['path']}: {e}" for row in rows for e in row["errors"]]
     lines += [f"- {row['path']}, alive at its peak (a profiled probe, {row['at_peak_mb']:.1f} "
               f"MiB), of what the update allocated, MiB: {at_peak_text(row['at_peak'])}"
@@ -274,11 +275,12 @@ def tf1_bound(rows):
 def growth_markdown(rows):
     """growth's rows as markdown (the ratio to 3 digits: the target is 2%)."""
     ns = sorted(rows[0]["peaks"])
-    return "\n".join(bench_section.table(
-        ("path", *(f"N={n}" for n in ns), f"N={ns[-1]} / N={ns[0]}",
-         *(f"every probe, N={n}" for n in ns)),
-        [(row["path"], *(_mb(row["peaks"][n]) for n in ns), _ratio(row["growth"], 3),
-          *(", ".join(_mb(p) for p in row["probed"][n]) for n in ns)) for row in rows])) + "\n"
+    header = ("path", *(f"N={n}" for n in ns), f"N={ns[-1]} / N={ns[0]}",
+              *(f"every probe, N={n}" for n in ns))
+    lines = bench_section.table(header, [
+        (row["path"], *(_mb(row["peaks"][n]) for n in ns), _number(row["growth"], 3),
+         *(", ".join(_mb(p) for p in row["probed"][n]) for n in ns)) for row in rows])
+    return "\n".join(lines) + "\n"
 
 
 _adam = functools.partial(models.adam, epsilon=models.ADAM_EPSILON)
@@ -294,10 +296,6 @@ def _fit(model, x, y, batch_size, samples):
     on the CPU's allocator, which a GPU's does not see)."""
     dataset = _dataset(x, y, batch_size, samples)
     return lambda: model.fit(dataset, epochs=1, verbose=0)
-
-
-# A path: (model, n, b, x, y of N*B samples) -> (one update, weights, trainable weights,
-# a function of the trainable values[, a function of more result keys]).
 
 
 def _keras_path(net, update, *more):
@@ -420,6 +418,8 @@ def _path_tf1(model, n, b, x, y, plain=None):
     return update, weights, weights, lambda: session.run(weights)
 
 
+# A path: (model, n, b, x, y of N*B samples) -> (one update, weights, trainable weights,
+# a function of the trainable values[, a function of more result keys]).
 _PATHS = {"alone": _path_alone, "direct": _path_direct, "keras": _path_keras,
           "dense_direct": functools.partial(_path_direct, dense_rows=True),
           "accumulate": _path_accumulate, "window": _path_window,
