@@ -8,8 +8,7 @@ One module per kind of user, each importable alone:
   * micro_batch: the largest micro-batch that fits in device memory (`micro_batch_size="auto"`);
   * window_step: the window step the TF2 paths share, on replicas and batch_statistics;
   * window: the pieces every path shares, for writing a window step of your own.
-The names below import from the package too, each loading only its module. A model saved
-from `accumulate` loads wherever the package is imported (_saving registers it, importing no Keras).
+The names below import from the package too, each loading only its module.
 """
 
 import importlib
@@ -28,7 +27,7 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-_saving.register_when_keras_is_imported()
+_saving.register_when_keras_is_imported()  # lets accumulate's saved models load, importing no Keras
 
 
 def __getattr__(name):

@@ -39,7 +39,6 @@ Internal = collections.namedtuple("Internal", ["paths", "name", "kind", "target"
 
 
 def _resolve(target):
-    """The object at "module:attribute.attribute..."; raises where there is none."""
     module, _, attributes = target.partition(":")
     value = importlib.import_module(module)
     for attribute in filter(None, attributes.split(".")):
@@ -83,8 +82,7 @@ def mentions(paths, target, *names, why):
 
 
 def has(paths, target, *attributes, make=lambda cls: cls(name=_PROBE)):
-    """`make(the class at target)`, an instance without variables (by default one named _PROBE),
-    has each of `attributes`."""
+    """`make(the class at target)`, with no variables (default: named _PROBE), has `attributes`."""
     def check():
         instance = make(_resolve(target))
         missing = [a for a in attributes if not hasattr(instance, a)]
@@ -155,7 +153,6 @@ INTERNALS = (
     takes((BATCH_NORM, BN_UPDATE, ACTIVITY), f"{_LAYERS}._flatten_layers", None,
           include_self=False),
     has((BATCH_NORM, BN_UPDATE), _BN, "synchronized"),
-    # captured_moments: each pass's batch-norm moments, from _moments.
     takes((BN_UPDATE,), f"{_BN}._moments", None, None, None),
     mentions((BN_UPDATE,), f"{_BN}.call", "_moments", why="captured_moments"),
     has((BN_UPDATE,), _BN, "_reduction_axes"),
@@ -393,7 +390,6 @@ def _recorded(regularizer, records, output):
 
 # ---------------------------------------------------------------- the loss, in parts
 def without_weight_regularization(model, losses):
-    """A pass's losses (stateless_call's) without the weights' regularization losses."""
     require(REGULARIZED)
     regularized = sum(v.regularizer is not None for v in model.trainable_weights)
     return list(losses)[:len(losses) - regularized]

@@ -1,11 +1,9 @@
 """A saved AccumulatingModel loads in any process that has run `import gradient_averaging`.
 
-Keras finds a saved class by its name in `keras.saving.get_custom_objects()`, which importing
-`keras_fit` fills; but the package imports `keras_fit` only on use, and no Keras (the TF1 part
-must not). So a stand-in is registered under that name once Keras is imported (at once, or by a
-one-shot import hook after Keras's `__init__`); loading imports `keras_fit`, whose class replaces
-it. Start-up costs this module and one `sys.meta_path` finder: no Keras, TensorFlow or TF2 path.
-"""
+Keras finds a saved class by name in `keras.saving.get_custom_objects()`, filled by importing
+`keras_fit`, which the package imports only on use. So a stand-in holds the name once Keras is
+imported; loading imports `keras_fit`, whose class replaces it. Start-up costs this module and one
+`sys.meta_path` finder: no Keras (TF1 code must not need it), TensorFlow or TF2 path."""
 
 import importlib
 import sys
@@ -25,7 +23,6 @@ class AccumulatingModelStandIn:
 
 
 def _register(keras):
-    """The stand-in under REGISTERED_NAME, unless keras_fit's class is there already."""
     get_custom_objects = getattr(getattr(keras, "saving", None), "get_custom_objects", None)
     if get_custom_objects is not None:  # Keras 3's; else no stand-in, and loading fails
         get_custom_objects().setdefault(REGISTERED_NAME, AccumulatingModelStandIn)
@@ -54,8 +51,7 @@ class _AfterKerasImport:
 
 
 def register_when_keras_is_imported():
-    """Registers the stand-in now if Keras is imported, else when it is (never if
-    `sys.modules["keras"]` is None)."""
+    """Registers the stand-in now if Keras is imported, else when it is."""
     if "keras" in sys.modules:
         if sys.modules["keras"] is not None:
             _register(sys.modules["keras"])

@@ -17,7 +17,6 @@ def check_average_gradients(value, name="average_gradients"):
 
 
 def check_parallel_mini_batches(value):
-    """P, the mini-batches whose passes a window loop may run at once, as an int >= 1."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError("parallel_mini_batches must be an int >= 1 (mini-batches whose "
                          f"passes may run at once), got {value!r}")
@@ -31,7 +30,6 @@ def _check_int(value, name, what):
 
 
 def check_effective_batch(value, name="effective_batch"):
-    """E as an int >= 1 (the samples of one update)."""
     return _check_int(value, name, "an int >= 1 (samples per update)")
 
 

@@ -43,7 +43,6 @@ class BatchStatistics:
         return sum(3 * channels for _, channels in self.keys) + len(self.layers)
 
     def capture(self, moments):
-        """A context: the forward pass inside it appends its layers' moments to `moments`."""
         return self._internals.captured_moments(self.layers, moments)
 
     def held(self, before, after):

@@ -59,7 +59,6 @@ def accumulate(model, average_gradients=None, check_finite=True, bn_statistics="
 
 
 def _any_samples(spec):
-    """`spec` (an element spec) with its tensors' first axis, the samples, of any size."""
     def relaxed(t):
         if isinstance(t, tf.TensorSpec) and t.shape.rank:
             return tf.TensorSpec([None] + t.shape[1:].as_list(), t.dtype)
@@ -96,11 +95,12 @@ def _run_batches(iterator, steps, run):
 class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
     """A Keras model whose `fit` applies one update per window of N mini-batches.
 
-    Only `make_train_function` changes: a call adds N mini-batches from Keras's iterator to the
-    window step (shared with the TF2 accumulators; metrics updated as Keras's train_step would)
-    and applies their sample-weighted mean; an epoch's partial last window is applied before
-    `on_epoch_end`. Callbacks see one batch per update; `evaluate`, `predict` and validation run
-    the wrapped `model`; `save`/`load_model` round-trip where gradient_averaging is imported.
+    `fit` hands Keras's loop windows of N mini-batches; the train function adds a window's
+    mini-batches to the window step (shared with the TF2 accumulators; metrics updated as Keras's
+    train_step would) and applies their sample-weighted mean; an epoch's partial last window is
+    applied before `on_epoch_end`. Callbacks see one batch per update; `evaluate`, `predict` and
+    validation run the wrapped `model` (`make_test_function` says when in mini-batches);
+    `save`/`load_model` round-trip where gradient_averaging is imported.
     With a micro_batch_size (N is 1) each batch is a window cut per replica into mini-batches,
     trained again at half the micro-batch where a replica runs out of memory. Several workers
     each read all the data, autosharded (docs/multi-worker.md). Attributes: accumulate's args."""
@@ -252,8 +252,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         self._cut_for = key
 
     def trial_window(self, spec):
-        """The micro_batch.Trial find_micro_batch measures: fit's add of batches like `spec`
-        (the same samples on every replica), the window step, what a trial may change."""
+        """The micro_batch.Trial of batches like `spec` (the same samples on every replica)."""
         self.make_train_function()
         state = (self.trainable_variables + self.non_trainable_variables
                  + list(self.optimizer.variables) + self.metrics_variables
@@ -313,7 +312,6 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return step_lib.last_of([window.add(*result) for result in results])
 
     def _window_train_function(self):
-        """The train function: one call per window of N mini-batches."""
         strategy = self.distribute_strategy
         average_gradients = self.average_gradients
 
@@ -380,8 +378,7 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
         return train_function
 
     def _apply_counted(self, count=None):
-        """Applies the window, counting a skip (of a window of `count` > 0 mini-batches where
-        given) and batch-norm single values -> (applied, logs)."""
+        """Applies the window -> (applied, logs), counting a skip (with a `count`, only if > 0)."""
         applied, single = self._window.apply()
         skipped = (tf.logical_not(applied) if count is None
                    else tf.logical_and(count > 0, tf.logical_not(applied)))
@@ -478,8 +475,6 @@ class AccumulatingModel(_keras_src.SpecBuilt, keras.Model):
 
 
 class _SingleValueWarning(keras.callbacks.Callback):
-    """Runs warn_single_values after an epoch's first batch and at its end."""
-
     def __init__(self, statistics, single_values):
         super().__init__()
         self.statistics, self.single_values = statistics, single_values

@@ -212,7 +212,6 @@ class Search:
 
     @property
     def largest(self):
-        """The largest size that fit (0 before any did)."""
         return max(self.fits, default=0)
 
     def next_size(self):
@@ -278,7 +277,6 @@ class Search:
                 "fits; give a larger budget or a smaller margin, or free the device's memory")
 
     def found(self, traces=None):
-        """The MicroBatch of the largest size that fit."""
         size, peak = ((self.most, self.predicted) if self.predicted
                       else (self.largest, self.fits[self.largest]))
         return plan(self.effective_batch, size, self.replicas,
@@ -295,9 +293,8 @@ def _slope(fits, largest):
 
 
 def _guess(fits, over, most, limit):
-    """The next size, at least TOLERANCE above the largest that fits and below the smallest over:
-    until one is over, where the slope puts the peak halfway to the limit (at most double below
-    DOUBLING, at most half `most` until that fit); then halfway between (a step function there)."""
+    """The next size: until one is over, where the slope puts the peak halfway to the limit, then
+    halfway between; at least TOLERANCE above the largest that fits, below the smallest over."""
     largest, too_large = max(fits), min(over, default=most + 1)
     if too_large > most:
         guess, slope = 2 * largest, _slope(fits, largest)
@@ -395,7 +392,6 @@ class _Trials:
         return peak
 
     def restore(self):
-        """Discards the open window and writes every saved value back."""
         self._discard()
         put_back(self.trial.window.strategy, self._saved)
 

@@ -1,6 +1,5 @@
-"""Each GLOBAL mini-batch split across a tf.distribute strategy's replicas, cut on the host so
-that the result does not depend on the replica count and a replica receives only its share;
-and the replica-local variables a window keeps."""
+"""Each GLOBAL mini-batch split across the replicas on the host, so the result does not depend on
+the replica count and a replica receives only its share; and a window's replica-local variables."""
 
 import tensorflow as tf
 

@@ -73,10 +73,10 @@ class _Window:
     and `caller_scope` (where the wrapped optimizer applies) for its updates, set by _build."""
 
     def __init__(self, scope, variables, sparse):
-        """Call under init_scope (initializers need no feed). `scope`: absolute ("/"-ended) and
-        unique, and `tf.Variable` ignores variable scope and reuse: optimizers never share a
-        window, and a graph rebuilt alike gets the same names, as a Saver needs. The window does
-        not depend on N: checkpoints restore across N. `sparse`: var -> its gradient is sparse."""
+        """Call under init_scope (initializers need no feed). `scope` is absolute ("/"-ended) and
+        unique, and tf.Variable ignores variable scope and reuse: optimizers never share a window,
+        and a graph rebuilt alike gets the same names, as a Saver needs. Nothing depends on N:
+        checkpoints restore across N. `sparse`: var -> whether its gradient is sparse."""
         self.accumulators = {}  # var -> dense accumulator shaped like var
         self.touched = {}  # var -> bool [rows] (sparse gradients only): rows in the window
         self.flush_op = None
@@ -117,14 +117,11 @@ class _Window:
 
 
 class _Held:
-    """What `_Window.locked` yields: the locked ops, then the op that ends them."""
-
     def __init__(self):
         self.ops, self.released = [], None
 
 
 def _window_variable(initial_value, name):
-    """A non-trainable global resource variable: saved by a Saver, never trained."""
     return v1.Variable(initial_value, trainable=False, name=name, use_resource=True,
                        collections=[v1.GraphKeys.GLOBAL_VARIABLES])
 
@@ -143,17 +140,17 @@ class AveragingOptimizer(v1.train.Optimizer):
     """Applies the (weighted) mean gradient of N mini-batches with any v1 optimizer.
 
     `minimize`/`apply_gradients` return one op, run once per mini-batch with its feed, from any
-    thread (a lock keeps runs from mixing windows): it adds the gradients to accumulator
-    variables, and every Nth run applies their mean and resets them. The window lives only in
-    variables, so Savers and hooks see a one-op-per-step loop and `global_step` counts updates;
-    the wrapped optimizer's variables keep their unwrapped names, so checkpoints move between
-    plain and wrapped runs. N == 1 trains exactly as the wrapped optimizer (transform_gradients,
-    check_finite and after_update still apply). The window accessors (flush_op, window_count...)
-    raise RuntimeError until this graph's train op is built."""
+    thread (a lock keeps runs from mixing windows): it adds the gradients to accumulator variables,
+    and every Nth run applies their mean and resets them. The window lives only in variables, so
+    Savers and hooks see one op per step and `global_step` counts updates; the wrapped optimizer's
+    variables keep their unwrapped names, so checkpoints move between plain and wrapped runs. N == 1
+    trains exactly as the wrapped optimizer (transform_gradients, check_finite and after_update
+    still apply). The window accessors raise RuntimeError until this graph's train op is built."""
 
     def __init__(self, optimizer, average_gradients, check_finite=True,
                  transform_gradients=None, name=None, after_update=None):
         """Wraps `optimizer` (a v1 Optimizer), which computes the gradients and applies the mean.
+        Raises ValueError (`optimizer` not a v1 Optimizer, N < 1), TypeError (N not an int).
 
         Args:
           average_gradients: N, mini-batches per update; an int >= 1.
@@ -164,9 +161,7 @@ class AveragingOptimizer(v1.train.Optimizer):
           name: the window variables' name scope; default "Averaging" + the wrapped name.
           after_update: optional function of no arguments building ops to run after each
             applied update, in the same run (an EMA: `lambda: ema.apply(var_list)`); returns
-            an op, a list of ops or None. Called twice: for the train op and for flush_op.
-
-        Raises ValueError (`optimizer` not a v1 Optimizer, N < 1), TypeError (N not an int)."""
+            an op, a list of ops or None. Called twice: for the train op and for flush_op."""
         if not isinstance(optimizer, v1.train.Optimizer):
             raise ValueError(f"optimizer must be a tf.compat.v1.train.Optimizer, got "
                              f"{type(optimizer).__name__}")
@@ -276,8 +271,7 @@ class AveragingOptimizer(v1.train.Optimizer):
             weight = tf.convert_to_tensor(weight)
             if weight.shape.rank not in (None, 0):
                 raise ValueError(f"weight must be a scalar, got shape {weight.shape}")
-        # The wrapped optimizer applies in the caller's scope ("/"-ended: entered as is): its beta
-        # powers keep their names.
+        # The wrapped optimizer applies in the caller's scope, so its beta powers keep their names.
         caller_scope = v1.get_default_graph().get_name_scope()
         with tf.init_scope(), v1.name_scope(name, self.get_name()) as scope:
             window = self._windows[graph] = _Window(
@@ -338,7 +332,6 @@ class AveragingOptimizer(v1.train.Optimizer):
             lambda: self._apply_or_skip(pairs, window, reset=list))
 
     def _accumulate(self, window, grad, var, weight):
-        """Adds weight * grad to var's accumulator; sparse rows by scatter_add."""
         acc = window.accumulators[var]
         values = tf.cast(_values(grad), acc.dtype)
         if weight is not None:

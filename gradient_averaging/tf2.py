@@ -7,8 +7,7 @@
 
 `WindowAccumulator` (one compiled call per window, the default) and `MiniBatchAccumulator`
 (one call per mini-batch, for Python between them) run one window step (window_step) to the
-same weights, bit for bit. The model runs on its weights' values (`stateless_call`), its other
-state (dropout's seed generators) written back after each mini-batch. Under `tf.distribute`
+same weights, bit for bit; dropout draws new masks for each mini-batch. Under `tf.distribute`
 each mini-batch is the GLOBAL one, each replica training its share.
 """
 
@@ -62,7 +61,6 @@ def _loss_parts(loss_fn, y, outputs, pass_losses, n_local):
 
 
 def _has_activity_regularizer(model):
-    """Whether any layer of `model` (nested models' too) has an activity regularizer."""
     return any(getattr(layer, "activity_regularizer", None) is not None
                or _has_activity_regularizer(layer) for layer in getattr(model, "layers", ()))
 
@@ -78,22 +76,18 @@ def _spec(t, leading):
 
 
 class _Accumulator:
-    """What both accumulators share: the window step, a mini-batch's pass, the counters.
-    updates, skipped_windows: windows applied (as optimizer.iterations counts) and skipped;
-    apply_step: tf.function() -> (applied, single), applies the open window."""
+    """Both accumulators' base. updates, skipped_windows: windows applied (as optimizer.iterations
+    counts) and skipped; apply_step: tf.function() -> (applied, single), applies the open window."""
 
     def __init__(self, model, optimizer, loss_fn, strategy=None, check_finite=True,
                  bn_statistics="update", jit_compile=False, *, average_gradients=None):
-        """Args:
-          model, optimizer: Keras's, made under `strategy.scope()` given a tf.distribute `strategy`.
-          loss_fn: (y_true, y_pred) -> per-sample losses, shape [batch] (a Keras loss with
-            reduction=None), or (losses, weights); the gradient applied is their mean's.
-          check_finite: skip a window with a NaN or Inf loss or gradient (one reduction a window).
-          bn_statistics: "update": BatchNormalization takes one moving-average step per
-            update, on the window's statistics; "mini_batch": one per mini-batch, as Keras.
-          jit_compile: XLA-compile each mini-batch's pass (forward and backward).
-          average_gradients: N, mini-batches per update, for `fit`.
-        """
+        """model, optimizer: Keras's, made in `strategy.scope()` given a tf.distribute `strategy`.
+        loss_fn: (y_true, y_pred) -> per-sample losses [batch] (a Keras loss, reduction=None), or
+          (losses, weights); the gradient applied is their mean's.
+        check_finite: skip a window with a NaN or Inf loss or gradient (one reduction a window).
+        bn_statistics: "update": one BatchNormalization moving-average step per update, on the
+          window's statistics; "mini_batch": one per mini-batch, as Keras.
+        jit_compile: XLA-compile each mini-batch's pass; average_gradients: N, for `fit`."""
         self.average_gradients = (None if average_gradients is None
                                   else arguments.check_average_gradients(average_gradients))
         self.model = model
@@ -196,7 +190,6 @@ class _Accumulator:
                                      * self.strategy.num_replicas_in_sync, self.apply_step)
 
     def _windows(self, spec):
-        """The micro_batch.EffectiveWindows for batches like `spec` (one trace per spec)."""
         signature = tf.nest.map_structure(lambda t: _spec(t, 1), tuple(spec))
         key = repr(signature)
         if key not in self._effective_windows:
@@ -260,9 +253,6 @@ class _Accumulator:
 
 
 class _FitCounts:
-    """A fit's mini-batches and log lines; its updates, skips: the accumulator's since it began.
-    Its N: `average_gradients` (fit_effective's 1), else the accumulator's, which must be set."""
-
     def __init__(self, accumulator, average_gradients=None):
         self.accumulator = accumulator
         self.average_gradients = average_gradients or accumulator.average_gradients
@@ -273,7 +263,6 @@ class _FitCounts:
         self._before = (accumulator.updates, accumulator.skipped_windows)
 
     def window(self, applied, size):
-        """Logs a skipped window of `size` mini-batches, ended at self.mini_batches."""
         if not applied:
             logging.warning("non-finite loss or gradient in mini-batches %d-%d: the "
                             "window was skipped, not applied",
@@ -354,7 +343,6 @@ class WindowAccumulator(_Accumulator):
         return add
 
     def _iterator_step(self, average_gradients, element_spec):
-        """A tf.function training up to N mini-batches of an iterator: -> (N, applied, single)."""
         if average_gradients not in self._iterator_steps:
             self._build(*element_spec)
 
@@ -448,8 +436,7 @@ class MiniBatchAccumulator(_Accumulator):
             self.mini_batch_step = tf.function(mini_batch_step, input_signature=signature)
             if self.step.rescale:
                 self.step.expected.assign(self.average_gradients or 1)
-            # Traced now: apply_step needs what gets a gradient. `accumulate` calls the trace
-            # itself, so a call does not match its arguments to the signature again.
+            # Traced now: apply_step needs what gets a gradient; accumulate calls it directly.
             self._mini_batch_call = self.mini_batch_step.get_concrete_function()
 
     def accumulate(self, x, y):

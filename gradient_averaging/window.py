@@ -82,7 +82,6 @@ def stack_padded(mini_batches, alignment=None):
 
 
 def _arrays(batch):
-    """Tuples and dicts kept, anything else (a list of numbers too) made an array."""
     if isinstance(batch, tuple):
         return tuple(_arrays(part) for part in batch)
     if isinstance(batch, dict):
@@ -137,8 +136,7 @@ def cut(batch, size, add, parallel=1):
 
 
 def add_in_place(sums, gradients):
-    """Adds each gradient into its sum variable's own buffer, `tf.IndexedSlices` (an embedding
-    lookup's) as rows (add_rows), never made dense. Returns the ops."""
+    """Adds each gradient into its sum's own buffer; IndexedSlices as rows (add_rows), not dense."""
     return [add_rows(total, gradient) if isinstance(gradient, tf.IndexedSlices)
             else total.assign_add(tf.cast(gradient, total.dtype), read_value=False)
             for total, gradient in zip(sums, gradients) if gradient is not None]
@@ -158,12 +156,11 @@ def add_rows(total, rows):
 def assign_in_place(variable, value):
     """Writes `value` into `variable`'s own buffer, then copy-on-read off (as add_rows): an assign
     would take value's buffer, wherever allocated (amid activations); a sum keeps its own so the
-    window's memory stays B alone's plus the sums. Rank 2 and up: a scatter of every row (on CPU
-    cheaper than a strided assign)."""
+    window's memory stays B alone's plus the sums."""
     rank = value.shape.rank
     if not rank:
         return variable.assign(value, read_value=False)
-    if rank > 1:
+    if rank > 1:  # a scatter of every row: on CPU cheaper than a strided assign
         write = tf.raw_ops.ResourceScatterUpdate(
             resource=variable.handle, indices=tf.range(tf.shape(value)[0]), updates=value)
     else:
@@ -183,15 +180,13 @@ def zeros(shape, dtype):
 
 def scalar_in_place(scatter, variable, scalar):
     """Applies `scatter` (tf.raw_ops.ResourceScatterUpdate or ResourceScatterDiv) of one scalar
-    to every element of `variable`'s own buffer, no temporary made (a rank-0 variable is
-    assigned), then copy-on-read off (as add_rows). A divisor must not be 0 (the scatter
-    refuses it: `nonzero`). Returns the op."""
+    to every element of `variable`'s own buffer, no temporary made, then copy-on-read off (as
+    add_rows). A divisor must not be 0 (the scatter refuses it: `nonzero`). Returns the op."""
     scalar = tf.cast(scalar, variable.dtype)
     if not variable.shape.rank:
         value = scalar if scatter is tf.raw_ops.ResourceScatterUpdate else variable / scalar
         return variable.assign(value, read_value=False)
-    # The rows from the variable's own shape op: Grappler would fold a static shape's range
-    # into a constant that every executor running it keeps (as `zeros` says).
+    # The rows from the variable's own shape op, not a static range (see `zeros`).
     rows = tf.range(tf.raw_ops.VariableShape(input=variable.handle, out_type=tf.int64)[0])
     with tf.control_dependencies([scatter(resource=variable.handle, indices=rows,
                                           updates=scalar)]):
@@ -199,15 +194,13 @@ def scalar_in_place(scatter, variable, scalar):
 
 
 def zero_sums(sums):
-    """Zeros each sum in its own buffer, whatever it held (NaN too), with no temporary.
-    Returns [an op that exists once all are zeroed], to wait for."""
+    """Zeros each sum's own buffer, whatever it held (NaN too), no temporary -> [an op to await]."""
     return [tf.group([scalar_in_place(tf.raw_ops.ResourceScatterUpdate, total, 0)
                       for total in sums])]
 
 
 def first_sums(terms):
-    """Per variable (terms as divide_in_place's), its first term's sum: the buffer its mean is
-    written into."""
+    """Per variable (terms as divide_in_place's), its first term's sum: the buffer of its mean."""
     return [next(total for total in variable if total is not None) for variable in zip(*terms)]
 
 
@@ -218,8 +211,7 @@ def divide_in_place(terms, divisors, addends=None, overwrite=None):
     new values, reads that share the buffers; a bool scalar tensor, whether all are finite).
 
     Args:
-      terms: per term, a sum variable or None (not reached) per variable, aligned; each
-        variable is reached by one term at least.
+      terms: per term, per variable its sum or None (not reached); some term reaches every variable.
       divisors: per term, the scalar its sums are divided by (0: its sums are 0), or None.
       addends: None, or per variable None, a tensor or a function making it (called in turn, so
         its temporary lives only then), added after the division: what samples do not divide.

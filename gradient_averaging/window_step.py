@@ -10,8 +10,7 @@ so each mini-batch adds its sum's gradient and its divisor and the window divide
 batch's gradient, whatever the mini-batches hold. Parts with different divisors are separate terms,
 an accumulator and backward pass each; weight regularization is differentiated once, at the apply.
 A window with any non-finite loss or gradient is skipped whole (the replicas vote): the optimizer's
-`iterations` and LR schedule stay put.
-"""
+`iterations` and LR schedule stay put."""
 
 import collections
 import contextlib
@@ -70,7 +69,6 @@ def regularization(variables):
 
 
 def data_losses(model, losses):
-    """A pass's losses without weight regularization's, differentiated once, at the apply."""
     if not any(getattr(v, "regularizer", None) is not None for v in model.trainable_weights):
         return list(losses)
     return _keras_src.without_weight_regularization(model, losses)
@@ -84,7 +82,6 @@ def pass_moments(statistics, step):
 
 
 def _times(gradient, factor):
-    """A gradient times a scalar; rows (tf.IndexedSlices) stay rows."""
     if isinstance(gradient, tf.IndexedSlices):
         return tf.IndexedSlices(gradient.values * factor, gradient.indices,
                                 gradient.dense_shape)
@@ -170,9 +167,7 @@ class WindowStep:
         finite only if every addend was, so the sums are checked once, at the close).
       expected: a window's mini-batches: under loss scaling or float8 a pass differentiates
         numerator / (expected x divisor), the direct batch's magnitudes, and scales back.
-      summed_activity: None, or records -> a context under which a forward pass records activity
-        regularizers' summed losses apart (Keras before 3.14).
-    """
+      summed_activity: None, or _keras_src.summed_activity's (Keras before 3.14)."""
 
     def __init__(self, strategy, optimizer, variables, statistics, check_finite,
                  summed_activity=None, log_loss=None):
@@ -229,7 +224,6 @@ class WindowStep:
                 "window_parts")
 
     def _accumulators(self, name):
-        """One replica-local sum per trainable variable, in its accumulation type."""
         return [replicas_lib.local_variable(
             tf.zeros(v.shape, window_lib.accumulator_dtype(v)),
             tf.VariableAggregation.SUM, f"{name}_{i}") for i, v in enumerate(self.variables)]
@@ -316,10 +310,9 @@ class WindowStep:
                 self.statistics.zeros(), tf.VariableAggregation.SUM, "statistics_sums")
 
     def add(self, gradients, moments, n_local, finite, parts):
-        """Replica context: adds one mini-batch's pass (per term, `gradients` of its weighted
-        sum; pass_moments or None; this replica's `n_local` samples; `finite`, the caller's
-        window.finite(parts), which keras_fit's logs read too; Pass.parts).
-        Returns a token (n_local) that exists once it is added, for next_after."""
+        """Replica context: adds a pass (per term, `gradients` of its weighted sum; pass_moments or
+        None; this replica's `n_local` samples; `finite`: window.finite(parts), which keras_fit's
+        logs read too; Pass.parts). Returns n_local once it is added: next_after's token."""
         ops = []
         for sums, term in zip(self.sums, gradients):
             ops += window_lib.add_in_place(
@@ -383,8 +376,7 @@ class WindowStep:
             return ([total.read_value() for total in window_lib.first_sums(terms)],
                     tf.constant(True), 0.0)
 
-        # No collective in the branch: with the all-reduces in one, an out-of-memory error in
-        # the update crashed the process (test_multi_worker).
+        # No collective in the cond: there, an update's OOM crashes the process (test_multi_worker).
         shares, finite, regularized = tf.cond(self._holds_mini_batches(), divide, empty)
         if self.log_loss:
             loss, values_of_parts = loss_of(values[:2 * count])
@@ -400,14 +392,12 @@ class WindowStep:
                 for i in range(len(self.variables))]
 
     def _holds_mini_batches(self):
-        """Whether the open window holds a mini-batch: every replica counts each one, so all
-        agree (in a replica, its own count; across replicas, the first's)."""
+        """Whether the open window holds a mini-batch (every replica counts each, so all agree)."""
         return self.mini_batches.read_value() > 0
 
     def _reset(self):
-        """Replica context: opens the next window, its sums zeroed in place (a branch in each
-        pass that wrote its first would move the pass's buffers), then its counts. An empty
-        window's sums are zero already (only `add` writes them, and counts it)."""
+        """Replica context: opens the next window, its sums zeroed in place unless none was added (a
+        branch in each pass that wrote its first would move the pass's buffers), then its counts."""
         def zero():
             with tf.control_dependencies(
                     window_lib.zero_sums([s for sums in self.sums for s in sums])):
@@ -428,11 +418,10 @@ class WindowStep:
         self.strategy.run(self._reset)
 
     def apply(self):
-        """Cross-replica: applies the window's mean unless it is empty or a replica voted
-        non-finite (check_finite), steps the batch statistics once, and opens the next window.
-        A LossScaleOptimizer is given every window: it skips a non-finite one itself and lowers
-        its scale, which a window skipped before it could not. Returns (applied, bool; float64
-        [layers]: per batch-norm layer, the mini-batches that gave it one value a channel)."""
+        """Cross-replica: applies the window's mean unless it is empty or a replica voted non-finite
+        (check_finite), steps the batch statistics once and opens the next window; returns (applied,
+        BatchStatistics.end_window's counts). A LossScaleOptimizer gets every window: it skips a
+        non-finite one itself and lowers its scale, which a window skipped before it could not."""
         strategy, optimizer = self.strategy, self.optimizer
         shares, nonfinite = strategy.run(self._shares)
         variables = [v for v, reached in zip(self.variables, self._reached()) if reached]
