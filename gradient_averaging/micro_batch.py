@@ -320,19 +320,23 @@ def grid(most):
 
 
 def _grid_guess(fits, over, most, limit, sizes):
-    """_guess on the grid `sizes` (None: none between): until one is over, the largest where the
-    slope meets the limit itself, at most double or GRID_FIRST; then the middle one between."""
+    """_guess on the grid `sizes` (None: none between, or the slope puts the next over the limit):
+    until one is over, the largest where the slope meets the limit itself, at most double or
+    GRID_FIRST; then the middle one between. A peak within TOLERANCE of the limit says only that
+    its size fits (XLA's temporaries may take a whole free chunk): the slope is read below it."""
     largest, too_large = max(fits), min(over, default=most + 1)
     between = [size for size in sizes if largest < size < too_large]
     if not between:
         return None
     if too_large <= most:
         return between[(len(between) - 1) // 2]
-    aim, slope = max(2 * largest, GRID_FIRST), _slope(fits, largest)
+    aim = max(2 * largest, GRID_FIRST)
+    read = {size: peak for size, peak in fits.items() if peak < (1 - TOLERANCE) * limit}
+    slope = _slope(read, max(read)) if read else 0
     if slope > 0:
-        aim = min(aim, largest + math.floor((limit - max(fits.values())) / slope))
+        aim = min(aim, max(read) + math.floor((limit - max(read.values())) / slope))
     below = [size for size in between if size <= aim]
-    return below[-1] if below else between[0]
+    return below[-1] if below else None
 
 
 def _sized(batch, size):

@@ -365,6 +365,27 @@ def test_under_xla_the_search_tries_sizes_on_a_grid(most, jump_at):
     assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
 
 
+def test_under_xla_a_peak_that_reads_the_limit_is_not_extrapolated_into_an_oom():
+    """XLA's temporaries may take a whole free chunk: from some size on every peak reads the
+    limit. The slope is read below those peaks, so the search stops before the sizes that run
+    out of memory (each OOM costs the allocator's wait), and still finds over 80% of the
+    largest that fits."""
+    def need(size):
+        return 5.0 + 0.9 * size
+
+    tried = []
+
+    def peak_at(size):  # a whole chunk handed out from a need of 45 on; OOM over 100
+        tried.append(size)
+        return None if need(size) > 100.0 else 89.9 if need(size) > 45.0 else need(size)
+
+    search = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
+                                           micro_batch.Search(5000, 90.0, 0.0, xla=True))
+    largest = max(s for s in range(1, 5001) if need(s) <= 90.0)
+    assert all(need(s) <= 100.0 for s in tried), tried  # no OOM
+    assert search.largest > 0.8 * largest, (search.largest, tried)
+
+
 def test_the_grid_steps_by_at_most_a_quarter():
     sizes = micro_batch.grid(509)
     assert sizes[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16] and sizes[-1] == 509
