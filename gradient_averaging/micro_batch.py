@@ -21,6 +21,7 @@ from gradient_averaging import window as window_lib
 # (OOM_NEAR where it ran out of memory: each trial near it risks another), or after MOST_TRIALS.
 TOLERANCE, OOM_NEAR, MOST_TRIALS = 0.05, 0.25, 20
 GRID_FIRST = 8  # under XLA, the size tried after one sample
+NEAR_LIMIT = 0.05  # under XLA, a peak this near the limit may be a whole chunk, not the need
 DOUBLING = 16  # below it sizes at most double: a slope over shorter spans is mostly rounding
 
 
@@ -320,10 +321,9 @@ def grid(most):
 
 
 def _grid_guess(fits, over, most, limit, sizes):
-    """_guess on the grid `sizes` (None: none between, or the slope puts the next over the limit):
-    until one is over, the largest where the slope meets the limit itself, at most double or
-    GRID_FIRST; then the middle one between. A peak within TOLERANCE of the limit says only that
-    its size fits (XLA's temporaries may take a whole free chunk): the slope is read below it."""
+    """_guess on the grid `sizes` (None: none between, or the next predicted over the limit): until
+    one is over, the largest where the slope, read on the peaks not NEAR_LIMIT, meets the limit
+    itself, at most double or GRID_FIRST; then the middle one between."""
     largest, too_large = max(fits), min(over, default=most + 1)
     between = [size for size in sizes if largest < size < too_large]
     if not between:
@@ -331,10 +331,11 @@ def _grid_guess(fits, over, most, limit, sizes):
     if too_large <= most:
         return between[(len(between) - 1) // 2]
     aim = max(2 * largest, GRID_FIRST)
-    read = {size: peak for size, peak in fits.items() if peak < (1 - TOLERANCE) * limit}
-    slope = _slope(read, max(read)) if read else 0
+    read = {size: peak for size, peak in fits.items() if peak < (1 - NEAR_LIMIT) * limit}
+    base = max(read, default=0)
+    slope = _slope(read, base)
     if slope > 0:
-        aim = min(aim, max(read) + math.floor((limit - max(read.values())) / slope))
+        aim = min(aim, base + math.floor((limit - max(read.values())) / slope))
     below = [size for size in between if size <= aim]
     return below[-1] if below else None
 

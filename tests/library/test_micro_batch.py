@@ -293,13 +293,14 @@ def test_plan_cuts_the_effective_batch():
         "64.0 MiB, 10% kept free; 2 trials, 1.5 s)")
 
 
-def curve(base, per_sample, device, jump_at=None, jump=0.0):
+def curve(base, per_sample, device, jump_at=None, jump=0.0, chunk=None):
     """A synthetic peak: base + per_sample x size, plus `jump` from `jump_at` on (an
-    allocator's chunk); None (out of memory) above `device`. Returns (the peak, a
+    allocator's chunk); None (out of memory) above `device`; with chunk=(need, reads), a
+    value over `need` reads `reads` (a whole free chunk handed out). Returns (the peak, a
     peak_at that records the sizes it is asked, those sizes)."""
     def peak(size):
         value = base + per_sample * size + (jump if jump_at and size >= jump_at else 0.0)
-        return None if value > device else value
+        return None if value > device else chunk[1] if chunk and value > chunk[0] else value
 
     tried = []
 
@@ -370,19 +371,11 @@ def test_under_xla_a_peak_that_reads_the_limit_is_not_extrapolated_into_an_oom()
     limit. The slope is read below those peaks, so the search stops before the sizes that run
     out of memory (each OOM costs the allocator's wait), and still finds over 80% of the
     largest that fits."""
-    def need(size):
-        return 5.0 + 0.9 * size
-
-    tried = []
-
-    def peak_at(size):  # a whole chunk handed out from a need of 45 on; OOM over 100
-        tried.append(size)
-        return None if need(size) > 100.0 else 89.9 if need(size) > 45.0 else need(size)
-
+    peak, peak_at, tried = curve(5.0, 0.9, device=100.0, chunk=(45.0, 89.9))
     search = micro_batch.largest_that_fits(peak_at, lambda: 0.0,
                                            micro_batch.Search(5000, 90.0, 0.0, xla=True))
-    largest = max(s for s in range(1, 5001) if need(s) <= 90.0)
-    assert all(need(s) <= 100.0 for s in tried), tried  # no OOM
+    largest = max(s for s in range(1, 5001) if 5.0 + 0.9 * s <= 90.0)  # the need's, not the peak's
+    assert all(peak(s) is not None for s in tried), tried  # from below: no OOM
     assert search.largest > 0.8 * largest, (search.largest, tried)
 
 
